@@ -1,0 +1,68 @@
+"""Backend choice shared by every op.
+
+Each op has an ordered list of backends; each backend answers `reasons(inputs)` — why it cannot
+run these inputs (an empty list means it can). With `inputs=None` it answers only for this
+environment, which is what `python -m fastformer info` prints. The op runs the first backend
+with no reasons; `FASTFORMER_BACKEND_<OP>=name` forces one (an error listing its reasons if it
+cannot run).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+Reasons = Callable[[Any], list[str]]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A way to run an op; `reasons(inputs or None)` lists why it cannot."""
+
+    name: str
+    reasons: Reasons
+
+
+REGISTRY: dict[str, list[Backend]] = {}
+
+
+def register(op: str, backends: list[Backend]) -> None:
+    """Declare an op's backends in order of preference."""
+    REGISTRY[op] = backends
+
+
+def forced_backend(op: str) -> str | None:
+    return os.environ.get(f"FASTFORMER_BACKEND_{op.upper()}") or None
+
+
+def explain(op: str, inputs: Any = None) -> list[tuple[str, list[str]]]:
+    """(backend name, reasons it cannot run) for each backend of `op`, in preference order."""
+    return [(b.name, b.reasons(inputs)) for b in REGISTRY[op]]
+
+
+def select(op: str, inputs: Any) -> str:
+    """Name of the backend that runs `inputs` (honours FASTFORMER_BACKEND_<OP>)."""
+    backends = REGISTRY[op]
+    forced = forced_backend(op)
+    if forced is not None:
+        match = [b for b in backends if b.name == forced]
+        if not match:
+            names = ", ".join(b.name for b in backends)
+            raise ValueError(
+                f"FASTFORMER_BACKEND_{op.upper()}={forced!r} is not a backend of {op}; "
+                f"choose one of: {names}"
+            )
+        why = match[0].reasons(inputs)
+        if why:
+            raise RuntimeError(
+                f"FASTFORMER_BACKEND_{op.upper()}={forced!r} cannot run these inputs: "
+                + "; ".join(why)
+            )
+        return forced
+    for backend in backends:
+        if not backend.reasons(inputs):
+            return backend.name
+    report = "; ".join(f"{n}: {', '.join(r)}" for n, r in explain(op, inputs))
+    raise RuntimeError(f"no backend of {op} can run these inputs ({report})")

@@ -1,0 +1,108 @@
+"""The shared dropout RNG: counter-based Philox4x32-10, identical on every device.
+
+`philox_uniform(seed, offsets)` is Triton's `tl.rand(seed, offsets)` (int64 offsets) written in
+plain PyTorch, bit for bit; `csrc/common/philox.h` is the same function for C++ and CUDA and
+`torch.ops.fastformer.philox_uniform` exposes it. Dropout keeps element i when
+`philox_uniform(seed, i) >= p`, so any op's keep-mask can be regenerated here from its seed and
+the element offsets, which is how tests feed the exact mask to the eager reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
+_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
+_ROUNDS = 10
+# Triton's uint_to_uniform_float scale: the largest float with (2**31 - 1) * scale < 1.0f.
+_SCALE = 4.6566127342e-10
+SEED_BITS = 63
+
+
+def _mulhilo(const: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # The int64 product wraps, but bits 0..63 are exact, which is all we read.
+    prod = x * const
+    return (prod >> 32) & _MASK32, prod & _MASK32
+
+
+def _check_seed(seed: int) -> None:
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+
+
+def philox_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
+    """Uniform floats in [0, 1) equal bit for bit to Triton's `tl.rand(seed, offsets)`.
+
+    Args:
+        seed: integer in [0, 2**64); its low and high 32 bits are the two Philox key words.
+        offsets: int64 tensor of any shape (values >= 0); low and high 32 bits are the first two
+            counter words.
+
+    Returns:
+        float32 tensor of the shape and device of `offsets`.
+    """
+    _check_seed(seed)
+    if offsets.dtype != torch.int64:
+        raise TypeError(f"offsets must be an int64 tensor, got {offsets.dtype}")
+    c0 = offsets & _MASK32
+    c1 = (offsets >> 32) & _MASK32
+    c2 = torch.zeros_like(offsets)
+    c3 = torch.zeros_like(offsets)
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    for _ in range(_ROUNDS):
+        hi_b, lo_b = _mulhilo(_ROUND_B, c2)
+        hi_a, lo_a = _mulhilo(_ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _KEY_A) & _MASK32, (k1 + _KEY_B) & _MASK32
+    return _uint_to_uniform(c0)
+
+
+def _uint_to_uniform(word: torch.Tensor) -> torch.Tensor:
+    signed = torch.where(word >= 2**31, word - 2**32, word)
+    folded = torch.where(signed < 0, ~signed, signed)
+    return folded.to(torch.float32) * torch.tensor(_SCALE, dtype=torch.float32)
+
+
+def dropout_keep(seed: int, offsets: torch.Tensor, p: float) -> torch.Tensor:
+    """Bool keep-mask of dropout with drop probability `p`: True where `philox_uniform >= p`."""
+    return philox_uniform(seed, offsets) >= torch.tensor(p, dtype=torch.float32)
+
+
+def _mix64(x: int) -> int:
+    # splitmix64 finaliser: turns (generator seed, offset) into a well-spread key.
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def draw_seed(device: torch.device | str | None = None) -> int:
+    """A fresh dropout seed in [0, 2**63) from the torch generator of `device`.
+
+    `torch.manual_seed` therefore reproduces a run, and consecutive calls differ. On CUDA the
+    draw advances the generator's Philox offset instead of sampling on the device, so it never
+    synchronises the host with the GPU.
+    """
+    device = torch.device("cpu" if device is None else device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        gen = torch.cuda.default_generators[index]
+        base, offset = gen.initial_seed(), gen.get_offset()
+        gen.set_offset(offset + 4)
+        return _mix64(_mix64(base) ^ offset) >> (64 - SEED_BITS)
+    draw = torch.randint(0, 2**62, (2,), generator=torch.default_generator)
+    return ((int(draw[0]) << 1) ^ int(draw[1])) & (2**SEED_BITS - 1)
+
+
+def philox_uniform_cpp(seed: int, offsets: torch.Tensor) -> torch.Tensor:
+    """`philox_uniform` through the compiled kernel torch.ops.fastformer.philox_uniform."""
+    from fastformer._ext import require_extension
+
+    require_extension()
+    _check_seed(seed)
+    if seed >= 2**63:
+        raise ValueError(f"the compiled op takes seeds in [0, 2**63), got {seed}")
+    return torch.ops.fastformer.philox_uniform(seed, offsets)

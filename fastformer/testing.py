@@ -1,0 +1,150 @@
+"""Parity helpers shared by tests/, `python -m fastformer check` and the benchmarks.
+
+The parity rule (from flash-attention's tests): with `ref64` the eager reference in float64 and
+`ref_lp` the reference run in the input dtype,
+
+    max|fast - ref64| <= 2 * max|ref_lp - ref64| + atol_floor
+
+for every output and every gradient. The fast kernel may be as wrong as the reference is in
+low precision, twice over, but no more.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ATOL_FLOOR = {
+    torch.float64: 1e-12,
+    torch.float32: 1e-5,
+    torch.float16: 1e-3,
+    torch.bfloat16: 1e-2,
+}
+
+
+@dataclass(frozen=True)
+class ParityResult:
+    """One compared tensor: the fast error against float64 and the bound it must stay under."""
+
+    name: str
+    error: float
+    bound: float
+
+    @property
+    def passed(self) -> bool:
+        return math.isfinite(self.error) and self.error <= self.bound
+
+    def __str__(self) -> str:
+        verdict = "pass" if self.passed else "FAIL"
+        return f"{self.name}: error {self.error:.3e} bound {self.bound:.3e} {verdict}"
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max|a - b| in float64; inf when either holds a NaN where the other does not."""
+    if a.shape != b.shape:
+        raise ValueError(f"shape mismatch: {tuple(a.shape)} vs {tuple(b.shape)}")
+    a64, b64 = a.detach().double().cpu(), b.detach().double().cpu()
+    if a64.numel() == 0:
+        return 0.0
+    nan_a, nan_b = torch.isnan(a64), torch.isnan(b64)
+    if not torch.equal(nan_a, nan_b) or nan_a.any():
+        return math.inf
+    both_inf = torch.isinf(a64) & (a64 == b64)
+    diff = torch.where(both_inf, torch.zeros_like(a64), (a64 - b64).abs())
+    return float(diff.max())
+
+
+def parity(
+    name: str,
+    fast: torch.Tensor,
+    ref64: torch.Tensor,
+    ref_lp: torch.Tensor,
+    atol_floor: float | None = None,
+) -> ParityResult:
+    """Apply the parity rule to one tensor; `atol_floor` defaults by the dtype of `ref_lp`."""
+    floor = ATOL_FLOOR.get(ref_lp.dtype, 1e-5) if atol_floor is None else atol_floor
+    bound = 2 * max_abs_diff(ref_lp, ref64) + floor
+    return ParityResult(name, max_abs_diff(fast, ref64), bound)
+
+
+def assert_parity(results: Sequence[ParityResult]) -> None:
+    """Raise AssertionError listing every failed comparison."""
+    failed = [str(r) for r in results if not r.passed]
+    if failed:
+        raise AssertionError("parity failed:\n  " + "\n  ".join(failed))
+
+
+def _as_tuple(out: Any) -> tuple[torch.Tensor, ...]:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _cast_like(x: Any, dtype: torch.dtype | None) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    y = x.detach()
+    if dtype is not None and y.is_floating_point():
+        y = y.to(dtype)
+    else:
+        y = y.clone()
+    return y.requires_grad_(x.requires_grad)
+
+
+def _run(fn: Callable, inputs: Sequence[Any], cotangents: list[torch.Tensor] | None):
+    diff = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    outs = [o for o in _as_tuple(fn(*inputs)) if isinstance(o, torch.Tensor)]
+    if cotangents is None:
+        gen = torch.Generator().manual_seed(1234)
+        cotangents = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in outs]
+    if not diff:
+        return outs, [], cotangents
+    pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad]
+    grads = torch.autograd.grad(
+        [o for o, _ in pairs],
+        diff,
+        [c.to(o.dtype).to(o.device) for o, c in pairs],
+        allow_unused=True,
+    )
+    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(diff, grads)]
+    return outs, grads, cotangents
+
+
+def compare_with_reference(
+    fast_fn: Callable,
+    ref_fn: Callable,
+    inputs: Sequence[Any],
+    *,
+    names: Sequence[str] | None = None,
+    atol_floor: float | None = None,
+    ref_device: torch.device | str | None = None,
+) -> list[ParityResult]:
+    """Parity of `fast_fn(*inputs)` with `ref_fn` for every output and every input gradient.
+
+    Tensors in `inputs` that require grad get their gradients compared (non-leaf views such as
+    a transposed tensor are fine). Floating inputs are cast to float64 for `ref64`; `ref_lp` runs
+    the reference on the inputs as given. `names` labels the differentiable inputs.
+    """
+    fast_outs, fast_grads, cot = _run(fast_fn, inputs, None)
+
+    def on_ref_device(x: Any, dtype: torch.dtype | None) -> Any:
+        y = _cast_like(x, dtype)
+        if ref_device is not None and isinstance(y, torch.Tensor):
+            y = y.detach().to(ref_device).requires_grad_(x.requires_grad)
+        return y
+
+    outs64, grads64, _ = _run(ref_fn, [on_ref_device(x, torch.float64) for x in inputs], cot)
+    outs_lp, grads_lp, _ = _run(ref_fn, [on_ref_device(x, None) for x in inputs], cot)
+    diff_count = len(fast_grads)
+    labels = list(names) if names is not None else [f"grad[{i}]" for i in range(diff_count)]
+    results = [
+        parity(f"out[{i}]" if len(fast_outs) > 1 else "out", f, r, lp, atol_floor)
+        for i, (f, r, lp) in enumerate(zip(fast_outs, outs64, outs_lp))
+    ]
+    results += [
+        parity(f"d{label}", f, r, lp, atol_floor)
+        for label, f, r, lp in zip(labels, fast_grads, grads64, grads_lp)
+    ]
+    return results

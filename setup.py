@@ -1,0 +1,136 @@
+"""Build of fastformer and its extension fastformer._C.
+
+C++ sources are always built; CUDA sources (csrc/**/*.cu) when nvcc and a CUDA build of torch
+are present. FASTFORMER_CUDA=auto|0|1 (1: fail loudly when CUDA cannot be built),
+TORCH_CUDA_ARCH_LIST (default "8.0;9.0") and MAX_JOBS are respected.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).resolve().parent
+DEFAULT_ARCHS = "8.0;9.0"
+
+
+def _find_cuda_home() -> str | None:
+    """CUDA_HOME, else the folder above nvcc; torch guesses /usr/local when nvcc is a symlink."""
+    if os.environ.get("CUDA_HOME"):
+        return os.environ["CUDA_HOME"]
+    for candidate in ("/usr/local/cuda",):
+        if os.path.exists(os.path.join(candidate, "bin", "nvcc")):
+            return candidate
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return str(Path(os.path.realpath(nvcc)).parent.parent)
+    return None
+
+
+CUDA_HOME = _find_cuda_home()
+if CUDA_HOME:
+    # Must be set before torch.utils.cpp_extension is imported: it reads CUDA_HOME at import.
+    os.environ["CUDA_HOME"] = CUDA_HOME
+os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
+
+import torch  # noqa: E402
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+
+def _want_cuda() -> bool:
+    mode = os.environ.get("FASTFORMER_CUDA", "auto").lower()
+    if mode not in ("auto", "0", "1"):
+        sys.exit(f"FASTFORMER_CUDA must be auto, 0 or 1, got {mode!r}")
+    problems = []
+    if torch.version.cuda is None:
+        problems.append(f"torch {torch.__version__} is not a CUDA build")
+    if CUDA_HOME is None:
+        problems.append("nvcc not found (set CUDA_HOME)")
+    if mode == "1" and problems:
+        sys.exit("FASTFORMER_CUDA=1 but CUDA cannot be built: " + "; ".join(problems))
+    if mode == "auto" and problems:
+        print("fastformer: building without CUDA kernels: " + "; ".join(problems))
+    return mode != "0" and not problems
+
+
+def _wheel_cuda_includes() -> list[str]:
+    """Headers torch's pip wheels ship (cuBLAS, cuSPARSE, ...) but a bare CUDA toolkit may lack."""
+    found = []
+    for base in sys.path:
+        for inc in glob.glob(os.path.join(base, "nvidia", "*", "include")):
+            if os.path.exists(os.path.join(inc, "cublasLt.h")) or os.path.exists(
+                os.path.join(inc, "cusparse.h")
+            ):
+                found.append(inc)
+    return sorted(set(found))
+
+
+def _sources(with_cuda: bool) -> list[str]:
+    cpp = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
+    cu = sorted(glob.glob("csrc/**/*.cu", recursive=True)) if with_cuda else []
+    return cpp + cu
+
+
+def _build_info(with_cuda: bool) -> dict:
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if with_cuda else None,
+        "cuda_compiled": with_cuda,
+        "arch_list": os.environ["TORCH_CUDA_ARCH_LIST"] if with_cuda else None,
+        "cuda_home": CUDA_HOME if with_cuda else None,
+    }
+
+
+def _extension():
+    with_cuda = _want_cuda()
+    cxx = ["-O3"]
+    nvcc = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
+    macros = [("FASTFORMER_WITH_CUDA", "1")] if with_cuda else []
+    kwargs = dict(
+        name="fastformer._C",
+        sources=_sources(with_cuda),
+        include_dirs=[str(ROOT / "csrc")] + (_wheel_cuda_includes() if with_cuda else []),
+        define_macros=macros,
+        extra_compile_args={"cxx": cxx, "nvcc": nvcc} if with_cuda else {"cxx": cxx},
+        py_limited_api=False,
+    )
+    if with_cuda:
+        return CUDAExtension(**kwargs), with_cuda
+    return CppExtension(**kwargs), with_cuda
+
+
+EXTENSION, WITH_CUDA = _extension()
+
+
+class Build(BuildExtension):
+    """Records what was built next to the package, so import can detect a torch mismatch."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        # A fixed object folder (pip's editable build would use a fresh temp dir) keeps ninja's
+        # rebuilds incremental.
+        self.build_temp = str(ROOT / "build" / "temp")
+
+    def run(self) -> None:
+        super().run()
+        info = json.dumps(_build_info(WITH_CUDA), indent=2)
+        (ROOT / "fastformer" / "_build_info.json").write_text(info + "\n")
+        if self.build_lib and not self.inplace:
+            out = Path(self.build_lib) / "fastformer"
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "_build_info.json").write_text(info + "\n")
+
+
+setup(
+    packages=["fastformer", "fastformer.ops", "fastformer.nn", "fastformer.kernels"],
+    package_dir={"fastformer.kernels": "kernels"},
+    package_data={"fastformer": ["_build_info.json"]},
+    ext_modules=[EXTENSION],
+    cmdclass={"build_ext": Build.with_options(use_ninja=True)},
+)

@@ -1,0 +1,26 @@
+"""Shared pytest setup.
+
+Without a GPU, Triton kernels run through the interpreter on CPU tensors. Triton reads
+TRITON_INTERPRET when a kernel is decorated, so it is set here, before any test imports
+fastformer.kernels. The `cuda` marker skips GPU-only tests on such machines.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

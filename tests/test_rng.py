@@ -1,0 +1,116 @@
+"""The shared dropout RNG: PyTorch reference == C++ CPU op == Triton tl.rand, bit for bit."""
+
+import pytest
+import torch
+
+from fastformer.ops import rng
+
+SEEDS = [0, 1, 2**31 - 1, 2**31, 2**32 + 7, 2**62 + 12345, 2**63 - 1]
+
+
+def _offsets(n: int, generator: torch.Generator) -> torch.Tensor:
+    edges = torch.tensor([0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40 - 1])
+    return torch.cat([edges, torch.randint(0, 2**40, (n,), generator=generator)])
+
+
+def _random_seeds(count: int) -> list[int]:
+    gen = torch.Generator().manual_seed(2024)
+    draws = torch.randint(0, 2**62, (count, 2), generator=gen)
+    return [(int(a) << 1) ^ int(b) for a, b in draws] + SEEDS
+
+
+@pytest.fixture(scope="module")
+def triton_rand():
+    pytest.importorskip("triton")
+    from fastformer.kernels import rng as kernels_rng
+
+    return kernels_rng.philox_uniform
+
+
+def test_python_matches_cpp():
+    gen = torch.Generator().manual_seed(0)
+    for seed in _random_seeds(20):
+        offsets = _offsets(5000, gen)
+        expected = rng.philox_uniform(seed, offsets)
+        assert torch.equal(rng.philox_uniform_cpp(seed, offsets), expected), seed
+
+
+def test_python_matches_triton(triton_rand):
+    gen = torch.Generator().manual_seed(1)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for seed in _random_seeds(8):
+        offsets = _offsets(3000, gen)
+        expected = rng.philox_uniform(seed, offsets)
+        got = triton_rand(seed, offsets.to(device)).cpu()
+        assert torch.equal(got, expected), seed
+
+
+@pytest.mark.cuda
+def test_cuda_op_matches_python():
+    gen = torch.Generator().manual_seed(2)
+    for seed in _random_seeds(8):
+        offsets = _offsets(100_000, gen)
+        got = rng.philox_uniform_cpp(seed, offsets.cuda()).cpu()
+        assert torch.equal(got, rng.philox_uniform(seed, offsets))
+
+
+def test_uniform_range_and_statistics():
+    values = rng.philox_uniform(12345, torch.arange(200_000, dtype=torch.int64))
+    assert values.dtype == torch.float32
+    assert float(values.min()) >= 0.0 and float(values.max()) < 1.0
+    # Mean of 200k uniforms: standard error 0.00065; 5 sigma.
+    assert abs(float(values.mean()) - 0.5) < 5 * (1 / 12) ** 0.5 / 200_000**0.5
+    counts = torch.histc(values, bins=10, min=0.0, max=1.0)
+    assert float((counts - 20_000).abs().max()) < 5 * (20_000 * 0.9) ** 0.5
+
+
+def test_shape_preserved_and_streams_differ():
+    offsets = torch.arange(24, dtype=torch.int64).reshape(2, 3, 4)
+    a = rng.philox_uniform(7, offsets)
+    assert a.shape == offsets.shape
+    assert not torch.equal(a, rng.philox_uniform(8, offsets))
+    # The high word of the offset is part of the counter: distinct streams, not a shift.
+    assert not torch.equal(a, rng.philox_uniform(7, offsets + (1 << 32)))
+
+
+def test_dropout_keep_rate():
+    keep = rng.dropout_keep(99, torch.arange(100_000, dtype=torch.int64), 0.3)
+    rate = float(keep.float().mean())
+    assert abs(rate - 0.7) < 5 * (0.7 * 0.3 / 100_000) ** 0.5
+
+
+def test_draw_seed_reproducible_and_fresh():
+    torch.manual_seed(123)
+    first = [rng.draw_seed("cpu") for _ in range(3)]
+    torch.manual_seed(123)
+    again = [rng.draw_seed("cpu") for _ in range(3)]
+    assert first == again
+    assert len(set(first)) == 3
+    assert all(0 <= s < 2**63 for s in first)
+
+
+@pytest.mark.cuda
+def test_draw_seed_cuda_reproducible_and_fresh():
+    torch.manual_seed(5)
+    first = [rng.draw_seed("cuda") for _ in range(3)]
+    torch.manual_seed(5)
+    assert first == [rng.draw_seed("cuda") for _ in range(3)]
+    assert len(set(first)) == 3
+
+
+@pytest.mark.parametrize(
+    "seed, offsets, error",
+    [
+        (-1, torch.zeros(3, dtype=torch.int64), ValueError),
+        (1.5, torch.zeros(3, dtype=torch.int64), TypeError),
+        (1, torch.zeros(3, dtype=torch.int32), TypeError),
+    ],
+)
+def test_bad_input(seed, offsets, error):
+    with pytest.raises(error, match="seed|offsets"):
+        rng.philox_uniform(seed, offsets)
+
+
+def test_cpp_op_rejects_wrong_dtype():
+    with pytest.raises(RuntimeError, match="int64"):
+        torch.ops.fastformer.philox_uniform(1, torch.zeros(3, dtype=torch.int32))
