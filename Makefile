@@ -20,7 +20,6 @@ endif
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --upgrade pip
 	$(VENV)/bin/python -m pip install $(TORCH_SPEC) $(DEV_DEPS)
 
 # Builds fastformer._C (ninja, incremental) and installs the package in editable mode.
