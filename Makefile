@@ -5,7 +5,7 @@
 PYTHON ?=
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.14.1
-DEV_DEPS := numpy pytest pytest-benchmark ruff matplotlib ninja setuptools wheel
+DEV_DEPS := numpy pytest pytest-benchmark pytest-timeout pytest-xdist ruff matplotlib ninja setuptools wheel
 PYTEST_ARGS ?=
 
 ifeq ($(strip $(PYTHON)),)

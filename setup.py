@@ -14,7 +14,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_ARCHS = "8.0;9.0"
@@ -128,7 +128,7 @@ class Build(BuildExtension):
 
 
 setup(
-    packages=["fastformer", "fastformer.ops", "fastformer.nn", "fastformer.kernels"],
+    packages=find_packages(include=["fastformer", "fastformer.*"]) + ["fastformer.kernels"],
     package_dir={"fastformer.kernels": "kernels"},
     package_data={"fastformer": ["_build_info.json"]},
     ext_modules=[EXTENSION],
