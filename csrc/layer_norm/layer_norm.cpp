@@ -1,0 +1,859 @@
+// torch.ops.fastformer.layer_norm_fwd / layer_norm_bwd: LayerNorm, RMSNorm and the fused
+// dropout + residual-add + LayerNorm, CPU kernels here and CUDA glue for layer_norm_cuda.cu.
+//
+// Both ops work on a contiguous (rows, cols) matrix (fastformer/ops/layer_norm.py flattens the
+// leading dims into rows and the normalized dims into cols) and keep their statistics in the
+// accumulation dtype: fp32, or fp64 for fp64 inputs (CPU only; it lets gradcheck test these
+// kernels). Dropout keeps element i = row * cols + col when philox_uniform(seed, i) >= p and
+// scales it by 1 / (1 - p); the backward regenerates that mask from the seed. The seed is a
+// 0-dim int64 CPU tensor so that a traced backward can carry it without reading it.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "common/checks.h"
+#include "common/philox.h"
+
+#ifdef FASTFORMER_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "layer_norm/layer_norm.h"
+#endif
+
+namespace fastformer {
+namespace {
+
+using Tensors4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// ------------------------------------------------------------------ checks
+
+uint64_t seed_value(const at::Tensor& seed) {
+  TORCH_CHECK(seed.device().is_cpu() && seed.scalar_type() == at::kLong && seed.numel() == 1,
+              "layer_norm: seed must be a 1-element int64 CPU tensor, got ", seed.scalar_type(),
+              " on ", seed.device(), " with ", seed.numel(), " elements");
+  const int64_t value = seed.item<int64_t>();
+  TORCH_CHECK(value >= 0, "layer_norm: seed must be >= 0, got ", value);
+  return static_cast<uint64_t>(value);
+}
+
+// A per-column parameter (weight or bias): (cols,), the input dtype or fp32, on x's device.
+void check_param(const c10::optional<at::Tensor>& p, const char* name, const at::Tensor& x) {
+  if (!p.has_value()) return;
+  TORCH_CHECK(p->dim() == 1 && p->size(0) == x.size(1), "layer_norm: ", name,
+              " must have shape (", x.size(1), ",), got ", p->sizes());
+  TORCH_CHECK(p->scalar_type() == x.scalar_type() || p->scalar_type() == at::kFloat,
+              "layer_norm: ", name, " must be ", x.scalar_type(), " or float32, got ",
+              p->scalar_type());
+  FF_CHECK_DEVICE(*p, x.device());
+}
+
+// The dtype of weight and bias (they must agree), or x's when both are absent.
+at::ScalarType param_dtype(const c10::optional<at::Tensor>& weight,
+                           const c10::optional<at::Tensor>& bias, const at::Tensor& x) {
+  if (weight.has_value() && bias.has_value()) {
+    TORCH_CHECK(weight->scalar_type() == bias->scalar_type(),
+                "layer_norm: weight and bias must have the same dtype, got ",
+                weight->scalar_type(), " and ", bias->scalar_type());
+  }
+  if (weight.has_value()) return weight->scalar_type();
+  if (bias.has_value()) return bias->scalar_type();
+  return x.scalar_type();
+}
+
+void check_x(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2, "layer_norm: ", name, " must be 2-D (rows, cols), got ", x.sizes());
+  const auto t = x.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16 ||
+                  (t == at::kDouble && x.device().is_cpu()),
+              "layer_norm: ", name, " must be float32, float16 or bfloat16 (float64 on CPU), got ",
+              t, " on ", x.device());
+}
+
+void check_fwd(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+               const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
+               double eps, double dropout_p, bool rms, bool store_pre) {
+  check_x(x, "x");
+  check_param(weight, "weight", x);
+  check_param(bias, "bias", x);
+  param_dtype(weight, bias, x);
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "layer_norm: residual must match x ", x.sizes(), " ", x.scalar_type(), ", got ",
+                residual->sizes(), " ", residual->scalar_type());
+    FF_CHECK_DEVICE(*residual, x.device());
+  }
+  TORCH_CHECK(eps > 0, "layer_norm: eps must be > 0, got ", eps);
+  TORCH_CHECK(dropout_p >= 0 && dropout_p < 1, "layer_norm: dropout_p must be in [0, 1), got ",
+              dropout_p);
+  TORCH_CHECK(!rms || (!bias.has_value() && !residual.has_value() && dropout_p == 0 && !store_pre),
+              "layer_norm: rms=True takes no bias, residual, dropout or store_pre");
+}
+
+// 1 / (1 - p) from the double p, rounded once to the accumulation dtype (as the reference's
+// `x * keep * scale` with a Python float scale).
+double dropout_scale(double p) { return 1.0 / (1.0 - p); }
+
+at::ScalarType stats_dtype(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// ------------------------------------------------------------------ CPU: row kernels
+//
+// Loops over one row of the accumulation dtype A (float or double), four independent
+// accumulators (one would serialise on the add latency), every sum in a fixed order
+// (deterministic). Extensions are compiled for the baseline x86-64 ISA and without ATen's
+// CPU_CAPABILITY, where at::vec::Vectorized is its generic array implementation: measured here
+// 2.3x slower than F.layer_norm. So with GCC/clang the vectors are the compiler's 32-byte
+// vector types and each entry point is also cloned for x86-64-v3 (AVX2, FMA), picked at load
+// time by the CPU: ymm code in that clone, two xmm halves in the baseline one. Other compilers
+// use at::vec::Vectorized through the same four helpers.
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define FF_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define FF_CPU_CLONES
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
+// The helpers must be inlined into each clone to be compiled for its ISA.
+#define FF_INLINE inline __attribute__((always_inline))
+#pragma GCC diagnostic ignored "-Wpsabi"  // 32-byte vectors only cross inlined calls
+
+template <typename A>
+struct VecOf;
+template <>
+struct VecOf<float> {
+  typedef float type __attribute__((vector_size(32)));
+};
+template <>
+struct VecOf<double> {
+  typedef double type __attribute__((vector_size(32)));
+};
+template <typename A>
+using Vec = typename VecOf<A>::type;
+template <typename A>
+constexpr int64_t kLanes = 32 / sizeof(A);
+
+template <typename A>
+FF_INLINE Vec<A> vload(const A* p) {
+  Vec<A> v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+template <typename A>
+FF_INLINE void vstore(A* p, const Vec<A>& v) {
+  __builtin_memcpy(p, &v, sizeof(v));
+}
+template <typename A>
+FF_INLINE Vec<A> vsplat(A a) {
+  return Vec<A>{} + a;
+}
+#else
+#define FF_INLINE inline
+template <typename A>
+using Vec = at::vec::Vectorized<A>;
+template <typename A>
+constexpr int64_t kLanes = Vec<A>::size();
+template <typename A>
+FF_INLINE Vec<A> vload(const A* p) {
+  return Vec<A>::loadu(p);
+}
+template <typename A>
+FF_INLINE void vstore(A* p, const Vec<A>& v) {
+  v.store(p);
+}
+template <typename A>
+FF_INLINE Vec<A> vsplat(A a) {
+  return Vec<A>(a);
+}
+#endif
+
+template <typename A>
+FF_INLINE A lane_sum(const Vec<A>& v) {
+  A lanes[kLanes<A>];
+  vstore(lanes, v);
+  A s = 0;
+  for (int64_t i = 0; i < kLanes<A>; ++i) s += lanes[i];
+  return s;
+}
+
+// sum(f(p[j])) over the row; f maps vectors (the tail goes through f as a splat vector).
+template <typename A, typename F>
+FF_INLINE A sum_map(const A* p, int64_t n, const F& f) {
+  constexpr int64_t k = kLanes<A>;
+  Vec<A> a0 = vsplat<A>(0), a1 = a0, a2 = a0, a3 = a0;
+  int64_t j = 0;
+  for (; j + 4 * k <= n; j += 4 * k) {
+    a0 = a0 + f(vload(p + j));
+    a1 = a1 + f(vload(p + j + k));
+    a2 = a2 + f(vload(p + j + 2 * k));
+    a3 = a3 + f(vload(p + j + 3 * k));
+  }
+  for (; j + k <= n; j += k) a0 = a0 + f(vload(p + j));
+  A s = lane_sum<A>((a0 + a1) + (a2 + a3));
+  A tail[kLanes<A>];
+  for (; j < n; ++j) {
+    vstore(tail, f(vsplat(p[j])));
+    s += tail[0];
+  }
+  return s;
+}
+
+template <typename A>
+FF_INLINE A sum_impl(const A* p, int64_t n) {
+  return sum_map(p, n, [](const Vec<A>& v) { return v; });
+}
+
+template <typename A>
+FF_INLINE A sq_dev_impl(const A* p, int64_t n, A mean) {
+  const Vec<A> m = vsplat(mean);
+  return sum_map(p, n, [m](const Vec<A>& v) { return (v - m) * (v - m); });
+}
+
+// out = (x - mean) * rstd * w + b (w, b both given or both null).
+template <typename A>
+FF_INLINE void normalize_impl(const A* x, A* out, int64_t n, A mean, A rstd, const A* w,
+                              const A* b) {
+  constexpr int64_t k = kLanes<A>;
+  const Vec<A> m = vsplat(mean), r = vsplat(rstd);
+  int64_t j = 0;
+  if (w == nullptr) {
+    for (; j + k <= n; j += k) vstore(out + j, (vload(x + j) - m) * r);
+    for (; j < n; ++j) out[j] = (x[j] - mean) * rstd;
+    return;
+  }
+  for (; j + k <= n; j += k) vstore(out + j, (vload(x + j) - m) * r * vload(w + j) + vload(b + j));
+  for (; j < n; ++j) out[j] = (x[j] - mean) * rstd * w[j] + b[j];
+}
+
+// xhat = (x - mean) * rstd, g = dy * w; returns (sum(g), sum(g * xhat)).
+template <typename A>
+FF_INLINE std::pair<A, A> bwd_prep_impl(const A* x, const A* dy, const A* w, A mean, A rstd,
+                                        A* xhat, A* g, int64_t n) {
+  constexpr int64_t k = kLanes<A>;
+  const Vec<A> m = vsplat(mean), r = vsplat(rstd);
+  Vec<A> sg0 = vsplat<A>(0), sg1 = sg0, sx0 = sg0, sx1 = sg0;
+  int64_t j = 0;
+  for (; j + 2 * k <= n; j += 2 * k) {
+    const Vec<A> xh0 = (vload(x + j) - m) * r, xh1 = (vload(x + j + k) - m) * r;
+    const Vec<A> g0 = vload(dy + j) * vload(w + j), g1 = vload(dy + j + k) * vload(w + j + k);
+    vstore(xhat + j, xh0);
+    vstore(xhat + j + k, xh1);
+    vstore(g + j, g0);
+    vstore(g + j + k, g1);
+    sg0 = sg0 + g0;
+    sg1 = sg1 + g1;
+    sx0 = sx0 + g0 * xh0;
+    sx1 = sx1 + g1 * xh1;
+  }
+  A sum_g = lane_sum<A>(sg0 + sg1), sum_gx = lane_sum<A>(sx0 + sx1);
+  for (; j < n; ++j) {
+    xhat[j] = (x[j] - mean) * rstd;
+    g[j] = dy[j] * w[j];
+    sum_g += g[j];
+    sum_gx += g[j] * xhat[j];
+  }
+  return {sum_g, sum_gx};
+}
+
+// dx = rstd * (g - c_g - xhat * c_gx) (dx may be g).
+template <typename A>
+FF_INLINE void dx_impl(const A* g, const A* xhat, A* dx, int64_t n, A rstd, A c_g, A c_gx) {
+  constexpr int64_t k = kLanes<A>;
+  const Vec<A> r = vsplat(rstd), cg = vsplat(c_g), cgx = vsplat(c_gx);
+  int64_t j = 0;
+  for (; j + k <= n; j += k) vstore(dx + j, r * (vload(g + j) - cg - vload(xhat + j) * cgx));
+  for (; j < n; ++j) dx[j] = rstd * (g[j] - c_g - xhat[j] * c_gx);
+}
+
+// acc += a * b (b null: acc += a).
+template <typename A>
+FF_INLINE void accumulate_impl(A* acc, const A* a, const A* b, int64_t n) {
+  constexpr int64_t k = kLanes<A>;
+  int64_t j = 0;
+  if (b == nullptr) {
+    for (; j + k <= n; j += k) vstore(acc + j, vload(acc + j) + vload(a + j));
+    for (; j < n; ++j) acc[j] += a[j];
+    return;
+  }
+  for (; j + k <= n; j += k) vstore(acc + j, vload(acc + j) + vload(a + j) * vload(b + j));
+  for (; j < n; ++j) acc[j] += a[j] * b[j];
+}
+
+// The dweight / dbias terms of one row: pw += dy * xhat, pb += dy (either may be null).
+template <typename A>
+FF_INLINE void partials_impl(A* pw, A* pb, const A* dy, const A* xhat, int64_t n) {
+  constexpr int64_t k = kLanes<A>;
+  int64_t j = 0;
+  if (pw != nullptr && pb != nullptr) {
+    for (; j + k <= n; j += k) {
+      const Vec<A> d = vload(dy + j);
+      vstore(pw + j, vload(pw + j) + d * vload(xhat + j));
+      vstore(pb + j, vload(pb + j) + d);
+    }
+    for (; j < n; ++j) {
+      pw[j] += dy[j] * xhat[j];
+      pb[j] += dy[j];
+    }
+    return;
+  }
+  if (pw != nullptr) accumulate_impl(pw, dy, xhat, n);
+  if (pb != nullptr) accumulate_impl(pb, dy, static_cast<const A*>(nullptr), n);
+}
+
+template <typename S, typename D>
+FF_INLINE void convert_impl(const S* src, D* dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<D>(src[j]);
+}
+
+#if defined(__GNUC__) || defined(__clang__)
+// bfloat16 <-> float on 8 lanes with integer vectors: the same bits as c10::BFloat16
+// (round to nearest even, NaN -> 0x7FC0), which the compiler does not vectorize by itself.
+typedef uint16_t U16x8 __attribute__((vector_size(16)));
+typedef uint32_t U32x8 __attribute__((vector_size(32)));
+
+FF_INLINE void convert_impl(const c10::BFloat16* src, float* dst, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    U16x8 h;
+    __builtin_memcpy(&h, src + j, sizeof(h));
+    const U32x8 w = __builtin_convertvector(h, U32x8) << 16;
+    __builtin_memcpy(dst + j, &w, sizeof(w));
+  }
+  for (; j < n; ++j) dst[j] = static_cast<float>(src[j]);
+}
+
+FF_INLINE void convert_impl(const float* src, c10::BFloat16* dst, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const Vec<float> f = vload(src + j);
+    U32x8 u;
+    __builtin_memcpy(&u, &f, sizeof(u));
+    const U32x8 rounded = (u + (((u >> 16) & 1) + 0x7FFF)) >> 16;
+    const U32x8 bits = f != f ? (U32x8{} + 0x7FC0) : rounded;
+    const U16x8 h = __builtin_convertvector(bits, U16x8);
+    __builtin_memcpy(dst + j, &h, sizeof(h));
+  }
+  for (; j < n; ++j) dst[j] = static_cast<c10::BFloat16>(src[j]);
+}
+#endif
+
+// The cloned entry points, for A = float and double.
+#define FF_ROW_OPS(A)                                                                         \
+  FF_CPU_CLONES A row_sum(const A* p, int64_t n) { return sum_impl(p, n); }                   \
+  FF_CPU_CLONES A row_sq_dev(const A* p, int64_t n, A mean) { return sq_dev_impl(p, n, mean); } \
+  FF_CPU_CLONES void row_normalize(const A* x, A* out, int64_t n, A mean, A rstd, const A* w,  \
+                                   const A* b) {                                              \
+    normalize_impl(x, out, n, mean, rstd, w, b);                                              \
+  }                                                                                           \
+  FF_CPU_CLONES std::pair<A, A> row_bwd_prep(const A* x, const A* dy, const A* w, A mean,     \
+                                             A rstd, A* xhat, A* g, int64_t n) {              \
+    return bwd_prep_impl(x, dy, w, mean, rstd, xhat, g, n);                                   \
+  }                                                                                           \
+  FF_CPU_CLONES void row_dx(const A* g, const A* xhat, A* dx, int64_t n, A rstd, A c_g,       \
+                            A c_gx) {                                                         \
+    dx_impl(g, xhat, dx, n, rstd, c_g, c_gx);                                                 \
+  }                                                                                           \
+  FF_CPU_CLONES void row_partials(A* pw, A* pb, const A* dy, const A* xhat, int64_t n) {      \
+    partials_impl(pw, pb, dy, xhat, n);                                                       \
+  }                                                                                           \
+  FF_CPU_CLONES void row_accumulate(A* acc, const A* a, const A* b, int64_t n) {              \
+    accumulate_impl(acc, a, b, n);                                                            \
+  }
+FF_ROW_OPS(float)
+FF_ROW_OPS(double)
+#undef FF_ROW_OPS
+
+#define FF_CONVERT_OPS(T)                                                                     \
+  FF_CPU_CLONES void row_convert(const T* src, float* dst, int64_t n) {                       \
+    convert_impl(src, dst, n);                                                                \
+  }                                                                                           \
+  FF_CPU_CLONES void row_convert(const float* src, T* dst, int64_t n) {                       \
+    convert_impl(src, dst, n);                                                                \
+  }
+FF_CONVERT_OPS(c10::Half)
+FF_CONVERT_OPS(c10::BFloat16)
+#undef FF_CONVERT_OPS
+
+template <typename A>
+void row_convert(const A* src, A* dst, int64_t n) {
+  std::copy(src, src + n, dst);
+}
+
+// A per-column parameter as a buffer of A (`fill` when absent).
+template <typename A>
+std::vector<A> param_buffer(const c10::optional<at::Tensor>& p, int64_t cols, A fill) {
+  std::vector<A> out(cols, fill);
+  if (!p.has_value()) return out;
+  const at::Tensor c = p->contiguous().to(c10::CppTypeToScalarType<A>::value);
+  std::copy(c.data_ptr<A>(), c.data_ptr<A>() + cols, out.begin());
+  return out;
+}
+
+// ------------------------------------------------------------------ CPU: forward
+
+template <typename T>
+struct FwdCpu {
+  const T* x;
+  const T* residual;
+  T* out;
+  T* pre;
+  int64_t cols;
+  double eps;
+  float dropout_p;  // the keep test compares an fp32 uniform with the fp32 p
+  double scale;     // dropout_scale(p)
+  uint64_t seed;
+  bool rms;
+  bool fused;
+};
+
+// Row `row` of the normalized input in v: round_to_T(residual + dropout(x)), or x.
+template <typename T, typename A>
+void load_row(const FwdCpu<T>& p, int64_t row, A* v) {
+  const int64_t off = row * p.cols;
+  row_convert(p.x + off, v, p.cols);
+  if (!p.fused) return;
+  if (p.dropout_p > 0) {
+    const A scale = static_cast<A>(p.scale);
+    for (int64_t j = 0; j < p.cols; ++j) {
+      const bool keep = dropout_keep(p.seed, static_cast<uint64_t>(off + j), p.dropout_p);
+      v[j] = keep ? v[j] * scale : A(0);
+    }
+  }
+  if (p.residual != nullptr) {
+    for (int64_t j = 0; j < p.cols; ++j) v[j] += static_cast<A>(p.residual[off + j]);
+  }
+  // The backward reads pre back in the input dtype: normalize exactly those values.
+  for (int64_t j = 0; j < p.cols; ++j) v[j] = static_cast<A>(static_cast<T>(v[j]));
+  if (p.pre != nullptr) row_convert(v, p.pre + off, p.cols);
+}
+
+template <typename T>
+void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
+                    const c10::optional<at::Tensor>& bias, int64_t rows, at::Tensor& mean,
+                    at::Tensor& rstd) {
+  using A = at::opmath_type<T>;
+  const int64_t n = p.cols;
+  const bool affine = weight.has_value() || bias.has_value();
+  const std::vector<A> w = param_buffer<A>(weight, affine ? n : 0, A(1));
+  const std::vector<A> b = param_buffer<A>(bias, affine ? n : 0, A(0));
+  A* mean_out = p.rms ? nullptr : mean.data_ptr<A>();
+  A* rstd_out = rstd.data_ptr<A>();
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<A> buf(n);
+    for (int64_t row = begin; row < end; ++row) {
+      const A* v = buf.data();
+      if constexpr (std::is_same_v<T, A>) {
+        if (!p.fused) v = p.x + row * n;  // fp32 / fp64: read x in place
+      }
+      if (v == buf.data()) load_row<T, A>(p, row, buf.data());
+      const A mu = p.rms ? A(0) : row_sum(v, n) / static_cast<A>(n);
+      const A var = row_sq_dev(v, n, mu) / static_cast<A>(n);
+      const A r = A(1) / std::sqrt(var + static_cast<A>(p.eps));
+      if (mean_out != nullptr) mean_out[row] = mu;
+      rstd_out[row] = r;
+      const A* wp = affine ? w.data() : nullptr;
+      const A* bp = affine ? b.data() : nullptr;
+      if constexpr (std::is_same_v<T, A>) {
+        row_normalize(v, p.out + row * n, n, mu, r, wp, bp);
+      } else {
+        row_normalize(v, buf.data(), n, mu, r, wp, bp);
+        row_convert(buf.data(), p.out + row * n, n);
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------ CPU: backward
+
+template <typename T>
+struct BwdCpu {
+  const T* dy;
+  const T* dpre;
+  const T* x;
+  T* dx;
+  T* dres;
+  int64_t cols;
+  float dropout_p;
+  double scale;
+  uint64_t seed;
+  bool rms;
+  bool fused;
+};
+
+// Fixed number of row blocks (a function of rows only): each block sums its rows' dweight /
+// dbias terms in row order, then the blocks' sums are added in block order. Deterministic for
+// any thread count.
+int64_t bwd_blocks(int64_t rows) { return std::min<int64_t>(rows, 64); }
+
+// Scratch rows of one backward task.
+template <typename A>
+struct BwdScratch {
+  explicit BwdScratch(int64_t n) : x(n), dy(n), xhat(n), g(n) {}
+  std::vector<A> x, dy, xhat, g;
+};
+
+// Gradient of pre -> dx: add dpre, write dres, apply the dropout mask (fused op only).
+template <typename T, typename A>
+void fused_tail(const BwdCpu<T>& p, int64_t off, A* g) {
+  const int64_t n = p.cols;
+  if (p.dpre != nullptr) {
+    for (int64_t j = 0; j < n; ++j) g[j] += static_cast<A>(p.dpre[off + j]);
+  }
+  if (p.dres != nullptr) row_convert(g, p.dres + off, n);
+  if (p.dropout_p > 0) {
+    const A scale = static_cast<A>(p.scale);
+    for (int64_t j = 0; j < n; ++j) {
+      const bool keep = dropout_keep(p.seed, static_cast<uint64_t>(off + j), p.dropout_p);
+      g[j] = keep ? g[j] * scale : A(0);
+    }
+  }
+}
+
+template <typename T, typename A>
+void bwd_row(const BwdCpu<T>& p, int64_t row, A mu, A r, const A* w, BwdScratch<A>& s, A* pw,
+             A* pb) {
+  const int64_t n = p.cols, off = row * n;
+  const A* x = nullptr;
+  const A* dy = nullptr;
+  if constexpr (std::is_same_v<T, A>) {  // fp32 / fp64: read in place
+    x = p.x + off;
+    dy = p.dy + off;
+  } else {
+    row_convert(p.x + off, s.x.data(), n);
+    row_convert(p.dy + off, s.dy.data(), n);
+    x = s.x.data();
+    dy = s.dy.data();
+  }
+  const auto [sum_g, sum_gx] = row_bwd_prep(x, dy, w, mu, r, s.xhat.data(), s.g.data(), n);
+  if (pw != nullptr || pb != nullptr) row_partials(pw, pb, dy, s.xhat.data(), n);
+  const A c_g = p.rms ? A(0) : sum_g / static_cast<A>(n);
+  const A c_gx = sum_gx / static_cast<A>(n);
+  if constexpr (std::is_same_v<T, A>) {
+    if (!p.fused) {  // fp32 / fp64: straight into dx
+      row_dx(s.g.data(), s.xhat.data(), p.dx + off, n, r, c_g, c_gx);
+      return;
+    }
+  }
+  row_dx(s.g.data(), s.xhat.data(), s.g.data(), n, r, c_g, c_gx);
+  if (p.fused) fused_tail(p, off, s.g.data());
+  row_convert(s.g.data(), p.dx + off, n);
+}
+
+// Sums the blocks' partial rows (in block order) into dst (cols,), written in dst's dtype.
+template <typename A>
+void finalize_cpu(const std::vector<A>& partial, int64_t blocks, int64_t cols, at::Tensor& dst) {
+  at::Tensor acc = at::zeros({cols}, dst.options().dtype(c10::CppTypeToScalarType<A>::value));
+  A* out = acc.data_ptr<A>();
+  at::parallel_for(0, cols, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const A* src = partial.data() + blk * cols + begin;
+      row_accumulate(out + begin, src, static_cast<const A*>(nullptr), end - begin);
+    }
+  });
+  dst.copy_(acc);
+}
+
+template <typename T>
+void bwd_cpu_kernel(const BwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
+                    const at::Tensor& mean, const at::Tensor& rstd, int64_t rows,
+                    at::Tensor& dweight, at::Tensor& dbias) {
+  using A = at::opmath_type<T>;
+  const int64_t n = p.cols;
+  const std::vector<A> w = param_buffer<A>(weight, n, A(1));
+  const A* mean_in = p.rms ? nullptr : mean.data_ptr<A>();
+  const A* rstd_in = rstd.data_ptr<A>();
+  const bool want_w = dweight.numel() > 0, want_b = dbias.numel() > 0;
+  const int64_t blocks = bwd_blocks(rows);
+  const int64_t per_block = blocks == 0 ? 0 : (rows + blocks - 1) / blocks;
+  std::vector<A> pw(want_w ? blocks * n : 0, A(0)), pb(want_b ? blocks * n : 0, A(0));
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    BwdScratch<A> scratch(n);
+    for (int64_t blk = begin; blk < end; ++blk) {
+      A* bw = want_w ? pw.data() + blk * n : nullptr;
+      A* bb = want_b ? pb.data() + blk * n : nullptr;
+      const int64_t last = std::min(rows, (blk + 1) * per_block);
+      for (int64_t row = blk * per_block; row < last; ++row) {
+        const A mu = mean_in != nullptr ? mean_in[row] : A(0);
+        bwd_row<T, A>(p, row, mu, rstd_in[row], w.data(), scratch, bw, bb);
+      }
+    }
+  });
+  if (want_w) finalize_cpu<A>(pw, blocks, n, dweight);
+  if (want_b) finalize_cpu<A>(pb, blocks, n, dbias);
+}
+
+// Calls f(T{}) for x's dtype (weight and bias are read into A buffers, whatever their dtype).
+template <typename F>
+void dispatch_cpu(at::ScalarType xt, F&& f) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, xt, "layer_norm_cpu",
+                                  [&] { f(scalar_t{}); });
+}
+
+// ------------------------------------------------------------------ ops
+
+// The fused kernels normalize pre = residual + dropout(x) (and write it when store_pre): when
+// there is something to add or drop, or when pre is asked for.
+bool is_fused(const c10::optional<at::Tensor>& residual, double dropout_p, bool store_pre) {
+  return residual.has_value() || dropout_p > 0 || store_pre;
+}
+
+// Outputs of the forward, allocated for x: out, pre (or empty), mean (or empty), rstd.
+Tensors4 fwd_outputs(const at::Tensor& x, bool store_pre, bool rms) {
+  const auto stats = x.options().dtype(stats_dtype(x));
+  at::Tensor pre = store_pre ? at::empty_like(x) : at::empty({0}, x.options());
+  at::Tensor mean = rms ? at::empty({0}, stats) : at::empty({x.size(0)}, stats);
+  return {at::empty_like(x), pre, mean, at::empty({x.size(0)}, stats)};
+}
+
+Tensors4 layer_norm_fwd_cpu(const at::Tensor& x_in, const c10::optional<at::Tensor>& weight,
+                            const c10::optional<at::Tensor>& bias,
+                            const c10::optional<at::Tensor>& residual, const at::Tensor& seed,
+                            double eps, double dropout_p, bool rms, bool store_pre) {
+  check_fwd(x_in, weight, bias, residual, eps, dropout_p, rms, store_pre);
+  const bool fused = is_fused(residual, dropout_p, store_pre);
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor res = residual.has_value() ? residual->contiguous() : at::Tensor();
+  auto [out, pre, mean, rstd] = fwd_outputs(x, store_pre, rms);
+  dispatch_cpu(x.scalar_type(), [&](auto t) {
+    using T = decltype(t);
+    const FwdCpu<T> p{x.data_ptr<T>(),
+                      res.defined() ? res.data_ptr<T>() : nullptr,
+                      out.data_ptr<T>(),
+                      pre.numel() > 0 ? pre.data_ptr<T>() : nullptr,
+                      x.size(1),
+                      eps,
+                      static_cast<float>(dropout_p),
+                      dropout_scale(dropout_p),
+                      seed_value(seed),
+                      rms,
+                      fused};
+    fwd_cpu_kernel<T>(p, weight, bias, x.size(0), mean, rstd);
+  });
+  return {out, pre, mean, rstd};
+}
+
+struct BwdInputs {
+  at::Tensor dy, dpre, x;
+};
+
+void check_bwd(const at::Tensor& dy, const c10::optional<at::Tensor>& dpre, const at::Tensor& x,
+               const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+               const at::Tensor& mean, const at::Tensor& rstd, bool rms, bool fused,
+               bool need_dweight, bool need_dbias) {
+  check_x(x, "x");
+  TORCH_CHECK(!rms || !fused, "layer_norm: rms=True is never fused");
+  TORCH_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type(),
+              "layer_norm: dy must match x ", x.sizes(), " ", x.scalar_type(), ", got ",
+              dy.sizes(), " ", dy.scalar_type());
+  FF_CHECK_DEVICE(dy, x.device());
+  if (dpre.has_value()) {
+    TORCH_CHECK(dpre->sizes() == x.sizes() && dpre->scalar_type() == x.scalar_type(),
+                "layer_norm: dpre must match x ", x.sizes(), ", got ", dpre->sizes(), " ",
+                dpre->scalar_type());
+    FF_CHECK_DEVICE(*dpre, x.device());
+  }
+  check_param(weight, "weight", x);
+  check_param(bias, "bias", x);
+  param_dtype(weight, bias, x);
+  TORCH_CHECK(!need_dweight || weight.has_value(), "layer_norm: need_dweight without weight");
+  TORCH_CHECK(!need_dbias || bias.has_value(), "layer_norm: need_dbias without bias");
+  const auto st = stats_dtype(x);
+  TORCH_CHECK(rstd.numel() == x.size(0) && rstd.scalar_type() == st,
+              "layer_norm: rstd must be (", x.size(0), ",) ", st, ", got ", rstd.sizes(), " ",
+              rstd.scalar_type());
+  TORCH_CHECK(rms || (mean.numel() == x.size(0) && mean.scalar_type() == st),
+              "layer_norm: mean must be (", x.size(0), ",) ", st, ", got ", mean.sizes(), " ",
+              mean.scalar_type());
+  FF_CHECK_DEVICE(rstd, x.device());
+  if (!rms) FF_CHECK_DEVICE(mean, x.device());
+}
+
+// Outputs of the backward: dx, dres (or empty), dweight (or empty), dbias (or empty).
+Tensors4 bwd_outputs(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                     const c10::optional<at::Tensor>& bias, bool has_residual, bool need_dweight,
+                     bool need_dbias) {
+  const at::Tensor none = at::empty({0}, x.options());
+  return {at::empty_like(x), has_residual ? at::empty_like(x) : none,
+          need_dweight ? at::empty({x.size(1)}, weight->options()) : none,
+          need_dbias ? at::empty({x.size(1)}, bias->options()) : none};
+}
+
+Tensors4 layer_norm_bwd_cpu(const at::Tensor& dy_in, const c10::optional<at::Tensor>& dpre_in,
+                            const at::Tensor& x_in, const c10::optional<at::Tensor>& weight,
+                            const c10::optional<at::Tensor>& bias, const at::Tensor& mean_in,
+                            const at::Tensor& rstd_in, const at::Tensor& seed, double dropout_p,
+                            bool rms, bool fused, bool has_residual, bool need_dweight,
+                            bool need_dbias) {
+  check_bwd(dy_in, dpre_in, x_in, weight, bias, mean_in, rstd_in, rms, fused, need_dweight,
+            need_dbias);
+  const at::Tensor x = x_in.contiguous(), dy = dy_in.contiguous();
+  const at::Tensor dpre = dpre_in.has_value() ? dpre_in->contiguous() : at::Tensor();
+  const at::Tensor mean = mean_in.contiguous(), rstd = rstd_in.contiguous();
+  auto [dx, dres, dweight, dbias] =
+      bwd_outputs(x, weight, bias, has_residual, need_dweight, need_dbias);
+  dispatch_cpu(x.scalar_type(), [&](auto t) {
+    using T = decltype(t);
+    const BwdCpu<T> p{dy.data_ptr<T>(),
+                      dpre.defined() ? dpre.data_ptr<T>() : nullptr,
+                      x.data_ptr<T>(),
+                      dx.data_ptr<T>(),
+                      has_residual ? dres.data_ptr<T>() : nullptr,
+                      x.size(1),
+                      static_cast<float>(dropout_p),
+                      dropout_scale(dropout_p),
+                      seed_value(seed),
+                      rms,
+                      fused};
+    bwd_cpu_kernel<T>(p, weight, mean, rstd, x.size(0), dweight, dbias);
+  });
+  return {dx, dres, dweight, dbias};
+}
+
+// ------------------------------------------------------------------ CUDA glue
+
+#ifdef FASTFORMER_WITH_CUDA
+LnType ln_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return LnType::kFloat32;
+    case at::kHalf:
+      return LnType::kFloat16;
+    case at::kBFloat16:
+      return LnType::kBFloat16;
+    default:
+      TORCH_CHECK(false, "layer_norm: CUDA kernels take float32, float16 or bfloat16, got ", t);
+  }
+  return LnType::kFloat32;  // unreachable
+}
+
+const void* ptr_or_null(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? t->data_ptr() : nullptr;
+}
+
+void* ptr_or_null(const at::Tensor& t) { return t.numel() > 0 ? t.data_ptr() : nullptr; }
+
+Tensors4 layer_norm_fwd_cuda(const at::Tensor& x_in, const c10::optional<at::Tensor>& weight_in,
+                             const c10::optional<at::Tensor>& bias_in,
+                             const c10::optional<at::Tensor>& residual_in,
+                             const at::Tensor& seed, double eps, double dropout_p, bool rms,
+                             bool store_pre) {
+  check_fwd(x_in, weight_in, bias_in, residual_in, eps, dropout_p, rms, store_pre);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const bool fused = is_fused(residual_in, dropout_p, store_pre);
+  const at::Tensor x = x_in.contiguous();
+  auto contiguous = [](const c10::optional<at::Tensor>& t) -> c10::optional<at::Tensor> {
+    return t.has_value() ? c10::optional<at::Tensor>(t->contiguous()) : c10::nullopt;
+  };
+  const auto weight = contiguous(weight_in), bias = contiguous(bias_in);
+  const auto residual = contiguous(residual_in);
+  auto [out, pre, mean, rstd] = fwd_outputs(x, store_pre, rms);
+  LnFwdArgs a{};
+  a.x = x.data_ptr();
+  a.residual = ptr_or_null(residual);
+  a.weight = ptr_or_null(weight);
+  a.bias = ptr_or_null(bias);
+  a.out = out.data_ptr();
+  a.pre = ptr_or_null(pre);
+  a.mean = rms ? nullptr : mean.data_ptr<float>();
+  a.rstd = rstd.data_ptr<float>();
+  a.rows = x.size(0);
+  a.cols = x.size(1);
+  a.eps = static_cast<float>(eps);
+  a.dropout_p = static_cast<float>(dropout_p);
+  a.dropout_scale = static_cast<float>(dropout_scale(dropout_p));
+  a.seed = seed_value(seed);
+  a.dtype = ln_type(x.scalar_type());
+  a.wtype = ln_type(param_dtype(weight, bias, x));
+  a.rms = rms;
+  a.fused = fused;
+  layer_norm_fwd_cuda_launch(a, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {out, pre, mean, rstd};
+}
+
+Tensors4 layer_norm_bwd_cuda(const at::Tensor& dy_in, const c10::optional<at::Tensor>& dpre_in,
+                             const at::Tensor& x_in, const c10::optional<at::Tensor>& weight_in,
+                             const c10::optional<at::Tensor>& bias, const at::Tensor& mean_in,
+                             const at::Tensor& rstd_in, const at::Tensor& seed, double dropout_p,
+                             bool rms, bool fused, bool has_residual, bool need_dweight,
+                             bool need_dbias) {
+  check_bwd(dy_in, dpre_in, x_in, weight_in, bias, mean_in, rstd_in, rms, fused, need_dweight,
+            need_dbias);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous(), dy = dy_in.contiguous();
+  const at::Tensor dpre = dpre_in.has_value() ? dpre_in->contiguous() : at::Tensor();
+  const at::Tensor mean = mean_in.contiguous(), rstd = rstd_in.contiguous();
+  const c10::optional<at::Tensor> weight =
+      weight_in.has_value() ? c10::optional<at::Tensor>(weight_in->contiguous()) : c10::nullopt;
+  auto [dx, dres, dweight, dbias] =
+      bwd_outputs(x, weight, bias, has_residual, need_dweight, need_dbias);
+  LnBwdArgs a{};
+  a.dy = dy.data_ptr();
+  a.dpre = dpre.defined() ? dpre.data_ptr() : nullptr;
+  a.x = x.data_ptr();
+  a.weight = ptr_or_null(weight);
+  a.mean = rms ? nullptr : mean.data_ptr<float>();
+  a.rstd = rstd.data_ptr<float>();
+  a.dx = dx.data_ptr();
+  a.dres = has_residual ? dres.data_ptr() : nullptr;
+  a.dweight = need_dweight ? dweight.data_ptr() : nullptr;
+  a.dbias = need_dbias ? dbias.data_ptr() : nullptr;
+  a.rows = x.size(0);
+  a.cols = x.size(1);
+  a.dropout_p = static_cast<float>(dropout_p);
+  a.dropout_scale = static_cast<float>(dropout_scale(dropout_p));
+  a.seed = seed_value(seed);
+  a.dtype = ln_type(x.scalar_type());
+  a.wtype = ln_type(param_dtype(weight, bias, x));
+  a.rms = rms;
+  a.fused = fused;
+  const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const LnBwdPlan plan = layer_norm_bwd_plan(a, num_sms);
+  const int64_t partial_floats = std::max<int64_t>(1, 2 * plan.partial_rows * a.cols);
+  const at::Tensor partial = at::empty({partial_floats}, x.options().dtype(at::kFloat));
+  a.partial = partial.data_ptr<float>();
+  layer_norm_bwd_cuda_launch(a, plan, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {dx, dres, dweight, dbias};
+}
+#endif
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fastformer, m) {
+  m.def(
+      "layer_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, Tensor seed, "
+      "float eps, float dropout_p, bool rms, bool store_pre) "
+      "-> (Tensor out, Tensor pre, Tensor mean, Tensor rstd)");
+  m.def(
+      "layer_norm_bwd(Tensor dy, Tensor? dpre, Tensor x, Tensor? weight, Tensor? bias, "
+      "Tensor mean, Tensor rstd, Tensor seed, float dropout_p, bool rms, bool fused, "
+      "bool has_residual, bool need_dweight, bool need_dbias) "
+      "-> (Tensor dx, Tensor dres, Tensor dweight, Tensor dbias)");
+}
+
+TORCH_LIBRARY_IMPL(fastformer, CPU, m) {
+  m.impl("layer_norm_fwd", &layer_norm_fwd_cpu);
+  m.impl("layer_norm_bwd", &layer_norm_bwd_cpu);
+}
+
+#ifdef FASTFORMER_WITH_CUDA
+TORCH_LIBRARY_IMPL(fastformer, CUDA, m) {
+  m.impl("layer_norm_fwd", &layer_norm_fwd_cuda);
+  m.impl("layer_norm_bwd", &layer_norm_bwd_cuda);
+}
+#endif
+
+}  // namespace fastformer

@@ -1,0 +1,792 @@
+// CUDA kernels of LayerNorm, RMSNorm and the fused dropout + residual-add + LayerNorm.
+//
+// Forward, two kernels:
+//   * ln_fwd_vec_kernel: the row lives in registers as kVecs 16-byte vectors per thread. A warp
+//     per row (4 rows per block) up to 128 vectors (1024 fp16/bf16, 512 fp32 elements), then a
+//     block per row of up to 512 threads x 4 vectors (16384 fp16/bf16, 8192 fp32 elements).
+//     Needs cols to be a multiple of the vector width and 16-byte aligned pointers.
+//   * ln_fwd_any_kernel: any cols and alignment, scalar loads, the row re-read from L1/L2 for
+//     each of its passes.
+// Statistics are fp32 and two-pass (mean, then the mean of squared deviations), which is exact
+// enough for rows of any length; mean and rstd are saved for the backward.
+//
+// Backward: one pass over x and dy gives dx and, per block, fp32 partial sums of dweight and
+// dbias; ln_bwd_finalize_kernel sums those partials in a fixed order. No atomics anywhere, so
+// the gradients are bit-identical from run to run on the same GPU (the grid, hence the order,
+// depends on the GPU's SM count). ln_bwd_vec_kernel holds x and dy in registers as the forward
+// does (a warp per row, 8 rows per block, then a block per row of up to 512 threads: 8192
+// elements of any dtype) on a persistent grid of one wave; ln_bwd_any_kernel (any cols and
+// alignment) adds into its own partial row in global memory instead of registers.
+//
+// Every kernel has __launch_bounds__(threads, 1): without the 1, ptxas for sm_90 aims at a
+// higher occupancy and spills. All compile with 0 bytes of spills for sm_80 and sm_90.
+//
+// RMSNorm (kRms) and the fused dropout + residual variant (kFused) are template flags of the
+// same kernels. Dropout regenerates its keep-mask from (seed, row * cols + col) with the shared
+// Philox function in the backward: no mask is stored.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <type_traits>
+
+#include "common/philox.h"
+#include "layer_norm/layer_norm.h"
+
+namespace fastformer {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kFwdMaxThreads = 512;  // up to 128 registers a thread
+constexpr int kBwdMaxThreads = 512;
+constexpr int kFwdMaxVecs = 4;  // 16-byte vectors a forward thread holds, at most
+
+// The backward holds x, dy and the dweight / dbias sums of its vectors: 16-bit inputs use at
+// most 2 vectors a thread (with 4, 197 registers), fp32 inputs 4 (the same 32 elements).
+constexpr int bwd_max_vecs(int elem_bytes) { return elem_bytes == 2 ? 2 : 4; }
+constexpr int kFinalizeRows = 8;  // row groups of the finalize kernel (each sums a strided slice)
+constexpr int64_t kMaxGrid = int64_t{1} << 30;
+
+// ------------------------------------------------------------------ element conversions
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// Rounds an fp32 value to T and back: what storing it in the input dtype keeps.
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  return to_float(from_float<T>(v));
+}
+
+// ------------------------------------------------------------------ 16-byte vector access
+
+// kN elements of T from 16-byte chunks (kN * sizeof(T) is a multiple of 16), as fp32.
+template <typename T, int kN>
+__device__ __forceinline__ void load_vec(const T* __restrict__ p, float (&out)[kN]) {
+  constexpr int kPer = 16 / sizeof(T);
+  static_assert(kN % kPer == 0, "load_vec reads whole 16-byte chunks");
+#pragma unroll
+  for (int c = 0; c < kN / kPer; ++c) {
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p) + c);
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) out[c * kPer + i] = to_float(e[i]);
+  }
+}
+
+template <typename T, int kN>
+__device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&in)[kN]) {
+  constexpr int kPer = 16 / sizeof(T);
+  static_assert(kN % kPer == 0, "store_vec writes whole 16-byte chunks");
+#pragma unroll
+  for (int c = 0; c < kN / kPer; ++c) {
+    uint4 raw;
+    T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) e[i] = from_float<T>(in[c * kPer + i]);
+    reinterpret_cast<uint4*>(p)[c] = raw;
+  }
+}
+
+// The 16/sizeof(T) elements of one raw 16-byte chunk, as fp32.
+template <typename T>
+__device__ __forceinline__ void unpack(const uint4& raw, float (&out)[16 / sizeof(T)]) {
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(16 / sizeof(T)); ++i) out[i] = to_float(e[i]);
+}
+
+// ------------------------------------------------------------------ row reductions
+
+__device__ __forceinline__ float warp_sum(float v) {
+  // Butterfly: every lane adds the same two numbers at each level (a + b == b + a), so all
+  // lanes end with the same bits.
+#pragma unroll
+  for (int m = kWarp / 2; m > 0; m /= 2) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+
+__device__ __forceinline__ float2 warp_sum(float2 v) {
+#pragma unroll
+  for (int m = kWarp / 2; m > 0; m /= 2) {
+    v.x += __shfl_xor_sync(0xffffffffu, v.x, m);
+    v.y += __shfl_xor_sync(0xffffffffu, v.y, m);
+  }
+  return v;
+}
+
+__device__ __forceinline__ float add(float a, float b) { return a + b; }
+__device__ __forceinline__ float2 add(float2 a, float2 b) {
+  return make_float2(a.x + b.x, a.y + b.y);
+}
+
+// Sum over the threads of one row (threadIdx.x, for a fixed threadIdx.y); every thread gets the
+// total, in a fixed order. Every thread of the block must call it (it may synchronise).
+template <typename V>
+__device__ __forceinline__ V row_sum(V v, V* red) {
+  v = warp_sum(v);
+  const int warps = blockDim.x / kWarp;
+  if (warps == 1) return v;  // warp per row: no shared memory, no barrier
+  V* slot = red + threadIdx.y * warps;
+  if (threadIdx.x % kWarp == 0) slot[threadIdx.x / kWarp] = v;
+  __syncthreads();
+  V total = slot[0];
+  for (int w = 1; w < warps; ++w) total = add(total, slot[w]);
+  __syncthreads();  // the slots are reused by the next reduction
+  return total;
+}
+
+
+// ------------------------------------------------------------------ fused input
+
+// Dropout of one element: the shared Philox keep decision, kept values scaled.
+__device__ __forceinline__ float dropout(float v, uint64_t seed, uint64_t offset, float p,
+                                         float scale) {
+  return dropout_keep(seed, offset, p) ? v * scale : 0.f;
+}
+
+// The normalized input of one vector at (row, col): x, or pre = residual + dropout(x) rounded
+// to the input dtype (the backward reads pre back in that dtype), stored when a.pre is set.
+template <typename T, int kE, bool kFused>
+__device__ __forceinline__ void load_input(const LnFwdArgs& a, int64_t row, int64_t col,
+                                           float (&v)[kE]) {
+  const int64_t idx = row * a.cols + col;
+  load_vec<T, kE>(static_cast<const T*>(a.x) + idx, v);
+  if (!kFused) return;
+  if (a.dropout_p > 0.f) {
+#pragma unroll
+    for (int e = 0; e < kE; ++e) {
+      v[e] = dropout(v[e], a.seed, static_cast<uint64_t>(idx + e), a.dropout_p, a.dropout_scale);
+    }
+  }
+  if (a.residual != nullptr) {
+    float r[kE];
+    load_vec<T, kE>(static_cast<const T*>(a.residual) + idx, r);
+#pragma unroll
+    for (int e = 0; e < kE; ++e) v[e] += r[e];
+  }
+#pragma unroll
+  for (int e = 0; e < kE; ++e) v[e] = round_to<T>(v[e]);
+  if (a.pre != nullptr) store_vec<T, kE>(static_cast<T*>(a.pre) + idx, v);
+}
+
+// Scalar version of load_input for the generic kernel.
+template <typename T, bool kFused>
+__device__ __forceinline__ float input_at(const LnFwdArgs& a, int64_t idx) {
+  float v = to_float(static_cast<const T*>(a.x)[idx]);
+  if (!kFused) return v;
+  if (a.dropout_p > 0.f) {
+    v = dropout(v, a.seed, static_cast<uint64_t>(idx), a.dropout_p, a.dropout_scale);
+  }
+  if (a.residual != nullptr) v += to_float(static_cast<const T*>(a.residual)[idx]);
+  return round_to<T>(v);
+}
+
+// ------------------------------------------------------------------ forward kernels
+
+// y = (v - mean) * rstd * weight + bias for one vector of kE elements.
+template <typename T, typename W, int kE>
+__device__ __forceinline__ void normalize_store(const LnFwdArgs& a, int64_t row, int64_t col,
+                                                float (&v)[kE], float mean, float rstd) {
+  float w[kE], b[kE];
+#pragma unroll
+  for (int e = 0; e < kE; ++e) v[e] = (v[e] - mean) * rstd;
+  if (a.weight != nullptr) {
+    load_vec<W, kE>(static_cast<const W*>(a.weight) + col, w);
+#pragma unroll
+    for (int e = 0; e < kE; ++e) v[e] *= w[e];
+  }
+  if (a.bias != nullptr) {
+    load_vec<W, kE>(static_cast<const W*>(a.bias) + col, b);
+#pragma unroll
+    for (int e = 0; e < kE; ++e) v[e] += b[e];
+  }
+  store_vec<T, kE>(static_cast<T*>(a.out) + row * a.cols + col, v);
+}
+
+template <typename T, typename W, int kVecs, bool kRms, bool kFused>
+__global__ void __launch_bounds__(kFwdMaxThreads, 1) ln_fwd_vec_kernel(const LnFwdArgs a) {
+  constexpr int kE = 16 / sizeof(T);
+  __shared__ float red[kWarp];
+  const int64_t nvec = a.cols / kE;
+  const float cols = static_cast<float>(a.cols);
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  // The loop bound is uniform over the block, so every thread reaches every barrier.
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < a.rows;
+       base += step) {
+    const int64_t row = base + threadIdx.y;
+    const bool row_ok = row < a.rows;
+    float v[kVecs][kE];
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+      if (row_ok && vi < nvec) {
+        load_input<T, kE, kFused>(a, row, vi * kE, v[i]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < kE; ++e) v[i][e] = 0.f;
+      }
+#pragma unroll
+      for (int e = 0; e < kE; ++e) sum += kRms ? v[i][e] * v[i][e] : v[i][e];
+    }
+    const float mean = kRms ? 0.f : row_sum(sum, red) / cols;
+    float var;
+    if (kRms) {
+      var = row_sum(sum, red) / cols;  // the mean square
+    } else {
+      float sq = 0.f;
+#pragma unroll
+      for (int i = 0; i < kVecs; ++i) {
+        const bool valid = threadIdx.x + static_cast<int64_t>(i) * blockDim.x < nvec;
+#pragma unroll
+        for (int e = 0; e < kE; ++e) {
+          const float d = v[i][e] - mean;
+          sq += valid ? d * d : 0.f;
+        }
+      }
+      var = row_sum(sq, red) / cols;
+    }
+    const float rstd = rsqrtf(var + a.eps);
+    if (row_ok && threadIdx.x == 0) {
+      if (a.mean != nullptr) a.mean[row] = mean;
+      a.rstd[row] = rstd;
+    }
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+      if (row_ok && vi < nvec) normalize_store<T, W, kE>(a, row, vi * kE, v[i], mean, rstd);
+    }
+  }
+}
+
+// Any cols, any alignment: each pass re-reads the row (from L1/L2). In the fused variant the
+// first pass writes pre when asked and later passes read it back (the same thread wrote it).
+template <typename T, typename W, bool kRms, bool kFused>
+__global__ void __launch_bounds__(kFwdMaxThreads, 1) ln_fwd_any_kernel(const LnFwdArgs a) {
+  __shared__ float red[kWarp];
+  const float cols = static_cast<float>(a.cols);
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  T* pre = static_cast<T*>(a.pre);
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < a.rows;
+       base += step) {
+    const int64_t row = base + threadIdx.y;
+    const int64_t end = row < a.rows ? (row + 1) * a.cols : 0;  // empty range past the last row
+    const int64_t begin = row * a.cols + threadIdx.x;
+    float sum = 0.f;
+    for (int64_t idx = begin; idx < end; idx += blockDim.x) {
+      const float v = input_at<T, kFused>(a, idx);
+      if (kFused && pre != nullptr) pre[idx] = from_float<T>(v);
+      sum += kRms ? v * v : v;
+    }
+    auto value = [&](int64_t idx) {
+      return kFused && pre != nullptr ? to_float(pre[idx]) : input_at<T, kFused>(a, idx);
+    };
+    const float mean = kRms ? 0.f : row_sum(sum, red) / cols;
+    float var;
+    if (kRms) {
+      var = row_sum(sum, red) / cols;
+    } else {
+      float sq = 0.f;
+      for (int64_t idx = begin; idx < end; idx += blockDim.x) {
+        const float d = value(idx) - mean;
+        sq += d * d;
+      }
+      var = row_sum(sq, red) / cols;
+    }
+    const float rstd = rsqrtf(var + a.eps);
+    if (row < a.rows && threadIdx.x == 0) {
+      if (a.mean != nullptr) a.mean[row] = mean;
+      a.rstd[row] = rstd;
+    }
+    const W* weight = static_cast<const W*>(a.weight);
+    const W* bias = static_cast<const W*>(a.bias);
+    for (int64_t idx = begin; idx < end; idx += blockDim.x) {
+      const int64_t col = idx - row * a.cols;
+      float y = (value(idx) - mean) * rstd;
+      if (weight != nullptr) y *= to_float(weight[col]);
+      if (bias != nullptr) y += to_float(bias[col]);
+      static_cast<T*>(a.out)[idx] = from_float<T>(y);
+    }
+  }
+}
+
+// ------------------------------------------------------------------ backward kernels
+
+// dx of one element from the row constants: c_g = mean(g), c_gx = mean(g * xhat).
+template <bool kRms>
+__device__ __forceinline__ float dx_of(float g, float xhat, float rstd, float c_g, float c_gx) {
+  return kRms ? rstd * (g - xhat * c_gx) : rstd * (g - c_g - xhat * c_gx);
+}
+
+// Fused tail of one gradient value: add the gradient of pre, write dres, apply the dropout.
+template <typename T, bool kFused>
+__device__ __forceinline__ float fused_dx(const LnBwdArgs& a, int64_t idx, float d) {
+  if (!kFused) return d;
+  if (a.dpre != nullptr) d += to_float(static_cast<const T*>(a.dpre)[idx]);
+  if (a.dres != nullptr) static_cast<T*>(a.dres)[idx] = from_float<T>(d);
+  return a.dropout_p > 0.f
+             ? dropout(d, a.seed, static_cast<uint64_t>(idx), a.dropout_p, a.dropout_scale)
+             : d;
+}
+
+// The same for one vector of kE gradient values at idx (16-byte loads and stores).
+template <typename T, int kE>
+__device__ __forceinline__ void fused_dx_vec(const LnBwdArgs& a, int64_t idx, float (&d)[kE]) {
+  if (a.dpre != nullptr) {
+    float g[kE];
+    load_vec<T, kE>(static_cast<const T*>(a.dpre) + idx, g);
+#pragma unroll
+    for (int e = 0; e < kE; ++e) d[e] += g[e];
+  }
+  if (a.dres != nullptr) store_vec<T, kE>(static_cast<T*>(a.dres) + idx, d);
+  if (a.dropout_p > 0.f) {
+#pragma unroll
+    for (int e = 0; e < kE; ++e) {
+      d[e] = dropout(d[e], a.seed, static_cast<uint64_t>(idx + e), a.dropout_p, a.dropout_scale);
+    }
+  }
+}
+
+// Adds the accumulators of the block's row groups in the order threadIdx.y = 0, 1, ... and
+// writes them to the block's partial row (kVecs vectors of kE columns per thread).
+template <int kVecs, int kE>
+__device__ __forceinline__ void store_partials(float (&acc)[kVecs][kE], float* smem, float* dst,
+                                               int64_t nvec) {
+  if (blockDim.y > 1) {
+    float* mine = smem + (threadIdx.y * blockDim.x + threadIdx.x) * (kVecs * kE);
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+#pragma unroll
+      for (int e = 0; e < kE; ++e) mine[i * kE + e] = acc[i][e];
+    }
+    __syncthreads();
+    if (threadIdx.y == 0) {
+      for (int y = 1; y < static_cast<int>(blockDim.y); ++y) {
+        const float* other = smem + (y * blockDim.x + threadIdx.x) * (kVecs * kE);
+#pragma unroll
+        for (int i = 0; i < kVecs; ++i) {
+#pragma unroll
+          for (int e = 0; e < kE; ++e) acc[i][e] += other[i * kE + e];
+        }
+      }
+    }
+    __syncthreads();  // the buffer is reused for the next accumulator
+  }
+  if (threadIdx.y != 0) return;
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+    if (vi < nvec) store_vec<float, kE>(dst + vi * kE, acc[i]);
+  }
+}
+
+// The row in registers: x and dy as raw 16-byte vectors, converted when used (twice), which
+// keeps the register count low enough for 512 threads x 4 vectors without spills.
+template <typename T, typename W, int kVecs, bool kRms, bool kFused>
+__global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnBwdArgs a) {
+  constexpr int kE = 16 / sizeof(T);
+  __shared__ float2 red[kWarp];
+  extern __shared__ float acc_smem[];  // blockDim.y > 1: one accumulator set per thread
+  const int64_t nvec = a.cols / kE;
+  const float cols = static_cast<float>(a.cols);
+  const bool want_w = a.dweight != nullptr, want_b = a.dbias != nullptr;
+  const W* weight = static_cast<const W*>(a.weight);
+  float dw[kVecs][kE], db[kVecs][kE];
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+#pragma unroll
+    for (int e = 0; e < kE; ++e) dw[i][e] = db[i][e] = 0.f;
+  }
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < a.rows;
+       base += step) {
+    const int64_t row = base + threadIdx.y;
+    const bool row_ok = row < a.rows;
+    const int64_t offset = row_ok ? row * a.cols : 0;
+    const uint4* x_row = reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + offset);
+    const uint4* dy_row = reinterpret_cast<const uint4*>(static_cast<const T*>(a.dy) + offset);
+    uint4 raw_x[kVecs], raw_dy[kVecs];
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+      raw_x[i] = raw_dy[i] = make_uint4(0, 0, 0, 0);  // zero bits are 0.0 in every dtype
+      if (row_ok && vi < nvec) {
+        raw_x[i] = __ldg(x_row + vi);
+        raw_dy[i] = __ldg(dy_row + vi);
+      }
+    }
+    const float mean = (kRms || !row_ok) ? 0.f : a.mean[row];
+    const float rstd = row_ok ? a.rstd[row] : 0.f;
+    float2 sums = make_float2(0.f, 0.f);  // sum(g), sum(g * xhat) with g = dy * weight
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+      float x[kE], dy[kE], w[kE];
+      unpack<T>(raw_x[i], x);
+      unpack<T>(raw_dy[i], dy);
+      if (weight != nullptr && vi < nvec) {
+        load_vec<W, kE>(weight + vi * kE, w);
+      } else {
+#pragma unroll
+        for (int e = 0; e < kE; ++e) w[e] = 1.f;
+      }
+#pragma unroll
+      for (int e = 0; e < kE; ++e) {
+        // Padding elements have dy = 0, so they add nothing below.
+        const float xhat = (x[e] - mean) * rstd;
+        const float g = dy[e] * w[e];
+        sums.x += g;
+        sums.y += g * xhat;
+        if (want_w) dw[i][e] += dy[e] * xhat;
+        if (want_b) db[i][e] += dy[e];
+      }
+    }
+    sums = row_sum(sums, red);
+    const float c_g = sums.x / cols, c_gx = sums.y / cols;
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+      if (!row_ok || vi >= nvec) continue;
+      float x[kE], dy[kE], w[kE], d[kE];
+      unpack<T>(raw_x[i], x);
+      unpack<T>(raw_dy[i], dy);
+      if (weight != nullptr) {
+        load_vec<W, kE>(weight + vi * kE, w);
+      } else {
+#pragma unroll
+        for (int e = 0; e < kE; ++e) w[e] = 1.f;
+      }
+      const int64_t idx = row * a.cols + vi * kE;
+#pragma unroll
+      for (int e = 0; e < kE; ++e) {
+        d[e] = dx_of<kRms>(dy[e] * w[e], (x[e] - mean) * rstd, rstd, c_g, c_gx);
+      }
+      if (kFused) fused_dx_vec<T, kE>(a, idx, d);
+      store_vec<T, kE>(static_cast<T*>(a.dx) + idx, d);
+    }
+  }
+  const int64_t part = static_cast<int64_t>(gridDim.x) * a.cols;  // floats per partial matrix
+  if (want_w) store_partials<kVecs, kE>(dw, acc_smem, a.partial + blockIdx.x * a.cols, nvec);
+  if (want_b) store_partials<kVecs, kE>(db, acc_smem, a.partial + part + blockIdx.x * a.cols, nvec);
+}
+
+// Any cols and alignment: each row group accumulates dweight / dbias straight into its own
+// partial row in global memory (only its own threads touch it, each always the same columns).
+template <typename T, typename W, bool kRms, bool kFused>
+__global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_any_kernel(const LnBwdArgs a) {
+  __shared__ float2 red[kWarp];
+  const float cols = static_cast<float>(a.cols);
+  const T* x = static_cast<const T*>(a.x);
+  const T* dy = static_cast<const T*>(a.dy);
+  const W* weight = static_cast<const W*>(a.weight);
+  const int64_t parts = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  const int64_t my_part = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  float* pw = a.dweight != nullptr ? a.partial + my_part * a.cols : nullptr;
+  float* pb = a.dbias != nullptr ? a.partial + (parts + my_part) * a.cols : nullptr;
+  for (int64_t c = threadIdx.x; c < a.cols; c += blockDim.x) {
+    if (pw != nullptr) pw[c] = 0.f;
+    if (pb != nullptr) pb[c] = 0.f;
+  }
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < a.rows;
+       base += step) {
+    const int64_t row = base + threadIdx.y;
+    const bool row_ok = row < a.rows;
+    const int64_t cols_here = row_ok ? a.cols : 0;  // nothing to do past the last row
+    const float mean = (kRms || !row_ok) ? 0.f : a.mean[row];
+    const float rstd = row_ok ? a.rstd[row] : 0.f;
+    const int64_t offset = row * a.cols;
+    float2 sums = make_float2(0.f, 0.f);
+    for (int64_t c = threadIdx.x; c < cols_here; c += blockDim.x) {
+      const float xhat = (to_float(x[offset + c]) - mean) * rstd;
+      const float g = to_float(dy[offset + c]) * (weight != nullptr ? to_float(weight[c]) : 1.f);
+      sums.x += g;
+      sums.y += g * xhat;
+    }
+    sums = row_sum(sums, red);
+    const float c_g = sums.x / cols, c_gx = sums.y / cols;
+    for (int64_t c = threadIdx.x; c < cols_here; c += blockDim.x) {
+      const int64_t idx = offset + c;
+      const float xhat = (to_float(x[idx]) - mean) * rstd;
+      const float dyv = to_float(dy[idx]);
+      const float g = dyv * (weight != nullptr ? to_float(weight[c]) : 1.f);
+      const float d = fused_dx<T, kFused>(a, idx, dx_of<kRms>(g, xhat, rstd, c_g, c_gx));
+      static_cast<T*>(a.dx)[idx] = from_float<T>(d);
+      if (pw != nullptr) pw[c] += dyv * xhat;
+      if (pb != nullptr) pb[c] += dyv;
+    }
+  }
+}
+
+// dweight[c] (blockIdx.y 0) or dbias[c] (blockIdx.y 1) = sum over the partial rows, in a fixed
+// order: row group y sums rows y, y + 8, ...; then the 8 sums are added in order of y.
+template <typename W>
+__global__ void __launch_bounds__(kWarp * kFinalizeRows, 1)
+    ln_bwd_finalize_kernel(const float* __restrict__ partial, int64_t parts, int64_t cols,
+                           W* __restrict__ dweight, W* __restrict__ dbias) {
+  __shared__ float buf[kFinalizeRows][kWarp + 1];
+  W* out = blockIdx.y == 0 ? dweight : dbias;
+  if (out == nullptr) return;  // uniform over the block
+  const float* src = partial + (blockIdx.y == 0 ? 0 : parts * cols);
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kWarp + threadIdx.x;
+  float s = 0.f;
+  if (col < cols) {
+    for (int64_t p = threadIdx.y; p < parts; p += kFinalizeRows) s += src[p * cols + col];
+  }
+  buf[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < cols) {
+    float total = buf[0][threadIdx.x];
+    for (int y = 1; y < kFinalizeRows; ++y) total += buf[y][threadIdx.x];
+    out[col] = from_float<W>(total);
+  }
+}
+
+// ------------------------------------------------------------------ host: configuration
+
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+// Calls f(Tag<T>, Tag<W>) for the input dtype and weight dtype (the input's or fp32).
+template <typename F>
+void dispatch_types(LnType t, LnType w, F&& f) {
+  const bool w32 = w == LnType::kFloat32;
+  switch (t) {
+    case LnType::kFloat32:
+      f(Tag<float>{}, Tag<float>{});
+      return;
+    case LnType::kFloat16:
+      w32 ? f(Tag<__half>{}, Tag<float>{}) : f(Tag<__half>{}, Tag<__half>{});
+      return;
+    case LnType::kBFloat16:
+      w32 ? f(Tag<__nv_bfloat16>{}, Tag<float>{})
+          : f(Tag<__nv_bfloat16>{}, Tag<__nv_bfloat16>{});
+      return;
+  }
+}
+
+// Calls f(kRms, kFused) as integral constants; RMSNorm is never fused (the caller checks).
+template <typename F>
+void dispatch_mode(bool rms, bool fused, F&& f) {
+  if (rms) {
+    f(std::true_type{}, std::false_type{});
+  } else if (fused) {
+    f(std::false_type{}, std::true_type{});
+  } else {
+    f(std::false_type{}, std::false_type{});
+  }
+}
+
+// Calls f(kVecs) as an integral constant; 0 means the generic kernel.
+template <typename F>
+void dispatch_vecs(int vecs, F&& f) {
+  switch (vecs) {
+    case 1:
+      f(std::integral_constant<int, 1>{});
+      return;
+    case 2:
+      f(std::integral_constant<int, 2>{});
+      return;
+    case 4:
+      f(std::integral_constant<int, 4>{});
+      return;
+    default:
+      f(std::integral_constant<int, 0>{});
+  }
+}
+
+struct Config {
+  int vecs;  // 16-byte vectors per thread, 0 = generic kernel
+  int tpr;   // threads per row (blockDim.x)
+  int rpb;   // rows per block (blockDim.y)
+};
+
+int elem_bytes(LnType t) { return t == LnType::kFloat32 ? 4 : 2; }
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int warps_for(int64_t threads) { return static_cast<int>(ceil_div(threads, kWarp)) * kWarp; }
+
+// A warp per row (block_threads / 32 rows a block) while max_vecs vectors a lane cover the row,
+// then a block per row with max_vecs vectors a thread and at most max_threads threads, then the
+// generic kernel (vecs 0).
+Config pick(int64_t cols, int elem, bool vec_ok, int max_vecs, int max_threads,
+            int block_threads) {
+  const int per_vec = 16 / elem;
+  const int64_t nvec = cols / per_vec;
+  if (vec_ok && cols % per_vec == 0) {
+    for (int vecs = 1; vecs <= max_vecs; vecs *= 2) {
+      if (nvec <= int64_t{kWarp} * vecs) return {vecs, kWarp, block_threads / kWarp};
+    }
+    if (nvec <= max_vecs * static_cast<int64_t>(max_threads)) {
+      const int tpr = warps_for(ceil_div(nvec, max_vecs));
+      return {max_vecs, tpr, std::max(1, block_threads / tpr)};
+    }
+  }
+  // Generic: at least 4 columns per thread, a warp at least, max_threads at most.
+  const int tpr = std::min(max_threads, std::max(kWarp, warps_for(ceil_div(cols, 4))));
+  return {0, tpr, std::max(1, block_threads / tpr)};
+}
+
+Config fwd_config(const LnFwdArgs& a) {
+  const bool vec_ok = aligned16(a.x) && aligned16(a.residual) && aligned16(a.weight) &&
+                      aligned16(a.bias) && aligned16(a.out) && aligned16(a.pre);
+  return pick(a.cols, elem_bytes(a.dtype), vec_ok, kFwdMaxVecs, kFwdMaxThreads, 128);
+}
+
+Config bwd_config(const LnBwdArgs& a) {
+  const bool vec_ok = aligned16(a.dy) && aligned16(a.dpre) && aligned16(a.x) &&
+                      aligned16(a.weight) && aligned16(a.dx) && aligned16(a.dres);
+  const int elem = elem_bytes(a.dtype);
+  return pick(a.cols, elem, vec_ok, bwd_max_vecs(elem), kBwdMaxThreads, 256);
+}
+
+size_t bwd_smem_bytes(const Config& c, LnType dtype) {
+  if (c.vecs == 0 || c.rpb == 1) return 0;
+  const int per_vec = 16 / elem_bytes(dtype);
+  return static_cast<size_t>(c.tpr) * c.rpb * c.vecs * per_vec * sizeof(float);
+}
+
+// Resident blocks per SM of a kernel, queried once per (device, kernel, block shape).
+int blocks_per_sm(const void* kernel, int threads, size_t smem) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, const void*, int, size_t>, int> cache;
+  int device = 0;
+  cudaGetDevice(&device);
+  const auto key = std::make_tuple(device, kernel, threads, smem);
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  int blocks = 1;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem) !=
+      cudaSuccess) {
+    cudaGetLastError();  // clear it so a later launch check does not report it
+    blocks = 1;
+  }
+  blocks = std::max(1, blocks);
+  cache.emplace(key, blocks);
+  return blocks;
+}
+
+// Calls f(kernel pointer) for the backward kernel these arguments run.
+template <typename F>
+void with_bwd_kernel(const LnBwdArgs& a, const Config& c, F&& f) {
+  dispatch_types(a.dtype, a.wtype, [&](auto t, auto w) {
+    using T = typename decltype(t)::type;
+    using W = typename decltype(w)::type;
+    dispatch_mode(a.rms, a.fused, [&](auto rms, auto fused) {
+      constexpr bool kRms = decltype(rms)::value, kFused = decltype(fused)::value;
+      dispatch_vecs(c.vecs, [&](auto vecs) {
+        constexpr int kVecs = decltype(vecs)::value;
+        // 16-bit inputs never take 4 vectors (see bwd_max_vecs): not instantiated.
+        if constexpr (kVecs == 0 || kVecs > bwd_max_vecs(sizeof(T))) {
+          f(ln_bwd_any_kernel<T, W, kRms, kFused>);
+        } else {
+          f(ln_bwd_vec_kernel<T, W, kVecs, kRms, kFused>);
+        }
+      });
+    });
+  });
+}
+
+template <typename W>
+void launch_finalize(const LnBwdArgs& a, const LnBwdPlan& plan, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(ceil_div(a.cols, kWarp)), 2);
+  ln_bwd_finalize_kernel<W><<<grid, dim3(kWarp, kFinalizeRows), 0, stream>>>(
+      a.partial, plan.partial_rows, a.cols, static_cast<W*>(a.dweight),
+      static_cast<W*>(a.dbias));
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ host: entry points
+
+void layer_norm_fwd_cuda_launch(const LnFwdArgs& a, cudaStream_t stream) {
+  if (a.rows == 0 || a.cols == 0) return;
+  const Config c = fwd_config(a);
+  const dim3 block(c.tpr, c.rpb);
+  const unsigned grid = static_cast<unsigned>(std::min(ceil_div(a.rows, c.rpb), kMaxGrid));
+  dispatch_types(a.dtype, a.wtype, [&](auto t, auto w) {
+    using T = typename decltype(t)::type;
+    using W = typename decltype(w)::type;
+    dispatch_mode(a.rms, a.fused, [&](auto rms, auto fused) {
+      constexpr bool kRms = decltype(rms)::value, kFused = decltype(fused)::value;
+      dispatch_vecs(c.vecs, [&](auto vecs) {
+        constexpr int kVecs = decltype(vecs)::value;
+        if constexpr (kVecs == 0) {
+          ln_fwd_any_kernel<T, W, kRms, kFused><<<grid, block, 0, stream>>>(a);
+        } else {
+          ln_fwd_vec_kernel<T, W, kVecs, kRms, kFused><<<grid, block, 0, stream>>>(a);
+        }
+      });
+    });
+  });
+}
+
+LnBwdPlan layer_norm_bwd_plan(const LnBwdArgs& a, int num_sms) {
+  if (a.rows == 0 || a.cols == 0) return {0, 0};
+  const Config c = bwd_config(a);
+  int resident = 1;
+  with_bwd_kernel(a, c, [&](auto kernel) {
+    resident = blocks_per_sm(reinterpret_cast<const void*>(kernel), c.tpr * c.rpb,
+                             bwd_smem_bytes(c, a.dtype));
+  });
+  // Persistent grid: one wave of blocks, each looping over rows and keeping its partial sums.
+  const int64_t grid =
+      std::max<int64_t>(1, std::min(ceil_div(a.rows, c.rpb), int64_t{num_sms} * resident));
+  return {grid, c.vecs == 0 ? grid * c.rpb : grid};
+}
+
+void layer_norm_bwd_cuda_launch(const LnBwdArgs& a, const LnBwdPlan& plan, cudaStream_t stream) {
+  if (a.cols == 0) return;
+  const size_t wbytes = static_cast<size_t>(a.cols) * elem_bytes(a.wtype);
+  if (a.rows == 0) {  // empty sums
+    if (a.dweight != nullptr) cudaMemsetAsync(a.dweight, 0, wbytes, stream);
+    if (a.dbias != nullptr) cudaMemsetAsync(a.dbias, 0, wbytes, stream);
+    return;
+  }
+  const Config c = bwd_config(a);
+  const size_t smem = bwd_smem_bytes(c, a.dtype);
+  with_bwd_kernel(a, c, [&](auto kernel) {
+    kernel<<<static_cast<unsigned>(plan.grid), dim3(c.tpr, c.rpb), smem, stream>>>(a);
+  });
+  if (a.dweight == nullptr && a.dbias == nullptr) return;
+  switch (a.wtype) {
+    case LnType::kFloat32:
+      launch_finalize<float>(a, plan, stream);
+      return;
+    case LnType::kFloat16:
+      launch_finalize<__half>(a, plan, stream);
+      return;
+    case LnType::kBFloat16:
+      launch_finalize<__nv_bfloat16>(a, plan, stream);
+      return;
+  }
+}
+
+}  // namespace fastformer

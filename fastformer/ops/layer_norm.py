@@ -1,0 +1,548 @@
+"""LayerNorm, RMSNorm and the fused dropout + residual-add + LayerNorm.
+
+Public functions (semantics of ``torch.nn.functional`` where it has them):
+
+* ``layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5)``
+* ``rms_norm(input, normalized_shape, weight=None, eps=None)``
+* ``dropout_add_layer_norm(x, residual, weight, bias, eps=1e-5, dropout_p=0.0, prenorm=False)``:
+  ``LayerNorm(residual + dropout(x))`` over the last dim in one pass; ``prenorm=True`` also
+  returns ``pre = residual + dropout(x)`` (the next residual stream).
+* ``dropout_add_layer_norm_keep_mask(seed, shape, dropout_p)``: the keep-mask a call with that
+  seed used, regenerated in plain PyTorch (for tests and debugging).
+
+Backends (``fastformer.ops._dispatch``, op name ``"layer_norm"``): ``cpp`` runs the compiled
+kernels of ``csrc/layer_norm`` (CPU always, CUDA when built with nvcc), then ``torch`` runs the
+eager reference (``fastformer.reference``). ``FASTFORMER_BACKEND_LAYER_NORM`` forces one.
+
+Dtypes: inputs float32, float16 or bfloat16, and float64 (the C++ CPU kernels take it too, so
+``gradcheck`` tests the real kernels; on CUDA float64 runs on the torch backend). Weight and
+bias have the input dtype or float32; the output has the input dtype. Statistics are kept in
+float32 (float64 for float64 inputs).
+
+Dropout: one seed per call, drawn from the torch generator of the input's device inside the
+custom op (so ``torch.compile`` draws it at run time and ``torch.manual_seed`` reproduces a
+run). Element ``i`` of ``x.reshape(-1, N)`` in row-major order (int64 offset ``row * N + col``)
+is kept when ``philox_uniform(seed, i) >= dropout_p`` and scaled by ``1 / (1 - dropout_p)``.
+The backward regenerates the mask from the seed: no mask is stored. The normalized input
+``pre`` is kept for the backward (and returned when ``prenorm``), rounded to the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from fastformer import reference
+from fastformer._ext import cuda_kernels_compiled, extension_error
+from fastformer.ops import rng
+from fastformer.ops._dispatch import Backend, register, select
+
+__all__ = [
+    "dropout_add_layer_norm",
+    "dropout_add_layer_norm_keep_mask",
+    "layer_norm",
+    "rms_norm",
+]
+
+OP = "layer_norm"
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# --------------------------------------------------------------------------- backends
+
+
+# Read once at import: torch.compile traces the backend choice, and these are cached loaders.
+_EXTENSION_ERROR = extension_error()
+_CUDA_KERNELS = cuda_kernels_compiled()
+
+
+def _cpp_reasons(x: Tensor | None) -> list[str]:
+    """Why the compiled kernels cannot run `x` (None: this environment)."""
+    if _EXTENSION_ERROR is not None:
+        return [_EXTENSION_ERROR]
+    if x is None:
+        return []
+    if x.device.type == "cuda":
+        if not _CUDA_KERNELS:
+            return ["fastformer._C was built without CUDA kernels (no nvcc or a CPU-only torch)"]
+        if x.dtype not in _CUDA_DTYPES:
+            return [f"the CUDA kernels take float32, float16 or bfloat16 inputs, got {x.dtype}"]
+    elif x.device.type != "cpu":
+        return [f"no kernels for device type {x.device.type!r}"]
+    return []
+
+
+def _torch_reasons(x: Tensor | None) -> list[str]:
+    return []
+
+
+register(OP, [Backend("cpp", _cpp_reasons), Backend("torch", _torch_reasons)])
+
+# --------------------------------------------------------------------------- input checks
+
+
+def _check_input(fn: str, name: str, x: object) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _DTYPES:
+        raise TypeError(
+            f"{fn}: {name} must be float32, float16, bfloat16 or float64, got {x.dtype}"
+        )
+    return x
+
+
+def _normalized_shape(fn: str, x: Tensor, normalized_shape: object) -> tuple[int, ...]:
+    if type(normalized_shape) is int and normalized_shape >= 1 and x.dim() >= 1:
+        if x.shape[-1] == normalized_shape:  # the common case, checked cheaply
+            return (normalized_shape,)
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+        shape: tuple = (int(normalized_shape),)
+    elif isinstance(normalized_shape, Sequence) and all(
+        isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in normalized_shape
+    ):
+        shape = tuple(int(d) for d in normalized_shape)
+    else:
+        raise TypeError(
+            f"{fn}: normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}"
+        )
+    if not shape or any(d < 1 for d in shape):
+        raise ValueError(f"{fn}: normalized_shape must be non-empty and positive, got {shape}")
+    if len(shape) > x.dim() or tuple(x.shape[x.dim() - len(shape) :]) != shape:
+        raise ValueError(
+            f"{fn}: normalized_shape {shape} does not match the trailing dims of input "
+            f"{tuple(x.shape)}; expected input of shape (*, {', '.join(map(str, shape))})"
+        )
+    return shape
+
+
+def _check_param(fn: str, name: str, p: object, x: Tensor, shape: tuple[int, ...]) -> None:
+    if p is None:
+        return
+    if not isinstance(p, Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor or None, got {type(p).__name__}")
+    if tuple(p.shape) != shape:
+        raise ValueError(f"{fn}: {name} must have shape {shape}, got {tuple(p.shape)}")
+    if p.dtype not in (x.dtype, torch.float32):
+        raise TypeError(
+            f"{fn}: {name} must have the input dtype {x.dtype} or float32, got {p.dtype}"
+        )
+    if p.device != x.device:
+        raise ValueError(f"{fn}: {name} is on {p.device} but input is on {x.device}")
+
+
+def _check_params(fn: str, x: Tensor, shape: tuple[int, ...], weight: object, bias: object):
+    _check_param(fn, "weight", weight, x, shape)
+    _check_param(fn, "bias", bias, x, shape)
+    if weight is not None and bias is not None and weight.dtype != bias.dtype:
+        raise TypeError(
+            f"{fn}: weight and bias must have the same dtype, got {weight.dtype} and {bias.dtype}"
+        )
+
+
+def _check_eps(fn: str, eps: object) -> float:
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool):
+        raise TypeError(f"{fn}: eps must be a float, got {type(eps).__name__}")
+    if not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"{fn}: eps must be a finite number > 0, got {eps}")
+    return float(eps)
+
+
+def _check_dropout_p(fn: str, dropout_p: object) -> float:
+    if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool):
+        raise TypeError(f"{fn}: dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p}")
+    return float(dropout_p)
+
+
+def _check_residual(fn: str, residual: object, x: Tensor) -> None:
+    if residual is None:
+        return
+    if not isinstance(residual, Tensor):
+        raise TypeError(
+            f"{fn}: residual must be a torch.Tensor or None, got {type(residual).__name__}"
+        )
+    if residual.shape != x.shape:
+        raise ValueError(
+            f"{fn}: residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}"
+        )
+    if residual.dtype != x.dtype:
+        raise TypeError(f"{fn}: residual must have the dtype of x {x.dtype}, got {residual.dtype}")
+    if residual.device != x.device:
+        raise ValueError(f"{fn}: residual is on {residual.device} but x is on {x.device}")
+
+
+# --------------------------------------------------------------------------- custom ops
+#
+# torch.compile sees the custom op fastformer::layer_norm (one opaque op, seed drawn when the
+# graph runs). Eager calls skip the custom-op machinery (~40 us a call on the CI machine) and run
+# the same forward and backward helpers through a plain autograd.Function, or without autograd
+# when no gradient is needed; the compile tests check both paths give the same bits.
+
+_NO_SEED = torch.zeros((), dtype=torch.int64)  # eager calls without dropout (never written)
+
+
+def _forward(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    residual: Tensor | None,
+    eps: float,
+    dropout_p: float,
+    rms: bool,
+    store_pre: bool,
+    seed: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Draws the dropout seed (when dropout_p > 0) and runs the compiled forward."""
+    if dropout_p > 0 or seed is None:
+        seed = torch.tensor(rng.draw_seed(x.device) if dropout_p > 0 else 0, dtype=torch.int64)
+    out, pre, mean, rstd = torch.ops.fastformer.layer_norm_fwd(
+        x, weight, bias, residual, seed, eps, dropout_p, rms, store_pre
+    )
+    return out, pre, mean, rstd, seed
+
+
+@torch.library.custom_op("fastformer::layer_norm", mutates_args=())
+def _layer_norm_op(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    residual: Tensor | None,
+    eps: float,
+    dropout_p: float,
+    rms: bool,
+    store_pre: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The compiled forward on a (rows, cols) input; draws the dropout seed (here, at run time).
+
+    Returns out (rows, cols), pre (rows, cols; (0,) unless stored), mean ((rows,); (0,) for
+    RMSNorm), rstd (rows,) and the seed as a 0-dim int64 CPU tensor.
+    """
+    return _forward(x, weight, bias, residual, eps, dropout_p, rms, store_pre)
+
+
+def _fused(residual: Tensor | None, dropout_p: float, store_pre: bool) -> bool:
+    # The kernel normalizes pre (and writes it) when there is something to add or drop, or
+    # when pre is asked for.
+    return residual is not None or dropout_p > 0 or store_pre
+
+
+def _stats_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _fwd_fake(x, weight, bias, residual, eps, dropout_p, rms, store_pre):
+    rows = x.shape[0]
+    pre_shape = x.shape if store_pre else (0,)
+    mean = x.new_empty((0,) if rms else (rows,), dtype=_stats_dtype(x))
+    rstd = x.new_empty((rows,), dtype=_stats_dtype(x))
+    return torch.empty_like(x), x.new_empty(pre_shape), mean, rstd
+
+
+@_layer_norm_op.register_fake
+def _(x, weight, bias, residual, eps, dropout_p, rms, store_pre):
+    out = _fwd_fake(x, weight, bias, residual, eps, dropout_p, rms, store_pre)
+    return (*out, torch.empty((), dtype=torch.int64, device="cpu"))
+
+
+def _save(ctx, inputs, output) -> None:
+    """What the backward needs: the normalized input (x, or pre when fused), the parameters,
+    mean, rstd and the seed (the dropout mask is regenerated from it, never stored)."""
+    x, weight, bias, residual, eps, dropout_p, rms, store_pre = inputs
+    _, pre, mean, rstd, seed = output
+    ctx.fused = _fused(residual, dropout_p, store_pre)
+    if ctx.fused and pre.numel() == 0 and x.numel() > 0:
+        raise RuntimeError("fastformer::layer_norm: the backward needs pre; call with store_pre")
+    ctx.save_for_backward(pre if ctx.fused else x, weight, bias, mean, rstd, seed)
+    ctx.dropout_p, ctx.rms, ctx.has_residual = dropout_p, rms, residual is not None
+    ctx.set_materialize_grads(False)  # an unused pre gets no zero gradient tensor
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    _save(ctx, inputs, output)
+    ctx.mark_non_differentiable(*output[2:])  # mean, rstd, seed
+
+
+def _backward(ctx, dout, dpre, _dmean, _drstd, _dseed):
+    return _grads(ctx, dout, dpre)
+
+
+def _grads(ctx, dout: Tensor | None, dpre: Tensor | None) -> tuple:
+    """Gradients of (x, weight, bias, residual, and None for the 4 non-tensor arguments)."""
+    xin, weight, bias, mean, rstd, seed = ctx.saved_tensors
+    need_x, need_w, need_b, need_res = ctx.needs_input_grad[:4]
+    if dout is None:
+        dout = torch.zeros_like(xin)
+    if dpre is not None and dpre.numel() == 0:
+        dpre = None
+    dx, dres, dweight, dbias = torch.ops.fastformer.layer_norm_bwd(
+        dout,
+        dpre,
+        xin,
+        weight,
+        bias,
+        mean,
+        rstd,
+        seed,
+        ctx.dropout_p,
+        ctx.rms,
+        ctx.fused,
+        ctx.has_residual and need_res,
+        weight is not None and need_w,
+        bias is not None and need_b,
+    )
+    return (
+        dx if need_x else None,
+        dweight if weight is not None and need_w else None,
+        dbias if bias is not None and need_b else None,
+        dres if ctx.has_residual and need_res else None,
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+_layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _LayerNormFunction(torch.autograd.Function):
+    """Eager autograd of the compiled op: the helpers of fastformer::layer_norm, less its
+    dispatch overhead."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, eps, dropout_p, rms, store_pre):
+        inputs = (x, weight, bias, residual, eps, dropout_p, rms, store_pre)
+        output = _forward(*inputs, seed=_NO_SEED)
+        _save(ctx, inputs, output)
+        return output[0], output[1]
+
+    @staticmethod
+    def backward(ctx, dout, dpre):
+        return _grads(ctx, dout, dpre)
+
+
+@torch.library.custom_op("fastformer::layer_norm_keep_mask", mutates_args=())
+def _keep_mask_op(x: Tensor, dropout_p: float) -> Tensor:
+    """Torch backend: draws a seed (at run time, also under torch.compile) and returns the bool
+    keep-mask of x's shape that the compiled kernels would use with that seed."""
+    seed = rng.draw_seed(x.device)
+    return dropout_add_layer_norm_keep_mask(seed, x.shape, dropout_p, device=x.device)
+
+
+@_keep_mask_op.register_fake
+def _(x, dropout_p):
+    return torch.empty(x.shape, dtype=torch.bool, device=x.device)
+
+
+def _register_compiled_fakes() -> None:
+    """Fake kernels of the C++ ops (traced in the backward under torch.compile)."""
+
+    @torch.library.register_fake("fastformer::layer_norm_fwd")
+    def _(x, weight, bias, residual, seed, eps, dropout_p, rms, store_pre):
+        return _fwd_fake(x, weight, bias, residual, eps, dropout_p, rms, store_pre)
+
+    @torch.library.register_fake("fastformer::layer_norm_bwd")
+    def _(dy, dpre, x, weight, bias, mean, rstd, seed, p, rms, fused, has_res, need_w, need_b):
+        none = x.new_empty((0,))
+        cols = x.shape[1]
+        return (
+            torch.empty_like(x),
+            torch.empty_like(x) if has_res else none,
+            weight.new_empty((cols,)) if need_w else none,
+            bias.new_empty((cols,)) if need_b else none,
+        )
+
+
+if _EXTENSION_ERROR is None:
+    _register_compiled_fakes()
+
+# --------------------------------------------------------------------------- public API
+
+
+def dropout_add_layer_norm_keep_mask(
+    seed: int,
+    shape: Sequence[int],
+    dropout_p: float,
+    *,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """The dropout keep-mask of a ``dropout_add_layer_norm`` call that drew ``seed``.
+
+    Plain PyTorch (``fastformer.ops.rng``), bit-identical to the CPU and CUDA kernels: element
+    ``i`` in row-major order over ``shape`` is kept when ``philox_uniform(seed, i) >= p``.
+
+    Returns:
+        bool tensor of ``shape`` (True = keep) on ``device`` (default CPU).
+    """
+    numel = math.prod(shape)
+    offsets = torch.arange(numel, dtype=torch.int64, device=device).reshape(tuple(shape))
+    return rng.dropout_keep(seed, offsets, dropout_p)
+
+
+def _grad_needed(*tensors: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _as_rows(t: Tensor, cols: int) -> Tensor:
+    """t as a (rows, cols) matrix (a view when t's layout allows)."""
+    return t if t.dim() == 2 and t.shape[1] == cols else t.reshape(-1, cols)
+
+
+def _run_cpp(
+    x: Tensor,
+    cols: int,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    residual: Tensor | None,
+    eps: float,
+    dropout_p: float,
+    rms: bool,
+    prenorm: bool,
+) -> Tensor | tuple[Tensor, Tensor]:
+    grad = _grad_needed(x, residual, weight, bias)
+    store_pre = prenorm or (grad and (residual is not None or dropout_p > 0))
+    args = (
+        _as_rows(x, cols),
+        weight if weight is None or weight.dim() == 1 else weight.reshape(cols),
+        bias if bias is None or bias.dim() == 1 else bias.reshape(cols),
+        None if residual is None else _as_rows(residual, cols),
+        eps,
+        dropout_p,
+        rms,
+        store_pre,
+    )
+    if torch.compiler.is_compiling():
+        out, pre = _layer_norm_op(*args)[:2]
+    elif grad:
+        out, pre = _LayerNormFunction.apply(*args)
+    else:
+        out, pre = _forward(*args, seed=_NO_SEED)[:2]
+    if x.dim() != 2:
+        out = out.view(x.shape)
+        pre = pre.view(x.shape) if prenorm else pre
+    return (out, pre) if prenorm else out
+
+
+def _run_torch(
+    x: Tensor,
+    shape: tuple[int, ...],
+    weight: Tensor | None,
+    bias: Tensor | None,
+    residual: Tensor | None,
+    eps: float,
+    dropout_p: float,
+    rms: bool,
+    prenorm: bool,
+) -> Tensor | tuple[Tensor, Tensor]:
+    # The reference computes in the dtype type promotion gives; outputs keep the input dtype.
+    if rms:
+        return reference.rms_norm(x, shape, weight, eps).to(x.dtype)
+    if residual is None and dropout_p == 0 and not prenorm:
+        return reference.layer_norm(x, shape, weight, bias, eps).to(x.dtype)
+    keep = _keep_mask_op(x.detach(), dropout_p) if dropout_p > 0 else None
+    result = reference.dropout_add_layer_norm(
+        x, residual, weight, bias, eps, dropout_p, prenorm, keep_mask=keep
+    )
+    if prenorm:
+        return result[0].to(x.dtype), result[1]
+    return result.to(x.dtype)
+
+
+def _run(x, shape, weight, bias, residual, eps, dropout_p, rms, prenorm):
+    args = (weight, bias, residual, eps, dropout_p, rms, prenorm)
+    if select(OP, x) == "cpp":
+        return _run_cpp(x, math.prod(shape), *args)
+    return _run_torch(x, shape, *args)
+
+
+def layer_norm(
+    input: Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+) -> Tensor:
+    """``torch.nn.functional.layer_norm``: normalize over the trailing ``normalized_shape`` dims.
+
+    Args:
+        input: ``(*, *normalized_shape)``, float32/float16/bfloat16 (float64 too, see module doc).
+        normalized_shape: int or sequence of ints, the trailing dims of ``input``.
+        weight, bias: ``normalized_shape``, the input dtype or float32, or None.
+        eps: > 0, added to the (biased) variance.
+
+    Returns:
+        Tensor of ``input``'s shape and dtype.
+    """
+    fn = "layer_norm"
+    x = _check_input(fn, "input", input)
+    shape = _normalized_shape(fn, x, normalized_shape)
+    _check_params(fn, x, shape, weight, bias)
+    return _run(x, shape, weight, bias, None, _check_eps(fn, eps), 0.0, False, False)
+
+
+def rms_norm(
+    input: Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None = None,
+    eps: float | None = None,
+) -> Tensor:
+    """``torch.nn.functional.rms_norm``: ``x / sqrt(mean(x^2) + eps) * weight``.
+
+    Args:
+        input: ``(*, *normalized_shape)``, float32/float16/bfloat16 (float64 too).
+        normalized_shape: int or sequence of ints, the trailing dims of ``input``.
+        weight: ``normalized_shape``, the input dtype or float32, or None.
+        eps: > 0; None means ``torch.finfo(input.dtype).eps``.
+
+    Returns:
+        Tensor of ``input``'s shape and dtype.
+    """
+    fn = "rms_norm"
+    x = _check_input(fn, "input", input)
+    shape = _normalized_shape(fn, x, normalized_shape)
+    _check_params(fn, x, shape, weight, None)
+    eps = torch.finfo(x.dtype).eps if eps is None else _check_eps(fn, eps)
+    return _run(x, shape, weight, None, None, eps, 0.0, True, False)
+
+
+def dropout_add_layer_norm(
+    x: Tensor,
+    residual: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float = 1e-5,
+    dropout_p: float = 0.0,
+    prenorm: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """``LayerNorm(residual + dropout(x))`` over the last dim, in one pass.
+
+    Args:
+        x: ``(*, N)``, float32/float16/bfloat16 (float64 too).
+        residual: same shape and dtype as ``x``, or None (then ``LayerNorm(dropout(x))``).
+        weight, bias: ``(N,)``, the dtype of ``x`` or float32, or None.
+        eps: > 0.
+        dropout_p: in [0, 1); the mask is drawn per call from the torch generator of ``x``'s
+            device and regenerated in the backward (see the module doc and
+            ``dropout_add_layer_norm_keep_mask``). Pass 0 in eval mode.
+        prenorm: also return ``pre = residual + dropout(x)``.
+
+    Returns:
+        ``out`` (shape and dtype of ``x``), or ``(out, pre)`` when ``prenorm``.
+    """
+    fn = "dropout_add_layer_norm"
+    x = _check_input(fn, "x", x)
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"{fn}: x must have a non-empty last dim, got shape {tuple(x.shape)}")
+    shape = (x.shape[-1],)
+    _check_residual(fn, residual, x)
+    _check_params(fn, x, shape, weight, bias)
+    eps = _check_eps(fn, eps)
+    dropout_p = _check_dropout_p(fn, dropout_p)
+    if not isinstance(prenorm, bool):
+        raise TypeError(f"{fn}: prenorm must be a bool, got {type(prenorm).__name__}")
+    return _run(x, shape, weight, bias, residual, eps, dropout_p, False, prenorm)

@@ -1,0 +1,607 @@
+"""Tests of fastformer.ops.layer_norm: the C++/CUDA LayerNorm, RMSNorm and fused dropout +
+residual-add + LayerNorm, against the eager reference with the parity rule (DESIGN.md).
+
+On a CPU-only machine these run the C++ CPU kernels (the `cpp` backend); the `cuda`-marked tests
+run the CUDA kernels on a GPU machine. Dropout is checked against the reference fed with the
+keep-mask regenerated from the seed the op drew (`torch.manual_seed` predicts it).
+"""
+
+import math
+
+import pytest
+import torch
+
+from fastformer import reference as ref
+from fastformer._ext import extension_error
+from fastformer.ops import _dispatch, rng
+from fastformer.ops import layer_norm as ln
+from fastformer.testing import ATOL_FLOOR, assert_parity, compare_with_reference
+
+needs_ext = pytest.mark.skipif(extension_error() is not None, reason="fastformer._C not built")
+CUDA = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def _default_backend(monkeypatch):
+    # A developer's FASTFORMER_BACKEND_LAYER_NORM must not change what these tests check.
+    monkeypatch.delenv("FASTFORMER_BACKEND_LAYER_NORM", raising=False)
+
+
+def _make(shape, dtype=torch.float32, seed=0, device="cpu", scale=1.0, shift=0.0, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(shape, generator=g, dtype=torch.float32) * scale + shift
+    return t.to(device=device, dtype=dtype).requires_grad_(grad)
+
+
+def _params(n, affine, dtype=torch.float32, seed=1, device="cpu"):
+    """(weight, bias) for `affine` in {"both", "weight", "bias", "none"}."""
+    w = _make((n,), dtype, seed, device) if affine in ("both", "weight") else None
+    b = _make((n,), dtype, seed + 1, device) if affine in ("both", "bias") else None
+    return w, b
+
+
+def _floor(dtype):
+    # The output is in the input dtype even when the parameters are fp32.
+    return ATOL_FLOOR[dtype]
+
+
+def _assert_runs_cpp(x):
+    if extension_error() is None and x.device.type == "cpu":
+        assert _dispatch.select(ln.OP, x) == "cpp"
+
+
+def _ln_parity(x, shape, w, b, eps=1e-5):
+    _assert_runs_cpp(x)
+    results = compare_with_reference(
+        lambda x, w, b: ln.layer_norm(x, shape, w, b, eps),
+        lambda x, w, b: ref.layer_norm(x, shape, w, b, eps).to(x.dtype),
+        [x, w, b],
+        names=["x", "weight", "bias"],
+        atol_floor=_floor(x.dtype),
+    )
+    assert_parity(results)
+
+
+# --------------------------------------------------------------------------- layer_norm parity
+
+HIDDEN = (1, 7, 64, 1023, 4096, 65536)
+ROWS = (1, 3, 1000)
+GRID = [(r, h) for h in HIDDEN for r in ROWS if r * h <= 4096 * 1000]
+
+
+@pytest.mark.parametrize(("rows", "hidden"), GRID)
+def test_layer_norm_parity_fp32(rows, hidden):
+    x = _make((rows, hidden), scale=2.0, shift=3.0)  # an offset mean tests the centring
+    w, b = _params(hidden, "both")
+    _ln_parity(x, hidden, w, b)
+
+
+@pytest.mark.parametrize("affine", ["none", "weight", "bias"])
+@pytest.mark.parametrize(("rows", "hidden"), [(3, 7), (64, 1023), (5, 4096)])
+def test_layer_norm_affine_variants(rows, hidden, affine):
+    x = _make((rows, hidden))
+    w, b = _params(hidden, affine)
+    _ln_parity(x, hidden, w, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("wdtype", ["fp32", "same"])
+@pytest.mark.parametrize(("rows", "hidden"), [(3, 7), (1000, 1024), (2, 4099)])
+def test_layer_norm_low_precision(dtype, wdtype, rows, hidden):
+    x = _make((rows, hidden), dtype, scale=2.0, shift=1.0)
+    w, b = _params(hidden, "both", torch.float32 if wdtype == "fp32" else dtype)
+    out = ln.layer_norm(x, hidden, w, b)
+    assert out.dtype == dtype
+    _ln_parity(x, hidden, w, b)
+
+
+def test_layer_norm_noncontiguous_and_multidim():
+    base = _make((64, 2, 50), grad=False)
+    x = base.permute(2, 1, 0).requires_grad_()  # (50, 2, 64), last dim strided
+    assert not x.is_contiguous()
+    w, b = _params(64, "both")
+    _ln_parity(x, 64, w, b)
+    x = _make((3, 5, 4, 16))
+    w, b = _make((4, 16), seed=5), _make((4, 16), seed=6)
+    _ln_parity(x, (4, 16), w, b)
+
+
+def test_layer_norm_matches_torch_and_eps():
+    x = _make((10, 33), grad=False) * 1e-3  # tiny variance: eps matters
+    w, b = _params(33, "both")
+    for eps in (1e-5, 1e-2):
+        expected = torch.nn.functional.layer_norm(x, (33,), w, b, eps)
+        torch.testing.assert_close(ln.layer_norm(x, 33, w, b, eps), expected)
+        with torch.no_grad():  # the path without autograd
+            torch.testing.assert_close(ln.layer_norm(x, 33, w, b, eps), expected)
+
+
+def test_empty_batch():
+    x = _make((0, 8))
+    w, b = _params(8, "both")
+    out = ln.layer_norm(x, 8, w, b)
+    assert out.shape == (0, 8)
+    out.sum().backward()
+    assert torch.equal(w.grad, torch.zeros(8)) and torch.equal(b.grad, torch.zeros(8))
+
+
+# --------------------------------------------------------------------------- rms_norm
+
+
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 1), (3, 7), (1000, 64), (3, 1023), (7, 4096)])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm_parity(rows, hidden, weighted):
+    x = _make((rows, hidden), shift=0.5)
+    w = _make((hidden,), seed=3) if weighted else None
+    _assert_runs_cpp(x)
+    results = compare_with_reference(
+        lambda x, w: ln.rms_norm(x, hidden, w, 1e-6),
+        lambda x, w: ref.rms_norm(x, hidden, w, 1e-6).to(x.dtype),
+        [x, w],
+        names=["x", "weight"],
+    )
+    assert_parity(results)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rms_norm_low_precision_default_eps(dtype):
+    x = _make((100, 512), dtype)
+    w = _make((512,), seed=4)  # fp32 weight
+    out = ln.rms_norm(x, 512, w)
+    assert out.dtype == dtype
+    results = compare_with_reference(
+        lambda x, w: ln.rms_norm(x, 512, w),
+        lambda x, w: ref.rms_norm(x, 512, w, torch.finfo(dtype).eps).to(x.dtype),
+        [x, w],
+        names=["x", "weight"],
+        atol_floor=_floor(dtype),
+    )
+    assert_parity(results)
+    # eps=None means finfo(input dtype).eps, as in F.rms_norm.
+    eps = torch.finfo(dtype).eps
+    expected = torch.nn.functional.rms_norm(x.detach().float(), (512,), w.detach(), eps)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+# --------------------------------------------------------------------------- gradcheck
+
+
+def test_gradcheck_float64():
+    x = _make((4, 9), torch.float64, shift=1.0)
+    w, b = _params(9, "both", torch.float64)
+    r = _make((4, 9), torch.float64, seed=7)
+    _assert_runs_cpp(x)
+    assert torch.autograd.gradcheck(lambda x, w, b: ln.layer_norm(x, 9, w, b), (x, w, b))
+    assert torch.autograd.gradcheck(lambda x, w: ln.rms_norm(x, 9, w, 1e-5), (x, w))
+
+    def fused(x, r, w, b):
+        torch.manual_seed(11)  # the same dropout seed in every evaluation
+        return ln.dropout_add_layer_norm(x, r, w, b, 1e-5, 0.3, prenorm=True)
+
+    assert torch.autograd.gradcheck(fused, (x, r, w, b))
+
+
+# --------------------------------------------------------------------------- dropout_add_layer_norm
+
+
+def _seed_of_next_call(manual_seed):
+    torch.manual_seed(manual_seed)
+    return rng.draw_seed("cpu")
+
+
+@pytest.mark.parametrize("prenorm", [False, True])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize(("rows", "hidden", "p"), [(3, 7, 0.5), (100, 1024, 0.1), (4, 1023, 0.0)])
+def test_dropout_add_layer_norm_matches_reference(prenorm, with_residual, rows, hidden, p):
+    x = _make((2, rows, hidden), scale=1.5)
+    res = _make((2, rows, hidden), seed=9) if with_residual else None
+    w, b = _params(hidden, "both")
+    seed = _seed_of_next_call(123)
+    keep = ln.dropout_add_layer_norm_keep_mask(seed, x.shape, p) if p > 0 else None
+
+    def fast(x, res, w, b):
+        torch.manual_seed(123)
+        return ln.dropout_add_layer_norm(x, res, w, b, 1e-5, p, prenorm)
+
+    def reference(x, res, w, b):
+        out = ref.dropout_add_layer_norm(x, res, w, b, 1e-5, p, prenorm, keep_mask=keep)
+        return (out[0].to(x.dtype), out[1]) if prenorm else out.to(x.dtype)
+
+    _assert_runs_cpp(x)
+    names = ["x", "residual", "weight", "bias"] if with_residual else ["x", "weight", "bias"]
+    assert_parity(compare_with_reference(fast, reference, [x, res, w, b], names=names))
+
+
+def test_dropout_add_layer_norm_low_precision():
+    x = _make((64, 256), torch.bfloat16)
+    res = _make((64, 256), torch.bfloat16, seed=2)
+    w, b = _params(256, "both")  # fp32 parameters
+    seed = _seed_of_next_call(5)
+    keep = ln.dropout_add_layer_norm_keep_mask(seed, x.shape, 0.2)
+
+    def fast(x, res, w, b):
+        torch.manual_seed(5)
+        return ln.dropout_add_layer_norm(x, res, w, b, 1e-5, 0.2, True)
+
+    def reference(x, res, w, b):
+        out, pre = ref.dropout_add_layer_norm(x, res, w, b, 1e-5, 0.2, True, keep_mask=keep)
+        return out.to(x.dtype), pre
+
+    results = compare_with_reference(
+        fast, reference, [x, res, w, b], names=["x", "residual", "w", "b"], atol_floor=1e-2
+    )
+    assert_parity(results)
+
+
+def test_dropout_keep_rate_within_binomial_bound():
+    n, p = 1_000_000, 0.3
+    x = torch.ones(1000, 1000)
+    _, pre = ln.dropout_add_layer_norm(
+        x, torch.zeros_like(x), None, None, dropout_p=p, prenorm=True
+    )
+    kept = (pre != 0).double().mean().item()
+    sigma = math.sqrt(p * (1 - p) / n)
+    assert abs(kept - (1 - p)) < 6 * sigma, kept
+    assert torch.allclose(pre[pre != 0], torch.full_like(pre[pre != 0], 1 / (1 - p)))
+
+
+def test_dropout_mask_is_the_regenerated_one():
+    x = torch.ones(37, 129)
+    seed = _seed_of_next_call(77)
+    torch.manual_seed(77)
+    _, pre = ln.dropout_add_layer_norm(x, None, None, None, dropout_p=0.4, prenorm=True)
+    keep = ln.dropout_add_layer_norm_keep_mask(seed, x.shape, 0.4)
+    assert torch.equal(pre != 0, keep)
+
+
+def test_dropout_reproducible_and_calls_differ():
+    x, res = _make((8, 64), grad=False), _make((8, 64), seed=1, grad=False)
+    torch.manual_seed(0)
+    a = ln.dropout_add_layer_norm(x, res, None, None, dropout_p=0.5)
+    b = ln.dropout_add_layer_norm(x, res, None, None, dropout_p=0.5)
+    torch.manual_seed(0)
+    c = ln.dropout_add_layer_norm(x, res, None, None, dropout_p=0.5)
+    assert torch.equal(a, c)
+    assert not torch.equal(a, b)
+
+
+def test_dropout_backward_regenerates_mask_and_stores_none():
+    x = _make((16, 32))
+    torch.manual_seed(3)
+    seed = rng.draw_seed("cpu")
+    saved = []
+    torch.manual_seed(3)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = ln.dropout_add_layer_norm(x, None, None, None, dropout_p=0.5)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+    keep = ln.dropout_add_layer_norm_keep_mask(seed, x.shape, 0.5)
+    assert torch.equal(x.grad != 0, keep)  # a dropped element gets no gradient
+    assert saved and all(t.dtype not in (torch.bool, torch.uint8, torch.int8) for t in saved)
+
+
+# --------------------------------------------------------------------------- determinism
+
+
+def _grads_once(x, w, b, res):
+    xs = [t.detach().clone().requires_grad_() for t in (x, w, b, res)]
+    torch.manual_seed(4)
+    out, pre = ln.dropout_add_layer_norm(*xs[:1], xs[3], xs[1], xs[2], 1e-5, 0.1, True)
+    g = torch.Generator().manual_seed(9)
+    torch.autograd.backward(
+        [out, pre], [torch.randn(out.shape, generator=g), torch.randn(pre.shape, generator=g)]
+    )
+    return [t.grad for t in xs]
+
+
+def test_grads_bit_identical_twice_and_across_thread_counts():
+    x, res = _make((1000, 1023), grad=False), _make((1000, 1023), seed=2, grad=False)
+    w, b = _params(1023, "both")
+    first, second = _grads_once(x, w, b, res), _grads_once(x, w, b, res)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = _grads_once(x, w, b, res)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b2, c in zip(first, second, single):
+        assert torch.equal(a, b2) and torch.equal(a, c)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _bad_cases():
+    x = torch.randn(3, 8)
+    w = torch.randn(8)
+    meta = torch.randn(8, device="meta")
+    return {
+        "shape mismatch": (lambda: ln.layer_norm(x, 7), ValueError, "normalized_shape"),
+        "shape too long": (lambda: ln.layer_norm(x, (2, 3, 8)), ValueError, "normalized_shape"),
+        "shape type": (lambda: ln.layer_norm(x, "8"), TypeError, "normalized_shape"),
+        "shape empty": (lambda: ln.layer_norm(x, ()), ValueError, "normalized_shape"),
+        "weight shape": (lambda: ln.layer_norm(x, 8, torch.randn(7)), ValueError, "weight"),
+        "bias shape": (lambda: ln.layer_norm(x, 8, w, torch.randn(4, 2)), ValueError, "bias"),
+        "weight dtype": (lambda: ln.layer_norm(x, 8, w.half()), TypeError, "weight"),
+        "weight/bias dtypes": (
+            lambda: ln.layer_norm(x.half(), 8, w, w.half()),
+            TypeError,
+            "same dtype",
+        ),
+        "weight type": (lambda: ln.layer_norm(x, 8, [1.0] * 8), TypeError, "weight"),
+        "input dtype": (lambda: ln.layer_norm(x.long(), 8), TypeError, "input"),
+        "input type": (lambda: ln.layer_norm(x.tolist(), 8), TypeError, "input"),
+        "weight device": (lambda: ln.layer_norm(x, 8, meta), ValueError, "weight is on meta"),
+        "eps zero": (lambda: ln.layer_norm(x, 8, eps=0.0), ValueError, "eps"),
+        "eps negative": (lambda: ln.layer_norm(x, 8, eps=-1e-5), ValueError, "eps"),
+        "eps nan": (lambda: ln.layer_norm(x, 8, eps=math.nan), ValueError, "eps"),
+        "eps type": (lambda: ln.layer_norm(x, 8, eps="1e-5"), TypeError, "eps"),
+        "rms eps": (lambda: ln.rms_norm(x, 8, eps=0), ValueError, "eps"),
+        "rms shape": (lambda: ln.rms_norm(x, 9), ValueError, "normalized_shape"),
+        "p one": (
+            lambda: ln.dropout_add_layer_norm(x, x, w, w, dropout_p=1.0),
+            ValueError,
+            "dropout_p",
+        ),
+        "p negative": (
+            lambda: ln.dropout_add_layer_norm(x, x, w, w, dropout_p=-0.1),
+            ValueError,
+            "dropout_p",
+        ),
+        "residual shape": (
+            lambda: ln.dropout_add_layer_norm(x, x[:2], w, w),
+            ValueError,
+            "residual",
+        ),
+        "residual dtype": (
+            lambda: ln.dropout_add_layer_norm(x, x.double(), w, w),
+            TypeError,
+            "residual",
+        ),
+        "residual device": (
+            lambda: ln.dropout_add_layer_norm(x, x.to("meta"), w, w),
+            ValueError,
+            "residual",
+        ),
+        "fused weight": (
+            lambda: ln.dropout_add_layer_norm(x, x, torch.randn(7), None),
+            ValueError,
+            "weight",
+        ),
+        "prenorm type": (
+            lambda: ln.dropout_add_layer_norm(x, x, w, w, prenorm=1),
+            TypeError,
+            "prenorm",
+        ),
+        "empty last dim": (
+            lambda: ln.dropout_add_layer_norm(torch.randn(3, 0), None, None, None),
+            ValueError,
+            "last dim",
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_cases()))
+def test_bad_input_raises_before_any_kernel(case, monkeypatch):
+    fn, error, match = _bad_cases()[case]
+
+    class Launched(Exception):
+        pass
+
+    def launched(*args, **kwargs):
+        raise Launched
+
+    # Every path to the compiled forward (eager, no-grad, custom op) goes through _forward.
+    monkeypatch.setattr(ln, "_forward", launched)
+    if extension_error() is None:  # the patch does intercept a valid call
+        with pytest.raises(Launched):
+            ln.dropout_add_layer_norm(torch.randn(3, 8), None, None, None, dropout_p=0.1)
+    with pytest.raises(error, match=match):
+        fn()
+
+
+def test_error_message_names_value_and_expectation():
+    with pytest.raises(ValueError, match=r"weight must have shape \(8,\), got \(7,\)"):
+        ln.layer_norm(torch.randn(3, 8), 8, torch.randn(7))
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\), got 1.5"):
+        ln.dropout_add_layer_norm(torch.randn(3, 8), None, None, None, dropout_p=1.5)
+
+
+@needs_ext
+def test_compiled_op_rejects_bad_direct_calls():
+    seed = torch.tensor(0)
+    f = torch.ops.fastformer.layer_norm_fwd
+    with pytest.raises(RuntimeError, match="2-D"):
+        f(torch.randn(2, 3, 4), None, None, None, seed, 1e-5, 0.0, False, False)
+    with pytest.raises(RuntimeError, match="weight must have shape"):
+        f(torch.randn(2, 4), torch.randn(3), None, None, seed, 1e-5, 0.0, False, False)
+    with pytest.raises(RuntimeError, match="eps"):
+        f(torch.randn(2, 4), None, None, None, seed, 0.0, 0.0, False, False)
+    with pytest.raises(RuntimeError, match="seed"):
+        f(torch.randn(2, 4), None, None, None, torch.tensor(0.5), 1e-5, 0.1, False, False)
+
+
+# --------------------------------------------------------------------------- backends
+
+
+def test_backend_reasons():
+    assert _dispatch.explain(ln.OP, None)[1] == ("torch", [])
+    meta = torch.empty(2, 3, device="meta")
+    if extension_error() is None:
+        assert _dispatch.explain(ln.OP, None)[0] == ("cpp", [])
+        assert _dispatch.select(ln.OP, torch.randn(2, 3)) == "cpp"
+    assert _dispatch.explain(ln.OP, meta)[0][1]  # no compiled kernels for meta tensors
+
+
+def test_forcing_a_backend(monkeypatch):
+    monkeypatch.setenv("FASTFORMER_BACKEND_LAYER_NORM", "cpp")
+    if extension_error() is None:
+        with pytest.raises(RuntimeError, match="cannot run"):
+            _dispatch.select(ln.OP, torch.empty(2, 3, device="meta"))
+    monkeypatch.setenv("FASTFORMER_BACKEND_LAYER_NORM", "nope")
+    with pytest.raises(ValueError, match="not a backend"):
+        ln.layer_norm(torch.randn(2, 3), 3)
+
+
+@needs_ext
+def test_torch_backend_agrees_with_cpp(monkeypatch):
+    x, res = _make((6, 40), grad=False), _make((6, 40), seed=2, grad=False)
+    w, b = _params(40, "both")
+    torch.manual_seed(8)
+    fast = ln.dropout_add_layer_norm(x, res, w, b, 1e-5, 0.25, True)
+    monkeypatch.setenv("FASTFORMER_BACKEND_LAYER_NORM", "torch")
+    torch.manual_seed(8)
+    slow = ln.dropout_add_layer_norm(x, res, w, b, 1e-5, 0.25, True)
+    for a, c in zip(fast, slow):
+        torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ln.rms_norm(x, 40, w), torch.nn.functional.rms_norm(x, (40,), w))
+    torch.testing.assert_close(
+        ln.layer_norm(x, 40, w, b), torch.nn.functional.layer_norm(x, (40,), w, b)
+    )
+
+
+# --------------------------------------------------------------------------- torch.library
+
+
+@needs_ext
+def test_opcheck():
+    x = _make((5, 24))
+    w, b = _params(24, "both")
+    r = _make((5, 24), seed=3)
+    op = torch.ops.fastformer.layer_norm.default
+    torch.library.opcheck(op, (x, w, b, None, 1e-5, 0.0, False, False))
+    torch.library.opcheck(op, (x, w, None, None, 1e-6, 0.0, True, False))
+    torch.library.opcheck(op, (x, w, b, r, 1e-5, 0.0, False, True))
+    seed = torch.tensor(42)
+    xd, wd, bd, rd = (t.detach() for t in (x, w, b, r))
+    torch.library.opcheck(
+        torch.ops.fastformer.layer_norm_fwd.default, (xd, wd, bd, rd, seed, 1e-5, 0.3, False, True)
+    )
+    out, pre, mean, rstd = torch.ops.fastformer.layer_norm_fwd(
+        xd, wd, bd, rd, seed, 1e-5, 0.3, False, True
+    )
+    args = (torch.randn_like(xd), xd.clone(), pre, wd, bd, mean, rstd, seed, 0.3, False, True)
+    torch.library.opcheck(torch.ops.fastformer.layer_norm_bwd.default, (*args, True, True, True))
+
+
+def _compiled_matches_eager(fn, inputs, seed=0):
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    results = []
+    for f in (fn, compiled):
+        xs = [t.detach().clone().requires_grad_() if t is not None else None for t in inputs]
+        torch.manual_seed(seed)
+        out = f(*xs)
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.autograd.backward(list(outs), [torch.ones_like(o) * 0.5 for o in outs])
+        results.append([*outs, *(t.grad for t in xs if t is not None)])
+    for a, c in zip(*results):
+        torch.testing.assert_close(a, c, atol=0, rtol=0)
+    return compiled
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    x, res = _make((4, 6, 48)), _make((4, 6, 48), seed=1)
+    w, b = _params(48, "both")
+    _compiled_matches_eager(lambda x, w, b: ln.layer_norm(x, 48, w, b), [x, w, b])
+    _compiled_matches_eager(lambda x, w: ln.rms_norm(x, (6, 48), None, 1e-6) * w, [x, w])
+
+    def fused(x, r, w, b):
+        return ln.dropout_add_layer_norm(x, r, w, b, 1e-5, 0.3, True)
+
+    compiled = _compiled_matches_eager(fused, [x, res, w, b], seed=21)
+    # The seed is drawn when the compiled graph runs, not baked in at trace time.
+    torch.manual_seed(1)
+    first = compiled(x, res, w, b)[0]
+    assert not torch.equal(first, compiled(x, res, w, b)[0])
+
+
+def test_torch_compile_torch_backend(monkeypatch):
+    torch._dynamo.reset()
+    monkeypatch.setenv("FASTFORMER_BACKEND_LAYER_NORM", "torch")
+    x, res = _make((4, 32)), _make((4, 32), seed=1)
+    w, b = _params(32, "both")
+    _compiled_matches_eager(
+        lambda x, r, w, b: ln.dropout_add_layer_norm(x, r, w, b, 1e-5, 0.2, True),
+        [x, res, w, b],
+        seed=3,
+    )
+    torch._dynamo.reset()
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+def _cuda_parity(rows, hidden, dtype, wdtype, affine="both", offset=0):
+    # offset > 0 makes every pointer misaligned (the generic kernels).
+    n = rows * hidden
+    base = _make((n + offset,), dtype, device=CUDA, scale=2.0, shift=1.0, grad=False)
+    x = base[offset:].view(rows, hidden).requires_grad_()
+    w, b = _params(hidden, affine, wdtype, device=CUDA)
+    results = compare_with_reference(
+        lambda x, w, b: ln.layer_norm(x, hidden, w, b),
+        lambda x, w, b: ref.layer_norm(x, hidden, w, b).to(x.dtype),
+        [x, w, b],
+        names=["x", "weight", "bias"],
+        atol_floor=_floor(dtype),
+    )
+    assert_parity(results)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [1, 7, 64, 256, 768, 1023, 1024, 4096, 8192, 12288, 65536])
+def test_cuda_layer_norm_parity(dtype, hidden):
+    rows = max(1, min(1000, 2**22 // hidden))
+    _cuda_parity(rows, hidden, dtype, torch.float32)
+    _cuda_parity(3, hidden, dtype, dtype, affine="weight")
+    _cuda_parity(5, hidden, dtype, torch.float32, offset=1)
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_large():
+    _cuda_parity(16384, 8192, torch.bfloat16, torch.float32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("hidden", [7, 1024, 5000])
+def test_cuda_rms_norm_and_fused_parity(hidden):
+    x = _make((300, hidden), torch.bfloat16, device=CUDA)
+    res = _make((300, hidden), torch.bfloat16, seed=2, device=CUDA)
+    w, b = _params(hidden, "both", device=CUDA)
+    assert_parity(
+        compare_with_reference(
+            lambda x, w: ln.rms_norm(x, hidden, w),
+            lambda x, w: ref.rms_norm(x, hidden, w, torch.finfo(x.dtype).eps).to(x.dtype),
+            [x, w],
+            atol_floor=1e-2,
+        )
+    )
+    torch.manual_seed(6)
+    seed = rng.draw_seed(CUDA)
+    keep = ln.dropout_add_layer_norm_keep_mask(seed, x.shape, 0.1, device=CUDA)
+
+    def fast(x, r, w, b):
+        torch.manual_seed(6)
+        return ln.dropout_add_layer_norm(x, r, w, b, 1e-5, 0.1, True)
+
+    def reference(x, r, w, b):
+        out, pre = ref.dropout_add_layer_norm(x, r, w, b, 1e-5, 0.1, True, keep_mask=keep)
+        return out.to(x.dtype), pre
+
+    assert_parity(compare_with_reference(fast, reference, [x, res, w, b], atol_floor=1e-2))
+
+
+@pytest.mark.cuda
+def test_cuda_matches_cpu_kernels_and_is_deterministic():
+    x = _make((4096, 1024), torch.bfloat16, grad=False)
+    w, b = _params(1024, "both")
+    cpu = ln.layer_norm(x, 1024, w, b)
+    xc, wc, bc = (t.detach().cuda().requires_grad_() for t in (x, w, b))
+    gpu = ln.layer_norm(xc, 1024, wc, bc)
+    torch.testing.assert_close(gpu.cpu(), cpu, atol=2e-2, rtol=2e-2)
+    grads = []
+    for _ in range(2):
+        g = torch.autograd.grad(ln.layer_norm(xc, 1024, wc, bc), (xc, wc, bc), torch.ones_like(xc))
+        grads.append(g)
+    for a, c in zip(*grads):
+        assert torch.equal(a, c)
