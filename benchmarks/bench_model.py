@@ -1,0 +1,70 @@
+"""The paper's base Transformer: training step (forward + backward + Adam) and inference of
+the eager reference, the model after fastformer.swap and torch.compile, same weights and
+batch as `python -m fastformer bench` (bf16 on the GPU)."""
+
+import copy
+import functools
+
+import pytest
+import torch
+
+from fastformer.cli import bench as B
+from fastformer.cli.cases import model_case
+
+VARIANTS = ["eager", "fastformer", "torch.compile"]
+
+
+@functools.lru_cache(maxsize=1)
+def _setup():
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    case, _ = model_case("base", device.type)
+    src, tgt = B.synthetic_batch(case, device)
+    return case, B.build_model(case, device, dtype, case.dropout), src, tgt
+
+
+def _variant(name):
+    case, eager, src, tgt = _setup()
+    model = copy.deepcopy(eager)
+    if name == "fastformer":
+        model, info = B.swapped(eager)
+        if model is None:
+            pytest.skip(info["error"])
+    loss_fn, forward = model.loss, model
+    if name == "torch.compile":
+        loss_fn, forward = torch.compile(model.loss), torch.compile(model)
+    return model, loss_fn, forward, src, tgt
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_train_step(benchmark, variant):
+    model, loss_fn, _, src, tgt = _variant(variant)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    model.train()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss_fn(src, tgt).backward()
+        opt.step()
+        torch.cuda.synchronize()
+
+    step()  # compilation outside the timed rounds
+    benchmark.pedantic(step, rounds=10, warmup_rounds=2, iterations=1)
+    tokens = int((src != B.PAD).sum() + (tgt != B.PAD).sum())
+    benchmark.extra_info["tokens_per_s"] = tokens / benchmark.stats.stats.median
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_inference(benchmark, variant):
+    model, _, forward, src, tgt = _variant(variant)
+    model.eval()
+    tgt_in = torch.cat([torch.full_like(tgt[:, :1], B.BOS), tgt[:, :-1]], dim=1)
+
+    def step():
+        with torch.no_grad():
+            forward(src, tgt_in)
+        torch.cuda.synchronize()
+
+    step()
+    benchmark.pedantic(step, rounds=10, warmup_rounds=2, iterations=1)
+    tokens = int((src != B.PAD).sum() + (tgt != B.PAD).sum())
+    benchmark.extra_info["tokens_per_s"] = tokens / benchmark.stats.stats.median

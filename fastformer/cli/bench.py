@@ -1,0 +1,465 @@
+"""`python -m fastformer bench`: the whole model and the per-op micro-benchmarks.
+
+Stage 1 (model): the paper's Transformer (reference.TransformerModel) on a synthetic padded
+batch, as the eager reference, after `fastformer.swap`, and (CUDA) under torch.compile; the
+same weights and inputs for all. Training-step tokens/s (forward + backward + Adam step),
+inference tokens/s (one teacher-forced forward), peak memory, and the parity of the loss and
+of every gradient at dropout 0 (fastformer.testing.parity against the reference in float64).
+Stage 2 (ops): attention, layer_norm and ffn against each peer of fastformer.cli.impls.
+Results go to results.json (written after every stage), report.md and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as _dt
+import importlib
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastformer.cli import cases as C
+from fastformer.cli import env, report, timing
+from fastformer.cli.impls import BUILDERS, FAST, runner
+from fastformer.cli.progress import Progress
+
+# After this many seconds, repetitions are cut to one (timing.Pacer) so that the default run
+# ends within its 3-minute target on a 2-core CPU (even a busy one) and on one H100/H200.
+DEADLINE_S = {"cpu": 100, "cuda": 150}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PAD, BOS = 0, 1
+
+
+# --------------------------------------------------------------------------- set-up
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` = CUDA when visible, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)"
+        )
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` = bfloat16 on CUDA (the training dtype), float32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def parse_ops(text: str) -> list[str]:
+    """`--ops attention,ffn` -> ["attention", "ffn"], checked against the known ops."""
+    ops = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [op for op in ops if op not in C.OPS]
+    if unknown:
+        raise ValueError(f"--ops: unknown op(s) {unknown}; expected a comma list of {list(C.OPS)}")
+    return ops
+
+
+def default_out_dir() -> Path:
+    """bench-results/<local timestamp> under the current directory."""
+    return Path("bench-results") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def budget_for(device: torch.device, quick: bool) -> timing.Budget:
+    """Repetitions per measurement for this device (fewer with --quick)."""
+    if quick:
+        return timing.QUICK
+    return timing.GPU_DEFAULT if device.type == "cuda" else timing.CPU_DEFAULT
+
+
+# --------------------------------------------------------------------------- rooflines
+
+
+def rooflines(device: torch.device, dtype: torch.dtype, budget: timing.Budget) -> dict[str, float]:
+    """The two numbers of the performance method, measured in this run: device copy GB/s and
+    dense GEMM TFLOP/s in the benchmark dtype (CUDA 8192^3, CPU 1024^3)."""
+    numel = (256 if device.type == "cuda" else 16) * 2**20
+    src = torch.empty(numel, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    copy_ms = timing.time_op(lambda: dst.copy_(src), device, budget)
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    gemm_ms = timing.time_op(lambda: a @ b, device, budget)
+    return {
+        "copy_gbps": 2 * src.numel() * 4 / copy_ms / 1e6,
+        "gemm_tflops": 2 * n**3 / gemm_ms / 1e9,
+        "gemm_size": n,
+    }
+
+
+# --------------------------------------------------------------------------- model stage
+
+
+def synthetic_batch(case: C.ModelCase, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(src, tgt) token batches (B, max_len) padded with PAD: lengths uniform in
+    [max_len/2, max_len] (one row full), target lengths within +-10% of the source."""
+    gen = torch.Generator().manual_seed(0)
+    b, n = case.batch, case.max_len
+    src_len = torch.randint(n // 2, n + 1, (b,), generator=gen)
+    src_len[0] = n
+    jitter = torch.randint(-max(n // 10, 1), max(n // 10, 1) + 1, (b,), generator=gen)
+    tgt_len = (src_len + jitter).clamp(2, n)
+    tgt_len[0] = n
+
+    def tokens(lengths):
+        t = torch.randint(3, case.vocab, (b, n), generator=gen)
+        return t.masked_fill(torch.arange(n)[None, :] >= lengths[:, None], PAD).to(device)
+
+    return tokens(src_len), tokens(tgt_len)
+
+
+def build_model(case: C.ModelCase, device: torch.device, dtype: torch.dtype, dropout: float):
+    """reference.TransformerModel of `case` (shared embeddings, seeded weights) on device."""
+    from fastformer import reference as R
+
+    torch.manual_seed(0)
+    model = R.TransformerModel(
+        case.vocab,
+        case.vocab,
+        d_model=case.d_model,
+        nhead=case.nhead,
+        num_encoder_layers=case.num_encoder_layers,
+        num_decoder_layers=case.num_decoder_layers,
+        dim_feedforward=case.dim_feedforward,
+        dropout=dropout,
+        share_embeddings=True,
+        pad_id=PAD,
+        bos_id=BOS,
+        max_len=max(case.max_len + 1, 512),
+    )
+    return model.to(device=device, dtype=dtype)
+
+
+def swapped(model) -> tuple[Any, dict[str, Any]]:
+    """A copy of `model` after fastformer.swap, and what swap reported (or why it failed)."""
+    try:
+        # The module, whether or not fastformer/__init__ re-exports its function.
+        swap = importlib.import_module("fastformer.swap").swap
+    except (ImportError, AttributeError) as exc:
+        return None, {"error": f"fastformer.swap is not available: {exc}"}
+    fast = copy.deepcopy(model)
+    try:
+        rep = swap(fast)
+    except Exception as exc:
+        return None, {"error": f"fastformer.swap failed: {type(exc).__name__}: {exc}"}
+    return fast, {"report": str(rep)}
+
+
+def _loss_and_grads(model, src, tgt) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.eval()  # eval mode turns every dropout off: parity is defined at dropout 0
+    model.zero_grad(set_to_none=True)
+    loss = model.loss(src, tgt)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def model_parity(eager, fast, src, tgt) -> dict[str, Any]:
+    """Parity rule on the loss and every parameter gradient: fastformer vs the reference in
+    float64, bounded by twice the reference's own error in the benchmark dtype."""
+    from fastformer.testing import parity
+
+    ref64 = copy.deepcopy(eager).double()
+    lp = copy.deepcopy(eager)
+    loss64, grads64 = _loss_and_grads(ref64, src, tgt)
+    loss_lp, grads_lp = _loss_and_grads(lp, src, tgt)
+    loss_f, grads_f = _loss_and_grads(fast, src, tgt)
+    results = [parity("loss", loss_f, loss64, loss_lp)]
+    missing = sorted(set(grads64) - set(grads_f))
+    for name in sorted(set(grads64) & set(grads_f)):
+        results.append(parity(f"d{name}", grads_f[name], grads64[name], grads_lp[name]))
+    worst = max(results, key=lambda r: r.error / r.bound if r.bound else math.inf)
+    failed = [str(r) for r in results if not r.passed]
+    return {
+        "passed": not failed and not missing,
+        "compared": len(results),
+        "loss": {"error": results[0].error, "bound": results[0].bound, "passed": results[0].passed},
+        "worst": {"name": worst.name, "error": worst.error, "bound": worst.bound},
+        "failed": failed + [f"d{n}: no gradient in the fastformer model" for n in missing],
+    }
+
+
+def _tokens(src, tgt) -> int:
+    return int((src != PAD).sum() + (tgt != PAD).sum())
+
+
+def _measure_variant(name, model, loss_fn, forward_fn, src, tgt, device, pacer) -> dict:
+    """Train-step and inference timings, peak memory; the first call (compilation) apart."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS), tgt[:, :-1]], dim=1)
+
+    def train_step():
+        opt.zero_grad(set_to_none=True)
+        loss_fn(src, tgt).backward()
+        opt.step()
+
+    def infer_step():
+        with torch.no_grad():
+            forward_fn(src, tgt_in)
+
+    model.train()
+    start = time.perf_counter()
+    train_step()  # first call: compilation, autotuning, allocator warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    first_s = time.perf_counter() - start
+    train_ms = timing.time_step(train_step, device, pacer.current())
+    peak, method = timing.peak_memory(train_step, device)
+    model.eval()
+    infer_step()
+    infer_ms = timing.time_step(infer_step, device, pacer.current())
+    tokens = _tokens(src, tgt)
+    return {
+        "train_step_ms": train_ms,
+        "train_tokens_per_s": tokens / train_ms * 1e3,
+        "infer_ms": infer_ms,
+        "infer_tokens_per_s": tokens / infer_ms * 1e3,
+        "peak_memory_bytes": peak,
+        "peak_memory_method": method,
+        "first_step_s": first_s,
+    }
+
+
+def bench_model(case: C.ModelCase, device, dtype, pacer, progress_stream=None) -> dict:
+    """Stage 1: eager reference vs fastformer.swap (vs torch.compile on CUDA)."""
+    src, tgt = synthetic_batch(case, device)
+    eager = build_model(case, device, dtype, case.dropout)
+    fast, swap_info = swapped(eager)
+    variants: dict[str, Any] = {"eager": eager}
+    variants[FAST] = fast if fast is not None else swap_info["error"]
+    if device.type == "cuda":
+        variants["torch.compile"] = copy.deepcopy(eager)
+    else:
+        variants["torch.compile"] = "not measured on CPU (GPU only)"
+    bar = Progress("model", 1 + len(variants), progress_stream)
+    out: dict[str, Any] = {
+        "config": case.params(),
+        "dtype": str(dtype).replace("torch.", ""),
+        "tokens_per_batch": _tokens(src, tgt),
+        "padding_fraction": 1 - _tokens(src, tgt) / (src.numel() + tgt.numel()),
+        "swap": swap_info,
+        "variants": {},
+    }
+    if fast is not None:
+        out["parity"] = model_parity(eager, fast, src, tgt)
+    else:
+        out["parity"] = {"passed": None, "skipped": swap_info["error"]}
+    bar.step("parity")
+    for name, model in variants.items():
+        if isinstance(model, str):
+            out["variants"][name] = {"skipped": model}
+        else:
+            loss_fn, fwd_fn = model.loss, model
+            if name == "torch.compile":
+                loss_fn, fwd_fn = torch.compile(model.loss), torch.compile(model)
+            try:
+                out["variants"][name] = _measure_variant(
+                    name, model, loss_fn, fwd_fn, src, tgt, device, pacer
+                )
+            except Exception as exc:  # report the failure, keep benchmarking the rest
+                out["variants"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+        bar.step(name)
+    bar.close()
+    return out
+
+
+# --------------------------------------------------------------------------- ops stage
+
+
+# Peers that legitimately refuse some cases (an SDPA backend without masks, Flex without
+# dropout): their exceptions are "unsupported"; anyone else's is an error.
+MAY_REFUSE = ("sdpa-", "flex")
+
+
+def _measure_impl(name, fn, bench, mode, device, pacer) -> dict[str, Any]:
+    """Time one implementation: {"ms", "first_call_s"}, or why it was not measured."""
+    if isinstance(fn, str):
+        return {"unsupported": fn}
+    call = runner(fn, bench.args, mode)
+    try:
+        start = time.perf_counter()
+        call()  # first call: compilation / autotuning, and any "not supported" error
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        first_s = time.perf_counter() - start
+        ms = timing.time_op(call, device, pacer.current())
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return {"error": "out of memory"}
+    except Exception as exc:  # reported in the results, never fatal to the run
+        kind = "unsupported" if name.startswith(MAY_REFUSE) else "error"
+        first_line = (str(exc).splitlines() or [""])[0][:200]
+        return {kind: f"{type(exc).__name__}: {first_line}"}
+    return {"ms": ms, "first_call_s": first_s}
+
+
+def _derive(row: dict[str, Any], bench, mode: str, roof: dict[str, float]) -> None:
+    """TFLOP/s or GB/s of every timed implementation, the speedup of fastformer over each
+    peer, and fastformer's time as a fraction of the roofline floor."""
+    flops = bench.flops(mode) if bench.flops else None
+    nbytes = bench.bytes(mode) if bench.bytes else None
+    row["flops"], row["bytes"] = flops, nbytes
+    for res in row["impls"].values():
+        if "ms" in res:
+            if flops:
+                res["tflops"] = flops / res["ms"] / 1e9
+            if nbytes:
+                res["gbps"] = nbytes / res["ms"] / 1e6
+    fast = row["impls"].get(FAST, {})
+    if "ms" not in fast:
+        row["speedup"] = {}
+        return
+    row["speedup"] = {
+        name: res["ms"] / fast["ms"]
+        for name, res in row["impls"].items()
+        if name != FAST and "ms" in res
+    }
+    floor_ms = max(
+        (flops or 0) / (roof["gemm_tflops"] * 1e9), (nbytes or 0) / (roof["copy_gbps"] * 1e6)
+    )
+    row["roofline_floor_ms"] = floor_ms
+    row["fraction_of_roofline"] = floor_ms / fast["ms"]
+    if nbytes:
+        row["fraction_of_copy_bandwidth"] = fast["gbps"] / roof["copy_gbps"]
+
+
+def bench_op(op, device, dtype, quick, pacer, roof, progress_stream=None) -> dict[str, Any]:
+    """Stage 2: every case of `op`, forward and forward + backward, every implementation."""
+    op_cases = C.OP_CASES[op](device.type, quick)
+    bar = Progress(op, len(op_cases) * len(C.MODES), progress_stream)
+    rows = []
+    for case in op_cases:
+        bench = BUILDERS[op](case, device, dtype)
+        for mode in C.MODES:
+            row: dict[str, Any] = {"case": case.name, "mode": mode, "params": case.params()}
+            row["impls"] = {
+                name: _measure_impl(name, fn, bench, mode, device, pacer)
+                for name, fn in bench.impls.items()
+            }
+            if bench.backend and "ms" in row["impls"].get(FAST, {}):
+                row["impls"][FAST]["backend"] = bench.backend
+            _derive(row, bench, mode, roof)
+            rows.append(row)
+            bar.step(f"{case.name} {mode}")
+        del bench
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    bar.close()
+    return {"cases": rows}
+
+
+def op_backends() -> dict[str, Any]:
+    """Which backend each op dispatches to by default here (as `info` reports it)."""
+    from fastformer.cli.info import op_backends as backends
+
+    return backends()
+
+
+# --------------------------------------------------------------------------- command
+
+
+def measure(
+    args: argparse.Namespace, out_dir: Path, argv: list[str] | None = None
+) -> dict[str, Any]:
+    """Run every stage, writing results.json after each one (a killed run keeps its data)."""
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    ops = parse_ops(args.ops)
+    budget = budget_for(device, args.quick)
+    case, reduced = C.model_case(args.model, device.type)
+    notes = [reduced] if reduced else []
+    if device.type == "cpu":
+        notes.append(
+            "CPU-only machine: reduced per-op grid (see cases.py); no torch.compile, SDPA backend or FlexAttention peers"
+        )
+    results: dict[str, Any] = {
+        "schema": report.SCHEMA,
+        "manifest": env.manifest(),
+        "config": {
+            "model": args.model,
+            "ops": ops,
+            "dtype": str(dtype).replace("torch.", ""),
+            "device": str(device),
+            "quick": args.quick,
+            "reduced": bool(notes),
+            "notes": notes,
+            "argv": list(argv) if argv is not None else sys.argv[1:],
+        },
+        "backends": op_backends(),
+        "ops": {},
+    }
+    start = time.perf_counter()
+    limit = DEADLINE_S.get(device.type)
+    pacer = timing.Pacer(budget, None if args.quick or limit is None else start + limit)
+    results["rooflines"] = rooflines(device, dtype, budget)
+    if not args.no_model:
+        results["model"] = bench_model(case, device, dtype, pacer)
+        report.write_json(out_dir, results)
+    for op in ops:
+        results["ops"][op] = bench_op(op, device, dtype, args.quick, pacer, results["rooflines"])
+        report.write_json(out_dir, results)
+    if pacer.cut:
+        notes.append(f"time limit: measurements after {limit} s were cut to one repetition")
+    results["wall_s"] = time.perf_counter() - start
+    return results
+
+
+def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    """Measure (or load --results), write results.json + report.md + plots, print the table,
+    compare with --compare. Exit 1 when fastformer raised, on a model parity failure or on a
+    --fail-if-slower regression (results are written in every case)."""
+    if args.fail_if_slower is not None and not args.compare:
+        raise ValueError("--fail-if-slower needs --compare OLD/results.json")
+    if args.fail_if_slower is not None and args.fail_if_slower < 0:
+        raise ValueError(f"--fail-if-slower must be a percentage >= 0, got {args.fail_if_slower}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    out_dir = Path(args.out) if args.out else default_out_dir()
+    if args.results:
+        results = report.load(Path(args.results))
+    else:
+        threads = torch.get_num_threads()
+        try:
+            if args.threads:
+                torch.set_num_threads(args.threads)
+            results = measure(args, out_dir, argv)
+        finally:  # main() may run in-process (tests): leave torch as it was
+            torch.set_num_threads(threads)
+    paths = report.write_all(out_dir, results)
+    print(report.terminal_table(results))
+    print(f"\nwrote {', '.join(str(p) for p in paths)}")
+    code = 0
+    errors = report.fastformer_errors(results)
+    if errors:
+        print("bench: fastformer raised:\n  " + "\n  ".join(errors), file=sys.stderr)
+        code = 1
+    parity = results.get("model", {}).get("parity", {})
+    if parity.get("passed") is False:
+        print("bench: model parity FAILED:\n  " + "\n  ".join(parity["failed"]), file=sys.stderr)
+        code = 1
+    if args.compare:
+        old = report.load(Path(args.compare))
+        changes = report.compare(old, results)
+        print("\n" + report.format_changes(changes, args.fail_if_slower))
+        if args.fail_if_slower is not None:
+            slower = report.regressions(changes, args.fail_if_slower)
+            if slower:
+                print(
+                    f"bench: {len(slower)} figure(s) of fastformer slower by more than "
+                    f"{args.fail_if_slower:g}%",
+                    file=sys.stderr,
+                )
+                code = 1
+    return code

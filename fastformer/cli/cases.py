@@ -1,0 +1,230 @@
+"""Benchmark case definitions shared by `python -m fastformer bench` and benchmarks/*.py.
+
+GPU cases follow the issue texts (attention: head dim 64/128, causal or not, seq 512..16384
+with batch*seq = 16384 and heads*dim = 2048, plus key padding 25% and dropout 0.1; layer_norm:
+16384 rows, hidden 512..16384; ffn: 16384 tokens, 512->2048 and 4096->16384, dropout 0/0.1).
+A CPU-only machine gets a reduced grid sized to finish the default `bench` within minutes on
+two cores; `quick` is smaller still (tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+MODES = ("fwd", "fwd+bwd")
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    """A Transformer configuration plus its synthetic batch (sentences, max tokens each)."""
+
+    name: str
+    d_model: int
+    nhead: int
+    num_encoder_layers: int
+    num_decoder_layers: int
+    dim_feedforward: int
+    dropout: float
+    vocab: int
+    batch: int
+    max_len: int
+
+    def params(self) -> dict[str, Any]:
+        """The case as a JSON-serialisable dict (stored with every result)."""
+        return asdict(self)
+
+
+MODELS = {
+    # "Attention Is All You Need", Table 3: base and big; shared 32k (37k in the paper) BPE
+    # vocabulary. A batch of 64 sentences of up to 256 tokens is ~12k real tokens per side.
+    "base": ModelCase("base", 512, 8, 6, 6, 2048, 0.1, 32000, batch=64, max_len=256),
+    "big": ModelCase("big", 1024, 16, 6, 6, 4096, 0.3, 32000, batch=32, max_len=256),
+    "tiny": ModelCase("tiny", 64, 4, 1, 1, 128, 0.1, 1000, batch=4, max_len=16),
+}
+
+# CPU-only machines: the same widths (so the per-layer shapes stay those of the model) but
+# fewer layers, a smaller vocabulary and a small batch, to finish in about a minute on 2 cores.
+CPU_REDUCTION = {
+    "base": dict(num_encoder_layers=1, num_decoder_layers=1, vocab=8000, batch=4, max_len=64),
+    "big": dict(num_encoder_layers=1, num_decoder_layers=1, vocab=8000, batch=2, max_len=48),
+    "tiny": {},
+}
+
+
+def model_case(name: str, device_type: str) -> tuple[ModelCase, str | None]:
+    """The model to benchmark and, when it was reduced for a CPU-only machine, why and how."""
+    if name not in MODELS:
+        raise ValueError(f"model must be one of {sorted(MODELS)}, got {name!r}")
+    case = MODELS[name]
+    change = CPU_REDUCTION[name] if device_type == "cpu" else {}
+    if not change:
+        return case, None
+    reduced = replace(case, **change)
+    what = ", ".join(f"{k} {getattr(case, k)} -> {v}" for k, v in change.items())
+    return reduced, f"CPU-only machine: reduced size of the {name} model ({what})"
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    """Self-attention (batch, heads, seq, head_dim), optional causal / key padding / dropout."""
+
+    batch: int
+    heads: int
+    seq: int
+    head_dim: int
+    causal: bool = False
+    padding: float = 0.0  # fraction of keys that are padding (same in every batch row)
+    dropout_p: float = 0.0
+
+    @property
+    def name(self) -> str:
+        """Short unique label, used in tables, plots and figure keys."""
+        name = f"b{self.batch}h{self.heads}s{self.seq}d{self.head_dim}"
+        name += "-causal" if self.causal else ""
+        name += f"-pad{round(self.padding * 100)}" if self.padding else ""
+        return name + (f"-drop{self.dropout_p:g}" if self.dropout_p else "")
+
+    @property
+    def sweep(self) -> bool:
+        """Part of the sequence-length sweep (plotted as TFLOP/s against seq)."""
+        return not self.padding and not self.dropout_p
+
+    def flops(self, mode: str) -> float:
+        """4*B*H*Sq*Sk*D forward, x0.5 causal; backward 2.5x forward."""
+        fwd = 4.0 * self.batch * self.heads * self.seq * self.seq * self.head_dim
+        fwd *= 0.5 if self.causal else 1.0
+        return fwd if mode == "fwd" else fwd * 3.5
+
+    def bytes(self, mode: str, elem: int) -> float:
+        """Minimum traffic: fwd reads q, k, v and writes o; bwd also reads q, k, v, o, do and
+        writes dq, dk, dv."""
+        unit = self.batch * self.heads * self.seq * self.head_dim * elem
+        return unit * (4 if mode == "fwd" else 12)
+
+    def score_bytes(self, elem: int) -> int:
+        """Size of one (B, H, S, S) score matrix: what eager/math implementations materialise."""
+        return self.batch * self.heads * self.seq * self.seq * elem
+
+    def params(self) -> dict[str, Any]:
+        """The case as a JSON-serialisable dict (stored with every result)."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class LayerNormCase:
+    """LayerNorm over `hidden` of `rows` rows; `fused` = dropout + residual add + LayerNorm."""
+
+    rows: int
+    hidden: int
+    fused: bool = False
+    dropout_p: float = 0.0
+
+    @property
+    def name(self) -> str:
+        """Short unique label, used in tables, plots and figure keys."""
+        base = f"r{self.rows}n{self.hidden}"
+        return base + (f"-add-drop{self.dropout_p:g}" if self.fused else "")
+
+    def bytes(self, mode: str, elem: int) -> float:
+        """Minimum traffic: fwd reads x (and residual) and writes y; bwd reads x, dy and writes
+        dx (and the residual's gradient); weights and row statistics are negligible."""
+        tensors = 3 if self.fused else 2
+        bwd = 4 if self.fused else 3
+        n = self.rows * self.hidden * elem
+        return n * (tensors if mode == "fwd" else tensors + bwd)
+
+    def params(self) -> dict[str, Any]:
+        """The case as a JSON-serialisable dict (stored with every result)."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class FfnCase:
+    """Position-wise FFN on `tokens` tokens: d_model -> d_ff -> d_model."""
+
+    tokens: int
+    d_model: int
+    d_ff: int
+    activation: str = "relu"
+    dropout_p: float = 0.0
+
+    @property
+    def name(self) -> str:
+        """Short unique label, used in tables, plots and figure keys."""
+        name = f"t{self.tokens}-{self.d_model}x{self.d_ff}-{self.activation}"
+        return name + (f"-drop{self.dropout_p:g}" if self.dropout_p else "")
+
+    def flops(self, mode: str) -> float:
+        """Two GEMMs forward (2*T*d*dff each); backward is twice the forward."""
+        fwd = 2.0 * 2.0 * self.tokens * self.d_model * self.d_ff
+        return fwd if mode == "fwd" else 3.0 * fwd
+
+    def bytes(self, mode: str, elem: int) -> float:
+        """Minimum traffic: x, the output and both weights, once each way."""
+        unit = (2 * self.tokens * self.d_model + 2 * self.d_model * self.d_ff) * elem
+        return unit if mode == "fwd" else 3 * unit
+
+    def params(self) -> dict[str, Any]:
+        """The case as a JSON-serialisable dict (stored with every result)."""
+        return asdict(self)
+
+
+def _attention_sweep(seqs, dims, tokens: int, width: int) -> list[AttentionCase]:
+    return [
+        AttentionCase(tokens // s, width // d, s, d, causal)
+        for d in dims
+        for causal in (False, True)
+        for s in seqs
+    ]
+
+
+def attention_cases(device_type: str, quick: bool) -> list[AttentionCase]:
+    """GPU: batch*seq = 16384, heads*dim = 2048; CPU: batch*seq = 1024, heads*dim = 256."""
+    if device_type == "cuda":
+        if quick:
+            seqs, dims = (1024, 4096), (64,)
+        else:
+            seqs, dims = (512, 1024, 2048, 4096, 8192, 16384), (64, 128)
+        # Key padding 25% and dropout 0.1 at seq 2048, apart and together with causal (the
+        # decoder's self-attention in training).
+        extra = [
+            AttentionCase(8, 2048 // d, 2048, d, causal=c, padding=pad, dropout_p=p)
+            for d in dims
+            for c, pad, p in ((False, 0.25, 0.0), (False, 0.0, 0.1), (True, 0.25, 0.1))
+        ]
+        return _attention_sweep(seqs, dims, 16384, 2048) + extra
+    if quick:
+        return [AttentionCase(2, 2, 64, 32), AttentionCase(2, 2, 64, 32, causal=True)]
+    extra = [
+        AttentionCase(2, 4, 256, 64, padding=0.25),
+        AttentionCase(2, 4, 256, 64, dropout_p=0.1),
+    ]
+    return _attention_sweep((128, 256, 512), (64,), 1024, 256) + extra
+
+
+def layer_norm_cases(device_type: str, quick: bool) -> list[LayerNormCase]:
+    """GPU: 16384 rows, hidden 512..16384; CPU: 4096 rows, hidden 256..4096."""
+    if device_type == "cuda":
+        hidden = (1024, 8192) if quick else (512, 1024, 2048, 4096, 8192, 16384)
+        rows = 16384
+    elif quick:
+        return [LayerNormCase(256, 256), LayerNormCase(256, 256, fused=True, dropout_p=0.1)]
+    else:
+        hidden, rows = (256, 1024, 4096), 4096
+    fused = [LayerNormCase(rows, h, fused=True, dropout_p=0.1) for h in hidden[:2]]
+    return [LayerNormCase(rows, h) for h in hidden] + fused
+
+
+def ffn_cases(device_type: str, quick: bool) -> list[FfnCase]:
+    """GPU: 16384 tokens, 512->2048 and 4096->16384, dropout 0 and 0.1; CPU: 512 tokens."""
+    if device_type == "cuda":
+        shapes = ((512, 2048),) if quick else ((512, 2048), (4096, 16384))
+        return [FfnCase(16384, d, f, dropout_p=p) for d, f in shapes for p in (0.0, 0.1)]
+    if quick:
+        return [FfnCase(64, 64, 256), FfnCase(64, 64, 256, dropout_p=0.1)]
+    return [FfnCase(512, 512, 2048, dropout_p=p) for p in (0.0, 0.1)]
+
+
+OP_CASES = {"attention": attention_cases, "layer_norm": layer_norm_cases, "ffn": ffn_cases}
+OPS = tuple(OP_CASES)

@@ -1,0 +1,481 @@
+"""Outputs of `bench`: results.json, report.md, PNG plots, the terminal table, and the
+comparison of two runs (`--compare`, `--fail-if-slower`)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEMA = 1
+FAST = "fastformer"
+# What a results.json must hold (checked by the tests and by `load`).
+REQUIRED_MANIFEST = (
+    "date",
+    "fastformer",
+    "git_sha",
+    "python",
+    "torch",
+    "triton",
+    "cuda",
+    "driver",
+    "gpu",
+    "machine",
+    "cpu",
+    "cpu_count",
+    "build_info",
+    "cuda_kernels_compiled",
+)
+REQUIRED_TOP = ("schema", "manifest", "config", "rooflines", "ops")
+REQUIRED_VARIANT = (
+    "train_tokens_per_s",
+    "infer_tokens_per_s",
+    "train_step_ms",
+    "infer_ms",
+    "peak_memory_bytes",
+)
+
+
+def missing_fields(results: dict[str, Any]) -> list[str]:
+    """Names of required fields absent from `results` (empty when complete)."""
+    missing = [k for k in REQUIRED_TOP if k not in results]
+    missing += [f"manifest.{k}" for k in REQUIRED_MANIFEST if k not in results.get("manifest", {})]
+    model = results.get("model")
+    if model is not None:
+        for key in ("config", "parity", "variants", "tokens_per_batch"):
+            if key not in model:
+                missing.append(f"model.{key}")
+        for name, var in model.get("variants", {}).items():
+            if not ({"skipped", "error"} & set(var)):
+                missing += [f"model.variants.{name}.{k}" for k in REQUIRED_VARIANT if k not in var]
+    for op, data in results.get("ops", {}).items():
+        for row in data.get("cases", []):
+            for key in ("case", "mode", "impls", "speedup"):
+                if key not in row:
+                    missing.append(f"ops.{op}.{row.get('case')}.{key}")
+    return missing
+
+
+def fastformer_errors(results: dict[str, Any]) -> list[str]:
+    """Every exception fastformer itself raised during the run (model variant or op case)."""
+    errors = []
+    model = results.get("model", {})
+    var = model.get("variants", {}).get(FAST, {})
+    if "error" in var:
+        errors.append(f"model: {var['error']}")
+    for op, data in results.get("ops", {}).items():
+        for row in data["cases"]:
+            res = row["impls"].get(FAST, {})
+            if "error" in res:
+                errors.append(f"{op} {row['case']} {row['mode']}: {res['error']}")
+    return errors
+
+
+def load(path: Path) -> dict[str, Any]:
+    """A results.json, with a clear error when it is not one."""
+    if not path.is_file():
+        raise ValueError(f"results file {str(path)!r} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"results file {str(path)!r} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise ValueError(f"{str(path)!r} is not a fastformer bench results.json (schema {SCHEMA})")
+    return data
+
+
+def write_json(out_dir: Path, results: dict[str, Any]) -> Path:
+    """Write results.json atomically (a partial run leaves a valid file)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "results.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def write_all(out_dir: Path, results: dict[str, Any]) -> list[Path]:
+    """results.json, report.md and the PNG plots; returns the paths written."""
+    paths = [write_json(out_dir, results)]
+    pngs = plots(out_dir, results)
+    md = out_dir / "report.md"
+    md.write_text(markdown(results, [p.name for p in pngs]))
+    return paths + [md] + pngs
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def _num(x: float | None, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    if abs(x) >= 1e5:
+        return f"{x:.3g}"
+    return f"{x:.{digits}g}"
+
+
+def _impl_cell(res: dict[str, Any]) -> str:
+    if "ms" in res:
+        return _num(res["ms"])
+    return "n/a" if "unsupported" in res else "err"
+
+
+def _peers(rows: list[dict[str, Any]]) -> list[str]:
+    names: list[str] = []
+    for row in rows:
+        names += [n for n in row["impls"] if n not in names]
+    return names
+
+
+def _rate(res: dict[str, Any]) -> str:
+    backend = f" ({res['backend']})" if res.get("backend") else ""
+    if "tflops" in res:
+        return f"{res['tflops']:.3g} TFLOP/s{backend}"
+    if "gbps" in res:
+        return f"{res['gbps']:.4g} GB/s{backend}"
+    return "-"
+
+
+def model_lines(model: dict[str, Any]) -> list[str]:
+    """Markdown table of the model stage."""
+    cfg = model["config"]
+    lines = [
+        f"Model `{cfg['name']}`: d_model {cfg['d_model']}, {cfg['nhead']} heads, "
+        f"{cfg['num_encoder_layers']}+{cfg['num_decoder_layers']} layers, d_ff "
+        f"{cfg['dim_feedforward']}, dropout {cfg['dropout']}, shared vocabulary {cfg['vocab']}; "
+        f"batch {cfg['batch']} x {cfg['max_len']} tokens per side, "
+        f"{model['tokens_per_batch']} real tokens (src + tgt), "
+        f"{model['padding_fraction']:.0%} padding, {model['dtype']}.",
+        "",
+        "| variant | train tokens/s | train step ms | inference tokens/s | inference ms | peak memory MiB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, v in model["variants"].items():
+        if "train_tokens_per_s" not in v:
+            lines.append(f"| {name} | {v.get('skipped') or v.get('error')} | | | | |")
+            continue
+        lines.append(
+            f"| {name} | {v['train_tokens_per_s']:.0f} | {v['train_step_ms']:.1f} | "
+            f"{v['infer_tokens_per_s']:.0f} | {v['infer_ms']:.1f} | "
+            f"{v['peak_memory_bytes'] / 2**20:.0f} |"
+        )
+    par = model["parity"]
+    if par.get("passed") is None:
+        lines += ["", f"Parity: not checked ({par.get('skipped')})."]
+    else:
+        verdict = "pass" if par["passed"] else "FAIL"
+        worst = par["worst"]
+        lines += [
+            "",
+            f"Parity at dropout 0 (loss and {par['compared'] - 1} gradients vs the reference in "
+            f"float64): **{verdict}**; loss error {par['loss']['error']:.2e} (bound "
+            f"{par['loss']['bound']:.2e}); closest to its bound: {worst['name']} "
+            f"{worst['error']:.2e} / {worst['bound']:.2e}.",
+        ]
+        lines += [f"- {f}" for f in par["failed"]]
+    return lines
+
+
+def op_lines(op: str, rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown table of one op: ms per implementation, fastformer's rate and speedups."""
+    peers = _peers(rows)
+    others = [p for p in peers if p != FAST]
+    head = ["case", "mode"] + [f"{p} ms" for p in peers] + ["fastformer rate (backend)"]
+    head += [f"x vs {p}" for p in others] + ["of roofline"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [row["case"], row["mode"]]
+        cells += [_impl_cell(row["impls"].get(p, {"unsupported": ""})) for p in peers]
+        cells.append(_rate(row["impls"].get(FAST, {})))
+        cells += [_num(row["speedup"].get(p), 3) for p in others]
+        frac = row.get("fraction_of_roofline")
+        cells.append("-" if frac is None else f"{frac:.0%}")
+        lines.append("| " + " | ".join(cells) + " |")
+    reasons = {
+        f"{p}: {res['unsupported']}"
+        for row in rows
+        for p, res in row["impls"].items()
+        if "unsupported" in res
+    }
+    errors = {
+        f"{p}: {res['error']}" for row in rows for p, res in row["impls"].items() if "error" in res
+    }
+    if reasons or errors:
+        lines += ["", "Not measured:"] + [f"- {r}" for r in sorted(reasons | errors)]
+    return lines
+
+
+def markdown(results: dict[str, Any], images: list[str]) -> str:
+    """report.md: environment, notes, model table, per-op tables, plots."""
+    m, cfg = results["manifest"], results["config"]
+    lines = [
+        "# fastformer bench",
+        "",
+        f"{m['date']} - fastformer {m['fastformer']} (git {m['git_sha'] or 'unknown'}) - "
+        f"{m['machine'].upper()} machine: {m['gpu'] or m['cpu']}"
+        + (f", driver {m['driver']}" if m.get("driver") else "")
+        + f" - torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}, python {m['python']}",
+        "",
+        f"Command: `python -m fastformer {' '.join(cfg.get('argv', ['bench']))}` "
+        f"(model {cfg['model']}, ops {', '.join(cfg['ops'])}, {cfg['dtype']} on {cfg['device']}"
+        + (", quick" if cfg["quick"] else "")
+        + ").",
+        "",
+    ]
+    if cfg["reduced"]:
+        lines += ["> **Reduced size.** " + " ".join(n + "." for n in cfg["notes"]), ""]
+    roof = results["rooflines"]
+    lines += [
+        f"Measured in this run: device copy {roof['copy_gbps']:.0f} GB/s, "
+        f"{roof['gemm_size']}^3 GEMM {_num(roof['gemm_tflops'])} TFLOP/s ({cfg['dtype']}). "
+        '"of roofline" = max(FLOPs / GEMM rate, bytes / copy rate) / fastformer\'s time.',
+        "",
+        "Timing: median after warm-up (CUDA: triton.testing.do_bench / CUDA events; CPU: "
+        "time.perf_counter). Tokens = non-padding source + target tokens. Inference = one "
+        "teacher-forced forward pass. Reference dropout uses a precomputed keep-mask (its RNG "
+        "is not timed). Attention FLOPs: 4*B*H*S*S*D forward, x0.5 causal, x2.5 backward.",
+        "",
+    ]
+    if "model" in results:
+        lines += ["## Model", ""] + model_lines(results["model"]) + [""]
+    for op, data in results["ops"].items():
+        lines += [f"## {op}", ""] + op_lines(op, data["cases"]) + [""]
+    if images:
+        lines += ["## Plots", ""] + [f"![{name}]({name})" for name in images] + [""]
+    return "\n".join(lines)
+
+
+def terminal_table(results: dict[str, Any]) -> str:
+    """The summary printed at the end of `bench`."""
+    lines = []
+    cfg = results["config"]
+    if cfg["reduced"]:
+        lines += ["NOTE: " + n for n in cfg["notes"]]
+    model = results.get("model")
+    if model:
+        lines.append(f"\nmodel {model['config']['name']} ({model['dtype']})")
+        lines.append(f"{'variant':<14} {'train tok/s':>12} {'infer tok/s':>12} {'peak MiB':>9}")
+        for name, v in model["variants"].items():
+            if "train_tokens_per_s" in v:
+                lines.append(
+                    f"{name:<14} {v['train_tokens_per_s']:>12.0f} {v['infer_tokens_per_s']:>12.0f} "
+                    f"{v['peak_memory_bytes'] / 2**20:>9.0f}"
+                )
+            else:
+                lines.append(f"{name:<14} {v.get('skipped') or v.get('error')}")
+        par = model["parity"]
+        verdict = {True: "pass", False: "FAIL", None: "not checked"}[par.get("passed")]
+        lines.append(f"parity (loss + gradients, dropout 0): {verdict}")
+    for op, data in results["ops"].items():
+        rows = data["cases"]
+        others = [p for p in _peers(rows) if p != FAST]
+        lines.append(f"\n{op}: fastformer ms and speedup (x) over each peer")
+        lines.append(f"{'case':<30} {'mode':<8} {'ms':>9}  " + " ".join(f"{p:>13}" for p in others))
+        for row in rows:
+            ms = row["impls"].get(FAST, {}).get("ms")
+            cells = " ".join(f"{_num(row['speedup'].get(p)):>13}" for p in others)
+            lines.append(f"{row['case']:<30} {row['mode']:<8} {_num(ms):>9}  {cells}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def plots(out_dir: Path, results: dict[str, Any]) -> list[Path]:
+    """speedup_<op>.png per op, attention_tflops.png, model.png (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for op, data in results["ops"].items():
+        paths.append(_speedup_plot(plt, out_dir / f"speedup_{op}.png", op, data["cases"]))
+    if "attention" in results["ops"]:
+        paths.append(
+            _tflops_plot(
+                plt, out_dir / "attention_tflops.png", results["ops"]["attention"]["cases"]
+            )
+        )
+    if "model" in results:
+        paths.append(_model_plot(plt, out_dir / "model.png", results["model"]))
+    return paths
+
+
+def _speedup_plot(plt, path: Path, op: str, rows: list[dict[str, Any]]) -> Path:
+    others = [p for p in _peers(rows) if p != FAST]
+    labels = [f"{r['case']}\n{r['mode']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(rows) + 2), 4.5))
+    width = 0.8 / max(len(others), 1)
+    for i, peer in enumerate(others):
+        xs = [j + i * width for j in range(len(rows))]
+        ys = [r["speedup"].get(peer, float("nan")) for r in rows]
+        ax.bar(xs, ys, width, label=peer)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ratios = [v for r in rows for v in r["speedup"].values() if v > 0]
+    if ratios and max(ratios) / min(ratios) > 20:
+        ax.set_yscale("log")
+    if not ratios:
+        ax.text(0.5, 0.5, "fastformer not measured", ha="center", transform=ax.transAxes)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
+    ax.set_xticklabels(labels, rotation=90, fontsize=6)
+    ax.set_ylabel("speedup (peer ms / fastformer ms)")
+    ax.set_title(f"{op}: speedup of fastformer over each peer (>1: fastformer faster)")
+    if others:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _tflops_plot(plt, path: Path, rows: list[dict[str, Any]]) -> Path:
+    """TFLOP/s against sequence length per implementation: one panel per (mode) row and
+    (head dim, causal) column, over the sequence sweep (no padding, no dropout)."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        p = row["params"]
+        if not p["padding"] and not p["dropout_p"]:
+            groups.setdefault((row["mode"], p["head_dim"], p["causal"]), []).append(row)
+    modes = sorted({k[0] for k in groups}, key=lambda m: m != "fwd") or ["fwd"]
+    columns = sorted({k[1:] for k in groups}) or [(0, False)]
+    fig, axes = plt.subplots(
+        len(modes), len(columns), figsize=(4 * len(columns), 3.4 * len(modes)), squeeze=False
+    )
+    for i, mode in enumerate(modes):
+        for j, (dim, causal) in enumerate(columns):
+            _tflops_panel(axes[i][j], groups.get((mode, dim, causal), []))
+            axes[i][j].set_title(
+                f"{mode}, head dim {dim}, {'causal' if causal else 'full'}", fontsize=9
+            )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _tflops_panel(ax, group: list[dict[str, Any]]) -> None:
+    group = sorted(group, key=lambda r: r["params"]["seq"])
+    for impl in _peers(group):
+        pts = [(r["params"]["seq"], r["impls"][impl].get("tflops")) for r in group]
+        pts = [(s, t) for s, t in pts if t is not None]
+        if pts:
+            style = "-" if impl == FAST else "--"
+            ax.plot(*zip(*pts), style, marker="o", label=impl)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length")
+    ax.set_ylabel("TFLOP/s")
+    if group:
+        ax.legend(fontsize=6)
+
+
+def _model_plot(plt, path: Path, model: dict[str, Any]) -> Path:
+    names = [n for n, v in model["variants"].items() if "train_tokens_per_s" in v]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.5))
+    for ax, key, title in zip(
+        axes, ("train_tokens_per_s", "infer_tokens_per_s"), ("training", "inference")
+    ):
+        ax.bar(names, [model["variants"][n][key] for n in names])
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"{model['config']['name']} model: {title}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------- comparison
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One number of a run: `higher` tells which direction is better; `own` marks fastformer's
+    own speed figures (the only ones --fail-if-slower judges)."""
+
+    value: float
+    unit: str
+    higher: bool
+    own: bool
+
+
+def figures(results: dict[str, Any]) -> dict[str, Figure]:
+    """Every number of a run, flattened to `key -> Figure`."""
+    out: dict[str, Figure] = {}
+    model = results.get("model")
+    if model:
+        for name, v in model["variants"].items():
+            own = name == FAST
+            for key, unit, higher in (
+                ("train_tokens_per_s", "tok/s", True),
+                ("infer_tokens_per_s", "tok/s", True),
+                ("peak_memory_bytes", "B", False),
+            ):
+                if key in v:
+                    out[f"model.{name}.{key}"] = Figure(v[key], unit, higher, own and unit != "B")
+    for op, data in results.get("ops", {}).items():
+        for row in data["cases"]:
+            base = f"{op}.{row['case']}.{row['mode']}"
+            for impl, res in row["impls"].items():
+                if "ms" in res:
+                    out[f"{base}.{impl}.ms"] = Figure(res["ms"], "ms", False, impl == FAST)
+            for peer, ratio in row["speedup"].items():
+                out[f"{base}.speedup_vs_{peer}"] = Figure(ratio, "x", True, False)
+    for key in ("copy_gbps", "gemm_tflops"):
+        if key in results.get("rooflines", {}):
+            unit = "GB/s" if key == "copy_gbps" else "TFLOP/s"
+            out[f"rooflines.{key}"] = Figure(results["rooflines"][key], unit, True, False)
+    return out
+
+
+@dataclass(frozen=True)
+class Change:
+    """A figure present in both runs; `slower_pct` > 0 when the new run is worse."""
+
+    key: str
+    old: float
+    new: float
+    unit: str
+    own: bool
+    slower_pct: float
+
+    @property
+    def change_pct(self) -> float:
+        """new / old - 1, in percent (the raw change, whichever way is better)."""
+        return (self.new / self.old - 1) * 100 if self.old else math.inf
+
+
+def compare(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
+    """The change of every figure present in both runs."""
+    a, b = figures(old), figures(new)
+    changes = []
+    for key in sorted(set(a) & set(b)):
+        fa, fb = a[key], b[key]
+        if fa.value <= 0 or fb.value <= 0:
+            continue
+        # Slowdown as a percentage of the old performance, whichever way "better" points.
+        speed_ratio = fb.value / fa.value if fa.higher else fa.value / fb.value
+        changes.append(Change(key, fa.value, fb.value, fa.unit, fa.own, (1 - speed_ratio) * 100))
+    return changes
+
+
+def regressions(changes: list[Change], pct: float) -> list[Change]:
+    """fastformer's own figures that got worse by more than `pct` percent."""
+    return [c for c in changes if c.own and c.slower_pct > pct]
+
+
+def format_changes(changes: list[Change], pct: float | None) -> str:
+    """One line per figure: old, new, change; regressions marked when `pct` is given."""
+    if not changes:
+        return "compare: no figure in common with the old run"
+    lines = [f"{'figure':<70} {'old':>11} {'new':>11} {'change':>9}"]
+    for c in changes:
+        mark = ""
+        if pct is not None and c.own and c.slower_pct > pct:
+            mark = f"  REGRESSION (>{pct:g}% slower)"
+        lines.append(
+            f"{c.key:<70} {_num(c.old, 4):>11} {_num(c.new, 4):>11} {c.change_pct:>+8.1f}%{mark}"
+        )
+    return "\n".join(lines)

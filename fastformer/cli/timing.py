@@ -1,0 +1,147 @@
+"""Timing and peak-memory measurement: CUDA (median of `triton.testing.do_bench` or CUDA events
+after warm-up) and CPU (median of `time.perf_counter`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How long to measure one thing: warm-up calls, then repetitions until both `min_reps`
+    and `min_time_s` are reached (or `max_reps`)."""
+
+    warmup: int = 2
+    min_reps: int = 5
+    max_reps: int = 50
+    min_time_s: float = 0.2
+
+
+QUICK = Budget(warmup=1, min_reps=3, max_reps=5, min_time_s=0.0)
+# Past a run's deadline: one timed call (the untimed first call already warmed up).
+MINIMAL = Budget(warmup=0, min_reps=1, max_reps=1, min_time_s=0.0)
+# CPU: no extra warm-up; the callers' untimed first call already warmed caches and allocator.
+CPU_DEFAULT = Budget(warmup=0, min_reps=3, max_reps=10, min_time_s=0.1)
+GPU_DEFAULT = Budget(warmup=3, min_reps=10, max_reps=200, min_time_s=0.05)
+
+
+class Pacer:
+    """Hands out the measurement budget, cut to MINIMAL once `deadline` (a perf_counter time)
+    has passed, so a run on a slow or busy machine still ends in time; `cut` records it."""
+
+    def __init__(self, budget: Budget, deadline: float | None = None):
+        self.budget = budget
+        self.deadline = deadline
+        self.cut = False
+
+    def current(self) -> Budget:
+        """The budget for the next measurement."""
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            self.cut = True
+            return MINIMAL
+        return self.budget
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_cpu(fn: Callable[[], object], budget: Budget) -> float:
+    """Median wall time of `fn()` in milliseconds (CPU: perf_counter)."""
+    for _ in range(budget.warmup):
+        fn()
+    samples: list[float] = []
+    start = time.perf_counter()
+    while len(samples) < budget.max_reps:
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+        enough = len(samples) >= budget.min_reps
+        if enough and time.perf_counter() - start >= budget.min_time_s:
+            break
+    return statistics.median(samples)
+
+
+def time_cuda_events(fn: Callable[[], object], budget: Budget, device: torch.device) -> float:
+    """Median time of `fn()` in milliseconds measured with CUDA events, one pair per call."""
+    for _ in range(budget.warmup):
+        fn()
+    _synchronize(device)
+    samples: list[float] = []
+    start = time.perf_counter()
+    while len(samples) < budget.max_reps:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(begin.elapsed_time(end))
+        enough = len(samples) >= budget.min_reps
+        if enough and time.perf_counter() - start >= budget.min_time_s:
+            break
+    return statistics.median(samples)
+
+
+def time_op(fn: Callable[[], object], device: torch.device, budget: Budget) -> float:
+    """Median milliseconds of a kernel-sized call: `triton.testing.do_bench` (L2 flushed between
+    calls) on CUDA, perf_counter on CPU."""
+    if device.type != "cuda":
+        return time_cpu(fn, budget)
+    from triton.testing import do_bench
+
+    warmup_ms = 10 if budget is QUICK or budget is MINIMAL else 25
+    rep_ms = max(20.0, budget.min_time_s * 1e3)
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def time_step(fn: Callable[[], object], device: torch.device, budget: Budget) -> float:
+    """Median milliseconds of a whole training/inference step (CUDA events or perf_counter)."""
+    if device.type == "cuda":
+        return time_cuda_events(fn, budget, device)
+    return time_cpu(fn, budget)
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence the profiler's native start/stop chatter on file descriptor 2."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def peak_memory(fn: Callable[[], object], device: torch.device) -> tuple[int, str]:
+    """Peak bytes of tensor memory while `fn()` runs, and how it was measured.
+
+    CUDA: `torch.cuda.max_memory_allocated` (absolute, model and optimizer state included).
+    CPU has no allocator statistics: the autograd profiler's per-op allocation records are
+    summed in time order and the peak above the level at the start is reported.
+    """
+    if device.type == "cuda":
+        _synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        _synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device)), "cuda max_memory_allocated"
+    from torch.autograd.profiler import profile
+
+    with _quiet_stderr(), profile(profile_memory=True, use_kineto=False) as prof:
+        fn()
+    events = sorted(prof.function_events, key=lambda e: e.time_range.start)
+    level = peak = 0
+    for event in events:
+        level += event.self_cpu_memory_usage
+        peak = max(peak, level)
+    return int(peak), "cpu profiler: peak tensor bytes above the step's start"

@@ -1,0 +1,321 @@
+"""The command line: `python -m fastformer info / check / bench` (issue 7, issue 2 section 5).
+
+Everything runs in-process through `fastformer.cli.main(argv)` at tiny sizes on the CPU, except
+one subprocess call proving `python -m fastformer` itself works.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastformer.cli import main
+from fastformer.cli import report as R
+from fastformer.cli.cases import AttentionCase, FfnCase, LayerNormCase, model_case
+from fastformer.cli.check import BREAK_ENV
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _op_available(op: str) -> bool:
+    from fastformer.cli.impls import load_op
+
+    return load_op(op)[0] is not None
+
+
+def _swap_available() -> bool:
+    from fastformer.cli.bench import swapped
+
+    return swapped(torch.nn.Linear(1, 1))[0] is not None
+
+
+# --------------------------------------------------------------------------- info
+
+
+def test_info_json_has_the_required_fields(capsys):
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    env = info["environment"]
+    for key in ("python", "torch", "triton", "cuda", "machine", "gpus", "cpu", "fastformer"):
+        assert key in env, key
+    assert env["torch"] == torch.__version__
+    assert env["machine"] == ("gpu" if torch.cuda.is_available() else "cpu")
+    for key in ("build_info", "cuda_kernels_compiled", "extension_error"):
+        assert key in env, key
+    assert set(info["ops"]["modules"]) == {"attention", "layer_norm", "ffn"}
+    for mod in info["ops"]["modules"].values():
+        assert mod["available"] == (mod["error"] is None)
+    for name, reg in info["ops"]["registered"].items():
+        assert reg["backends"], name
+        for backend in reg["backends"]:
+            assert backend["available"] == (not backend["reasons"]), (name, backend)
+
+
+def test_python_dash_m_fastformer_info_runs():
+    done = subprocess.run(
+        [sys.executable, "-m", "fastformer", "info"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "torch" in done.stdout and "ops:" in done.stdout
+
+
+# --------------------------------------------------------------------------- check
+
+
+def test_check_quick_passes(capsys):
+    code = main(["check", "--quick", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    failed = [r for r in out["rows"] if r["status"] in ("FAIL", "ERROR")]
+    assert code == 0, failed
+    assert out["summary"]["failed"] == 0
+    assert out["summary"]["cases"] >= 50
+    ran = {r["op"] for r in out["rows"] if r["status"] == "pass"}
+    assert ran == {"attention", "layer_norm", "rms_norm", "dropout_add_layer_norm", "ffn"}
+    # the dropout cases are part of the grid and pass with the regenerated keep-mask
+    assert any("drop" in r["case"] and r["status"] == "pass" for r in out["rows"])
+
+
+def test_check_exits_1_when_a_kernel_is_broken(monkeypatch, capsys):
+    monkeypatch.setenv(BREAK_ENV, "ffn")
+    code = main(["check", "--quick", "--ops", "ffn"])
+    text = capsys.readouterr().out
+    assert code == 1
+    verdicts = [line.split()[-1] for line in text.splitlines() if line.startswith("ffn ")]
+    assert verdicts and set(verdicts) == {"FAIL"}
+
+
+@pytest.mark.skipif(not _op_available("layer_norm"), reason="fastformer.ops.layer_norm missing")
+def test_check_catches_a_subtly_wrong_op(monkeypatch, capsys):
+    """No hook: a LayerNorm with the wrong epsilon is caught by the parity bound alone."""
+    import fastformer.ops.layer_norm as ln
+
+    real = ln.layer_norm
+
+    def wrong_eps(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+        return real(x, normalized_shape, weight, bias, eps=eps * 1e3)
+
+    monkeypatch.setattr(ln, "layer_norm", wrong_eps)
+    code = main(["check", "--quick", "--ops", "layer_norm", "--json"])
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert code == 1
+    assert {r["status"] for r in rows if r["op"] == "layer_norm"} == {"FAIL"}
+    assert {r["status"] for r in rows if r["op"] == "rms_norm"} == {"pass"}
+
+
+@pytest.mark.skipif(not _op_available("attention"), reason="fastformer.ops.attention missing")
+def test_check_interpret_runs_the_triton_kernels(capsys):
+    code = main(["check", "--quick", "--interpret", "--ops", "attention", "--json"])
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert code == 0
+    triton = [r for r in rows if r["backend"] == "triton"]
+    assert triton and {r["status"] for r in triton} == {"pass"}
+    assert any("drop" in r["case"] for r in triton)
+
+
+def test_check_rejects_an_unknown_op(capsys):
+    assert main(["check", "--ops", "softmax"]) == 2
+    assert "softmax" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- bench
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """One `bench --quick --model tiny` run shared by the bench tests."""
+    out = tmp_path_factory.mktemp("bench")
+    with pytest.MonkeyPatch.context() as mp:
+        # The Triton interpreter (set by conftest on CPU) would time an interpreter, not a
+        # kernel: benchmark attention's CPU path as a CPU user gets it.
+        mp.setenv("FASTFORMER_BACKEND_ATTENTION", "torch")
+        # One thread: tiny ops on a shared 2-core machine otherwise wait on the thread pool.
+        argv = ["bench", "--quick", "--model", "tiny", "--device", "cpu", "--threads", "1"]
+        argv += ["--out", str(out)]
+        code = main(argv)
+    return code, out
+
+
+def test_bench_writes_results_report_and_plots(bench_run):
+    code, out = bench_run
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert R.missing_fields(results) == []
+    manifest = results["manifest"]
+    assert manifest["torch"] == torch.__version__
+    assert manifest["machine"] == ("gpu" if torch.cuda.is_available() else "cpu")
+    assert results["config"]["model"] == "tiny" and results["config"]["quick"] is True
+    assert results["config"]["reduced"] is True  # a CPU run says it is reduced
+    assert manifest["torch_threads"] == 1
+    assert set(results["ops"]) == {"attention", "layer_norm", "ffn"}
+    for op, data in results["ops"].items():
+        assert {row["mode"] for row in data["cases"]} == {"fwd", "fwd+bwd"}, op
+        for row in data["cases"]:
+            assert row["impls"]["reference"]["ms"] > 0
+            if _op_available(op):
+                assert row["impls"]["fastformer"]["ms"] > 0
+                assert row["speedup"]["reference"] > 0
+    assert results["rooflines"]["copy_gbps"] > 0
+    report = (out / "report.md").read_text()
+    assert "Reduced size" in report
+    assert "## Model" in report and "## attention" in report and "## ffn" in report
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert {"attention_tflops.png", "model.png", "speedup_ffn.png"} <= set(pngs)
+    for name in pngs:
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC, name
+        assert f"]({name})" in report
+
+
+def test_bench_model_stage_compares_eager_and_fastformer(bench_run):
+    _, out = bench_run
+    model = json.loads((out / "results.json").read_text())["model"]
+    assert model["config"]["name"] == "tiny"
+    eager = model["variants"]["eager"]
+    assert eager["train_tokens_per_s"] > 0 and eager["infer_tokens_per_s"] > 0
+    assert eager["peak_memory_bytes"] > 0
+    if not _swap_available():
+        pytest.skip("fastformer.swap is not available yet")
+    fast = model["variants"]["fastformer"]
+    assert fast["train_tokens_per_s"] > 0 and fast["infer_tokens_per_s"] > 0
+    assert model["parity"]["passed"] is True
+    assert model["parity"]["compared"] > 10  # the loss and every parameter's gradient
+
+
+@pytest.mark.skipif(not _op_available("layer_norm"), reason="fastformer.ops.layer_norm missing")
+def test_bench_exits_1_when_fastformer_raises(monkeypatch, tmp_path, capsys):
+    import fastformer.ops.layer_norm as ln
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("deliberately broken")
+
+    monkeypatch.setattr(ln, "layer_norm", broken)
+    argv = ["bench", "--quick", "--no-model", "--ops", "layer_norm", "--out", str(tmp_path)]
+    assert main(argv) == 1
+    assert "deliberately broken" in capsys.readouterr().err
+    rows = json.loads((tmp_path / "results.json").read_text())["ops"]["layer_norm"]["cases"]
+    plain = [r for r in rows if not r["params"]["fused"]]
+    assert plain and all("deliberately broken" in r["impls"]["fastformer"]["error"] for r in plain)
+
+
+def test_cpu_model_is_reduced_gpu_model_is_the_paper_s():
+    case, note = model_case("base", "cpu")
+    assert case.num_encoder_layers < 6 and "reduced" in note
+    gpu, note = model_case("base", "cuda")
+    assert note is None
+    paper = (512, 8, 6, 6, 2048, 0.1, 32000)  # "Attention Is All You Need", base model
+    assert (gpu.d_model, gpu.nhead, gpu.num_encoder_layers, gpu.num_decoder_layers) == paper[:4]
+    assert (gpu.dim_feedforward, gpu.dropout, gpu.vocab) == paper[4:]
+
+
+def _scaled(results: dict, ms: float, rate: float) -> dict:
+    """A copy of `results` with every time multiplied by `ms` and every rate by `rate`."""
+    old = copy.deepcopy(results)
+    for var in old.get("model", {}).get("variants", {}).values():
+        for key in ("train_tokens_per_s", "infer_tokens_per_s"):
+            if key in var:
+                var[key] *= rate
+    for data in old["ops"].values():
+        for row in data["cases"]:
+            for res in row["impls"].values():
+                if "ms" in res:
+                    res["ms"] *= ms
+    return old
+
+
+def test_compare_reports_every_change_and_fails_on_a_regression(bench_run, tmp_path, capsys):
+    _, out = bench_run
+    new = json.loads((out / "results.json").read_text())
+    # The old run was twice as fast: every fastformer figure is 50% slower now.
+    old_path = tmp_path / "old.json"
+    old_path.write_text(json.dumps(_scaled(new, 0.5, 2.0)))
+    args = ["bench", "--results", str(out / "results.json"), "--out", str(tmp_path / "r")]
+    assert main(args + ["--compare", str(old_path)]) == 0
+    text = capsys.readouterr().out
+    assert "+100.0%" in text  # times doubled
+    assert "model.eager.train_tokens_per_s" in text
+    assert main(args + ["--compare", str(old_path), "--fail-if-slower", "10"]) == 1
+    text = capsys.readouterr().out
+    assert "REGRESSION" in text
+    # 50% slower is within a 60% allowance
+    assert main(args + ["--compare", str(old_path), "--fail-if-slower", "60"]) == 0
+    # and a faster new run is never a regression
+    faster = tmp_path / "slow_old.json"
+    faster.write_text(json.dumps(_scaled(new, 2.0, 0.5)))
+    assert main(args + ["--compare", str(faster), "--fail-if-slower", "0"]) == 0
+
+
+def test_compare_directions():
+    old = {"ops": {"ffn": {"cases": [_row(2.0, 4.0)]}}, "model": _model(100.0)}
+    new = {"ops": {"ffn": {"cases": [_row(3.0, 4.0)]}}, "model": _model(50.0)}
+    changes = {c.key: c for c in R.compare(old, new)}
+    assert changes["ffn.c.fwd.fastformer.ms"].slower_pct == pytest.approx(100 / 3)
+    assert changes["ffn.c.fwd.reference.ms"].slower_pct == pytest.approx(0.0)
+    assert changes["model.fastformer.train_tokens_per_s"].slower_pct == pytest.approx(50.0)
+    slower = {c.key for c in R.regressions(list(changes.values()), 20)}
+    assert slower == {"ffn.c.fwd.fastformer.ms", "model.fastformer.train_tokens_per_s"}
+
+
+def _row(fast_ms: float, ref_ms: float) -> dict:
+    impls = {"fastformer": {"ms": fast_ms}, "reference": {"ms": ref_ms}}
+    return {"case": "c", "mode": "fwd", "impls": impls, "speedup": {"reference": ref_ms / fast_ms}}
+
+
+def _model(tokens_per_s: float) -> dict:
+    return {"variants": {"fastformer": {"train_tokens_per_s": tokens_per_s}}}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "--fail-if-slower", "5"],
+        ["bench", "--ops", "softmax"],
+        ["bench", "--results", "/nonexistent/results.json"],
+    ],
+)
+def test_bench_usage_errors(argv, capsys):
+    assert main(argv) == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_flop_and_byte_formulas():
+    case = AttentionCase(batch=2, heads=3, seq=5, head_dim=7, causal=True)
+    assert case.flops("fwd") == 0.5 * 4 * 2 * 3 * 5 * 5 * 7
+    assert case.flops("fwd+bwd") == case.flops("fwd") * 3.5  # backward = 2.5 x forward
+    assert AttentionCase(2, 3, 5, 7).flops("fwd") == 4 * 2 * 3 * 5 * 5 * 7
+    assert FfnCase(11, 3, 13).flops("fwd") == 2 * (2 * 11 * 3 * 13)
+    assert LayerNormCase(4, 8).bytes("fwd", 2) == 2 * 4 * 8 * 2  # read x, write y
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the suites would run")
+def test_benchmark_suites_skip_cleanly_without_a_gpu():
+    pytest.importorskip("pytest_benchmark")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "benchmarks/",
+            "--benchmark-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "skipped" in done.stdout and "passed" not in done.stdout
