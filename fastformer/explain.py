@@ -1,0 +1,77 @@
+"""`fastformer.explain(module, *inputs, **kwargs)`: which backend runs where, and why not faster.
+
+It runs `module(*inputs, **kwargs)` once (as given: same grad mode, same train/eval mode) while
+every fastformer module notes each op call (the backend that runs and, for each faster backend,
+why it cannot) and each fallback to torch.nn with its reason. torch.nn or reference modules of a
+kind `fastformer.swap` would replace are listed as such.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from torch import nn
+
+from fastformer.nn import _record
+from fastformer.swap import _FROM_REFERENCE, _FROM_TORCH, _type_name
+
+
+class Explanation(str):
+    """The printable report (a str) with the raw `records` (list of `_record.Record`)."""
+
+    records: list[_record.Record]
+
+
+def _unswapped_hook(store: list[_record.Record]):
+    """A global forward pre-hook noting torch.nn / reference modules fastformer could run.
+
+    Global, not per module: a per-module hook would make the fastformer layers see "hooks
+    attached" and take their unfused path, so the report would not show the normal run.
+    """
+
+    def hook(module: nn.Module, args) -> None:
+        kind = type(module)
+        if kind in _FROM_TORCH or kind in _FROM_REFERENCE:
+            why = ["not a fastformer module: fastformer.swap(model) replaces it"]
+            _record.note(module, kind.__name__, _type_name(kind), [("fastformer", why)])
+
+    return hook
+
+
+def _format(root: nn.Module, records: list[_record.Record]) -> str:
+    """Records grouped by module (in order of first call); repeated calls counted."""
+    names = {id(m): name for name, m in root.named_modules()}
+    grouped: dict[int, tuple[nn.Module, Counter]] = {}
+    for r in records:
+        entry = grouped.setdefault(id(r.module), (r.module, Counter()))
+        entry[1][(r.what, r.runs, r.reasons)] += 1  # a Counter keeps first-seen order
+    lines = [f"fastformer.explain({type(root).__name__}): {len(records)} calls"]
+    for key, (module, calls) in grouped.items():
+        lines.append(f"{names.get(key, '?') or '(root)'} ({type(module).__name__})")
+        for (what, runs, reasons), count in calls.items():
+            lines.append(f"    {what} -> {runs}" + (f" (x{count})" if count > 1 else ""))
+            lines += [
+                f"        not {b}: {'; '.join(why) or '(no reason given)'}" for b, why in reasons
+            ]
+    if not records:
+        lines.append("    no fastformer module ran (fastformer.swap(model) replaces torch.nn ones)")
+    return "\n".join(lines)
+
+
+def explain(module: nn.Module, *inputs, **kwargs) -> Explanation:
+    """Run `module(*inputs, **kwargs)` once and report, per submodule, the backend of every op
+    call and every reason a faster backend (or the fused path) did not run.
+
+    Returns an Explanation: a str (print it) with `.records` for programs. The forward runs
+    exactly as a normal call would (grad mode and train/eval mode untouched; dropout draws
+    random numbers as usual).
+    """
+    with _record.recording() as store:
+        handle = nn.modules.module.register_module_forward_pre_hook(_unswapped_hook(store))
+        try:
+            module(*inputs, **kwargs)
+        finally:
+            handle.remove()
+    text = Explanation(_format(module, store))
+    text.records = list(store)
+    return text

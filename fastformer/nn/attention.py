@@ -1,0 +1,274 @@
+"""`MultiheadAttention`: torch.nn.MultiheadAttention on the fused attention op.
+
+The projections stay torch's linear layers; the attention core (scores, masks, softmax,
+dropout, weighted sum) runs in `fastformer.ops.attention.scaled_dot_product_attention`, which
+never materialises the (B, H, L, S) score or mask tensor. nn.MultiheadAttention's masks are
+translated to the op's conventions without expanding them over heads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from fastformer.nn import _ops, _record
+
+
+def _check_mask_dtype(name: str, mask: Tensor) -> None:
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(
+            f"{name} must be a bool tensor (True = masked) or a floating tensor (added to the "
+            f"scores), got dtype {mask.dtype}"
+        )
+
+
+def _check_key_padding_mask(key_padding_mask: Tensor, batch: int, seq_k: int) -> None:
+    _check_mask_dtype("key_padding_mask", key_padding_mask)
+    if tuple(key_padding_mask.shape) != (batch, seq_k):
+        raise ValueError(
+            f"key_padding_mask must have shape (batch, seq_k) = {(batch, seq_k)}, "
+            f"got {tuple(key_padding_mask.shape)}"
+        )
+
+
+def _sdpa_attn_mask(attn_mask: Tensor, batch: int, heads: int, lq: int, lk: int) -> Tensor:
+    """nn.MultiheadAttention's attn_mask -> the op's, broadcastable to (B, H, Lq, Lk).
+
+    (Lq, Lk) stays 2-D (broadcast by the op); (B*H, Lq, Lk) is viewed as (B, H, Lq, Lk). A bool
+    mask flips meaning (nn: True = NOT allowed; SDPA: True = attend).
+    """
+    _check_mask_dtype("attn_mask", attn_mask)
+    if attn_mask.dim() == 2 and tuple(attn_mask.shape) == (lq, lk):
+        mask = attn_mask
+    elif attn_mask.dim() == 3 and tuple(attn_mask.shape) == (batch * heads, lq, lk):
+        mask = attn_mask.reshape(batch, heads, lq, lk)
+    else:
+        raise ValueError(
+            f"attn_mask must have shape (seq_q, seq_k) = {(lq, lk)} or "
+            f"(batch * num_heads, seq_q, seq_k) = {(batch * heads, lq, lk)}, "
+            f"got {tuple(attn_mask.shape)}"
+        )
+    return ~mask if mask.dtype == torch.bool else mask
+
+
+def _add_masks(attn_mask: Tensor, additive: Tensor) -> Tensor:
+    """Sum of an SDPA-convention mask (bool: True = attend, or float) and a float mask."""
+    if attn_mask.dtype == torch.bool:
+        zeros = torch.zeros(attn_mask.shape, dtype=additive.dtype, device=additive.device)
+        attn_mask = zeros.masked_fill(~attn_mask, float("-inf"))
+    return attn_mask + additive
+
+
+def sdpa_masks(
+    attn_mask: Tensor | None,
+    key_padding_mask: Tensor | None,
+    is_causal: bool,
+    batch: int,
+    heads: int,
+    lq: int,
+    lk: int,
+) -> tuple[Tensor | None, Tensor | None, bool]:
+    """nn.MultiheadAttention's (attn_mask, key_padding_mask, is_causal) -> the op's.
+
+    Args:
+        attn_mask: None, (Lq, Lk) or (B*H, Lq, Lk); bool True = NOT allowed, or float added.
+        key_padding_mask: None or (B, Lk); bool True = padding, or float added.
+        is_causal: as in torch.nn, a hint that `attn_mask` IS the causal mask: the op applies
+            the (top-left) causal mask itself and `attn_mask` is not read. Without `attn_mask`
+            it simply asks for causal attention (torch.nn would raise there).
+
+    Returns:
+        (attn_mask for the op: None, bool True = attend or float, broadcastable to
+        (B, H, Lq, Lk); key_padding_mask: None or bool (B, Lk) True = padding; is_causal).
+        A float key_padding_mask becomes an additive (B, 1, 1, Lk) mask, summed with a given
+        attn_mask into at most (B, 1 or H, Lq, Lk) — never expanded over heads.
+    """
+    if key_padding_mask is not None:
+        _check_key_padding_mask(key_padding_mask, batch, lk)
+    if attn_mask is not None:
+        attn_mask = _sdpa_attn_mask(attn_mask, batch, heads, lq, lk)
+        if is_causal:
+            attn_mask = None
+    if key_padding_mask is not None and key_padding_mask.is_floating_point():
+        additive = key_padding_mask.view(batch, 1, 1, lk)
+        attn_mask = additive if attn_mask is None else _add_masks(attn_mask, additive)
+        key_padding_mask = None
+    return attn_mask, key_padding_mask, is_causal
+
+
+def _split_heads(x: Tensor, n: int, heads: int, batch_first: bool) -> list[Tensor]:
+    """(B, L, n*E) or (L, B, n*E) -> n tensors (B, H, L, D) (views, no copy)."""
+    x = x.unflatten(-1, (n, heads, -1))
+    x = x.permute(2, 0, 3, 1, 4) if batch_first else x.permute(2, 1, 3, 0, 4)
+    return list(x.unbind(0))
+
+
+def _merge_heads(out: Tensor, batch_first: bool) -> Tensor:
+    """(B, H, L, D) -> (B, L, E) or (L, B, E)."""
+    out = out.transpose(1, 2) if batch_first else out.permute(2, 0, 1, 3)
+    return out.flatten(-2)
+
+
+class MultiheadAttention(nn.MultiheadAttention):
+    """Drop-in `torch.nn.MultiheadAttention` whose attention core is the fused op.
+
+    Same constructor, forward signature, parameters (`in_proj_weight`/`in_proj_bias`, or
+    `q_proj_weight`/`k_proj_weight`/`v_proj_weight` when kdim/vdim differ, `out_proj`) and
+    initialisation. Shapes: query (L, B, E) ((B, L, E) if batch_first, (L, E) unbatched),
+    key/value (S, B, kdim/vdim); returns (output like query, None).
+
+    Fast path (all float dtypes the op takes): packed or separate projections, self-, cross- or
+    general attention, bool or float key_padding_mask and attn_mask ((L, S) or (B*H, L, S)),
+    is_causal, dropout (this module's `dropout` in training mode). Falls back to
+    torch.nn.MultiheadAttention.forward (same results, reasons in `fallback_reasons` and
+    `fastformer.explain`) for: need_weights=True (the fused kernel never forms the attention
+    weights; note torch's default is True — pass need_weights=False), add_bias_kv,
+    add_zero_attn, nested-tensor inputs.
+
+    A query row whose keys are all masked gives 0 here (torch.nn gives NaN).
+    """
+
+    @property
+    def fallback_reasons(self) -> list[str]:
+        """Why this module's configuration always takes torch.nn's path ([] = it never does
+        for configuration reasons; per-call reasons such as need_weights=True are listed by
+        `fastformer.explain`)."""
+        reasons = []
+        if self.bias_k is not None:
+            reasons.append("add_bias_kv=True: the fused kernel has no learned bias key/value")
+        if self.add_zero_attn:
+            reasons.append("add_zero_attn=True: the fused kernel has no zero attention slot")
+        if self.dropout >= 1.0:
+            reasons.append("dropout=1 drops everything; the fused op takes p < 1")
+        return reasons
+
+    def _call_reasons(self, query: Tensor, key: Tensor, value: Tensor, need_weights: bool):
+        reasons = self.fallback_reasons
+        if need_weights:
+            reasons.append(
+                "need_weights=True (torch.nn's default): the fused kernel does not form the "
+                "attention weights; pass need_weights=False"
+            )
+        if query.is_nested or key.is_nested or value.is_nested:
+            reasons.append("nested-tensor input: the op takes dense (B, H, L, D) tensors")
+        return reasons
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """See torch.nn.MultiheadAttention.forward; `is_causal=True` without `attn_mask` is
+        allowed here and means causal attention."""
+        plain = (
+            not need_weights
+            and self.bias_k is None
+            and not self.add_zero_attn
+            and self.dropout < 1.0
+            and not (query.is_nested or key.is_nested or value.is_nested)
+        )
+        if not plain:
+            reasons = self._call_reasons(query, key, value, need_weights)
+            _record.note(self, "MultiheadAttention", "torch.nn", [("fastformer", reasons)])
+            return self._torch_forward(
+                query, key, value, key_padding_mask, need_weights, attn_mask,
+                average_attn_weights, is_causal,
+            )  # fmt: skip
+        return self._fast_forward(query, key, value, key_padding_mask, attn_mask, is_causal)
+
+    def _torch_forward(
+        self, query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal
+    ):
+        if is_causal and attn_mask is None:
+            # torch.nn needs the mask that is_causal describes; build it (nn convention).
+            seq_dim = 0 if query.dim() == 2 or not self.batch_first else 1
+            lq, lk = query.shape[seq_dim], key.shape[seq_dim]
+            attn_mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).triu(1)
+        return super().forward(
+            query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal
+        )
+
+    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+        if query.dim() not in (2, 3):
+            raise ValueError(
+                f"query must be 3-D (seq, batch, embed) or (batch, seq, embed) with "
+                f"batch_first, or 2-D unbatched, got shape {tuple(query.shape)}"
+            )
+        for name, t, dim in (
+            ("query", query, self.embed_dim),
+            ("key", key, self.kdim),
+            ("value", value, self.vdim),
+        ):
+            if t.dim() != query.dim():
+                raise ValueError(
+                    f"{name} must have as many dims as query ({query.dim()}), got shape "
+                    f"{tuple(t.shape)}"
+                )
+            if t.shape[-1] != dim:
+                raise ValueError(f"{name} must have last dim {dim}, got shape {tuple(t.shape)}")
+        if key.shape[:-1] != value.shape[:-1]:
+            raise ValueError(
+                f"key and value must have the same (seq, batch) dims, got key "
+                f"{tuple(key.shape)} and value {tuple(value.shape)}"
+            )
+
+    def _project(self, query: Tensor, key: Tensor, value: Tensor, bf: bool) -> list[Tensor]:
+        """q, k, v as (B, H, L, D) from (B, L, E) inputs (`bf`) or (L, B, E); one GEMM for all
+        three in self-attention, one for k and v when key is value (usual cross-attention)."""
+        e, h = self.embed_dim, self.num_heads
+        b_q = b_k = b_v = b_kv = None
+        if self.in_proj_bias is not None:
+            b_q, b_k, b_v = self.in_proj_bias.split(e)
+            b_kv = self.in_proj_bias[e:]
+        if not self._qkv_same_embed_dim:
+            q = nn.functional.linear(query, self.q_proj_weight, b_q)
+            k = nn.functional.linear(key, self.k_proj_weight, b_k)
+            v = nn.functional.linear(value, self.v_proj_weight, b_v)
+            return [_split_heads(t, 1, h, bf)[0] for t in (q, k, v)]
+        w = self.in_proj_weight
+        if query is key and key is value:
+            return _split_heads(nn.functional.linear(query, w, self.in_proj_bias), 3, h, bf)
+        q = _split_heads(nn.functional.linear(query, w[:e], b_q), 1, h, bf)[0]
+        if key is value:
+            k, v = _split_heads(nn.functional.linear(key, w[e:], b_kv), 2, h, bf)
+            return [q, k, v]
+        k = _split_heads(nn.functional.linear(key, w[e : 2 * e], b_k), 1, h, bf)[0]
+        v = _split_heads(nn.functional.linear(value, w[2 * e :], b_v), 1, h, bf)[0]
+        return [q, k, v]
+
+    def _fast_forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        is_causal: bool,
+    ) -> tuple[Tensor, None]:
+        self._check_inputs(query, key, value)
+        batched = query.dim() == 3
+        batch_first = self.batch_first or not batched
+        if not batched:  # (L, E) -> (1, L, E); keep `is` identities for the packed GEMMs
+            same_kv, same_qk = key is value, query is key
+            query = query.unsqueeze(0)
+            key = query if same_qk else key.unsqueeze(0)
+            value = key if same_kv else value.unsqueeze(0)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        q, k, v = self._project(query, key, value, batch_first)
+        batch, lq, lk = q.shape[0], q.shape[2], k.shape[2]
+        mask, kpm, causal = sdpa_masks(
+            attn_mask, key_padding_mask, is_causal, batch, self.num_heads, lq, lk
+        )
+        p = self.dropout if self.training else 0.0
+        out = _ops.attention(self, q, k, v, mask, p, causal, kpm)
+        out = nn.functional.linear(
+            _merge_heads(out, batch_first), self.out_proj.weight, self.out_proj.bias
+        )
+        return (out if batched else out.squeeze(0)), None

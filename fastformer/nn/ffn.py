@@ -1,0 +1,160 @@
+"""`FeedForward`: the position-wise feed-forward block on fastformer's fused ffn op.
+
+Also the FFN code the encoder and decoder layers share: `feed_forward(owner, x)` runs
+`linear2(dropout(activation(linear1(x))))` of any module holding `linear1`, `dropout`,
+`linear2` and `activation` (the torch.nn layer attribute names) through the op when it can.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fastformer.nn import _ops, _record
+from fastformer.reference import ACTIVATIONS, GATED_ACTIVATIONS
+
+Activation = str | Callable[[Tensor], Tensor]
+
+_LINEAR_TYPES = (nn.Linear, nn.modules.linear.NonDynamicallyQuantizableLinear)
+
+
+def check_activation(activation: Activation) -> None:
+    """ValueError/TypeError unless `activation` is one of ACTIVATIONS or a callable."""
+    if isinstance(activation, str):
+        if activation not in ACTIVATIONS:
+            raise ValueError(
+                f"activation must be one of {ACTIVATIONS} or a callable, got {activation!r}"
+            )
+    elif not callable(activation):
+        raise TypeError(
+            f"activation must be a string in {ACTIVATIONS} or a callable, got "
+            f"{type(activation).__name__}"
+        )
+
+
+def activation_name(activation: Activation) -> str | None:
+    """The op's name for `activation` (a string, F.relu/F.gelu/F.silu or nn.ReLU/GELU/SiLU),
+    or None for any other callable, which the fused op cannot run."""
+    if isinstance(activation, str):
+        return activation if activation in ACTIVATIONS else None
+    if activation is F.relu or type(activation) is nn.ReLU:
+        return "relu"
+    if activation is F.gelu:
+        return "gelu"
+    if type(activation) is nn.GELU:
+        return "gelu" if activation.approximate == "none" else "gelu_tanh"
+    if activation is F.silu or type(activation) is nn.SiLU:
+        return "silu"
+    return None
+
+
+def linear1_features(dim_feedforward: int, activation: Activation) -> int:
+    """Output features of linear1: twice dim_feedforward for the gated activations."""
+    gated = isinstance(activation, str) and activation in GATED_ACTIVATIONS
+    return 2 * dim_feedforward if gated else dim_feedforward
+
+
+def is_plain(module: nn.Module, types: tuple[type, ...]) -> bool:
+    """True when `module` is exactly one of `types` with no forward hooks: its forward can be
+    replaced by a fused op without skipping anything the user attached."""
+    return type(module) in types and not (module._forward_hooks or module._forward_pre_hooks)
+
+
+def ffn_reasons(owner: nn.Module) -> list[str]:
+    """Why `feed_forward(owner, x)` runs unfused ([] = it runs the fused op)."""
+    reasons = []
+    if activation_name(owner.activation) is None:
+        reasons.append(
+            f"activation {owner.activation!r} is a custom callable; the fused FFN runs "
+            f"{', '.join(ACTIVATIONS)} (or F.relu/F.gelu/F.silu, nn.ReLU/GELU/SiLU)"
+        )
+    for name in ("linear1", "linear2"):
+        if not is_plain(getattr(owner, name), _LINEAR_TYPES):
+            reasons.append(f"{name} is not a plain nn.Linear without hooks")
+    if not is_plain(owner.dropout, (nn.Dropout,)):
+        reasons.append("dropout is not a plain nn.Dropout without hooks")
+    elif owner.dropout.p >= 1.0:
+        reasons.append("dropout p=1 drops everything; the fused op takes p < 1")
+    return reasons
+
+
+def _gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# The activation of each name (for the gated ones: of the gate half).
+_EAGER = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": _gelu_tanh, "silu": F.silu}
+_EAGER |= {"swiglu": F.silu, "geglu": F.gelu}
+
+
+def _eager_activation(activation: Activation, h: Tensor) -> Tensor:
+    """The activation in plain torch (gated: act(first half) * second half)."""
+    if not isinstance(activation, str):
+        return activation(h)
+    if activation in GATED_ACTIVATIONS:
+        gate, up = h.chunk(2, dim=-1)
+        return _EAGER[activation](gate) * up
+    return _EAGER[activation](h)
+
+
+def feed_forward(owner: nn.Module, x: Tensor) -> Tensor:
+    """`owner.linear2(owner.dropout(act(owner.linear1(x))))` (gated: act(gate) * up).
+
+    x (..., d_model) -> (..., d_model). Runs the fused op unless the activation is a custom
+    callable or a sub-module is not plain (then torch.nn's modules run, reason recorded).
+    """
+    reasons = ffn_reasons(owner)
+    if reasons:
+        _record.note(owner, "ffn", "eager", [("fastformer", reasons)])
+        return owner.linear2(owner.dropout(_eager_activation(owner.activation, owner.linear1(x))))
+    drop = owner.dropout
+    p = drop.p if drop.training else 0.0
+    l1, l2 = owner.linear1, owner.linear2
+    name = activation_name(owner.activation)
+    return _ops.ffn(owner, x, l1.weight, l1.bias, l2.weight, l2.bias, name, p)
+
+
+class FeedForward(nn.Module):
+    """Position-wise feed-forward block `linear2(dropout(activation(linear1(x))))`.
+
+    Parameters `linear1` (d_model -> dim_feedforward, twice that for "swiglu"/"geglu") and
+    `linear2` (dim_feedforward -> d_model), named like torch.nn.TransformerEncoderLayer's, and
+    the same nn.Linear init. `activation`: "relu", "gelu", "gelu_tanh", "silu", "swiglu",
+    "geglu", or a callable (F.relu/F.gelu/F.silu and nn.ReLU/GELU/SiLU are fused; any other
+    callable runs unfused). The dropout (p=`dropout`, training mode only) is the inner one,
+    after the activation; the residual dropout belongs to the caller.
+
+    Input (..., d_model) in float32/float16/bfloat16; output (..., d_model), same dtype.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        dim_feedforward: int = 2048,
+        dropout: float = 0.1,
+        activation: Activation = "relu",
+        bias: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        check_activation(activation)
+        kw = {"device": device, "dtype": dtype}
+        self.linear1 = nn.Linear(d_model, linear1_features(dim_feedforward, activation), bias, **kw)
+        self.dropout = nn.Dropout(dropout)
+        self.linear2 = nn.Linear(dim_feedforward, d_model, bias, **kw)
+        self.activation = activation
+
+    @property
+    def fallback_reasons(self) -> list[str]:
+        """Why this configuration runs unfused ([] = it runs the fused op)."""
+        return ffn_reasons(self)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (..., d_model) -> (..., d_model)."""
+        return feed_forward(self, x)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}"

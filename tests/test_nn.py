@@ -1,0 +1,590 @@
+"""fastformer.nn against torch.nn and fastformer.reference.
+
+Every comparison shares the weights (same state_dict) and applies the parity rule of
+fastformer.testing to the outputs, the input gradients and every parameter gradient: the
+torch.nn (or reference) module run in float64 is the truth, the same module in float32 sets the
+error budget. Most tests force the attention op's "torch" backend (the Triton interpreter is
+slow on CPU); `test_triton_attention_path` runs the Triton kernel itself.
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fastformer.nn as fnn
+from fastformer import reference
+from fastformer.explain import explain
+from fastformer.testing import assert_parity, compare_with_reference
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Support for mismatched:UserWarning"),
+    pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning"),
+    pytest.mark.filterwarnings("ignore:enable_nested_tensor is True:UserWarning"),
+    pytest.mark.filterwarnings("ignore:Converting mask without torch.bool:UserWarning"),
+]
+
+E, H, FF, B, S, T = 16, 2, 32, 3, 7, 5
+
+
+@pytest.fixture(autouse=True)
+def torch_attention(monkeypatch):
+    """The attention op's torch backend: the Triton interpreter is too slow for every test."""
+    monkeypatch.setenv("FASTFORMER_BACKEND_ATTENTION", "torch")
+
+
+def module_parity(fast, ref, args, kwargs=None, arg_names=None):
+    """Parity of fast(*args, **kwargs) with ref (same parameter names) for the output, the
+    gradients of the args that require grad and of every parameter."""
+    kwargs = kwargs or {}
+    names = [n for n, _ in fast.named_parameters()]
+    params = [p.detach().clone().requires_grad_() for _, p in fast.named_parameters()]
+
+    def call(module):
+        def fn(*flat):
+            inputs, weights = flat[: len(args)], flat[len(args) :]
+            return torch.func.functional_call(module, dict(zip(names, weights)), inputs, kwargs)
+
+        return fn
+
+    labels = [n for a, n in zip(args, arg_names or [f"arg{i}" for i in range(len(args))])]
+    labels = [n for a, n in zip(args, labels) if a.requires_grad] + names
+    results = compare_with_reference(call(fast), call(ref), [*args, *params], names=labels)
+    assert len(results) == 1 + len(labels)
+    assert_parity(results)
+    return results
+
+
+def _randn(*shape, seed=0, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).requires_grad_(grad)
+
+
+def _padding(batch, length, seed=0):
+    """(batch, length) bool, True = padding at the end of each row; never a full row."""
+    lengths = torch.randint(1, length + 1, (batch,), generator=torch.Generator().manual_seed(seed))
+    lengths[0] = length
+    return reference.padding_mask(lengths, length)
+
+
+def _seq(batch_first, length, seed=0):
+    shape = (B, length, E) if batch_first else (length, B, E)
+    return _randn(*shape, seed=seed)
+
+
+def perturb(module, seed=0):
+    """Move every parameter off its init (LayerNorm 1/0, zero biases), so that a mixed-up
+    weight or bias changes the output, not only a gradient."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return module
+
+
+def _pair(torch_cls, fast_cls, *args, **kwargs):
+    """The torch.nn module and a fastformer one holding the same (perturbed) weights."""
+    torch_module = perturb(torch_cls(*args, **kwargs))
+    fast = fast_cls(*args, **kwargs)
+    fast.load_state_dict(torch_module.state_dict(), strict=True)
+    return torch_module, fast
+
+
+# --------------------------------------------------------------------------- state_dict and init
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_transformer_state_dict_and_init_match_torch(norm_first):
+    kw = dict(num_encoder_layers=2, num_decoder_layers=1, dim_feedforward=FF, norm_first=norm_first)
+    torch.manual_seed(0)
+    theirs = nn.Transformer(E, H, **kw)
+    torch.manual_seed(0)
+    ours = fnn.Transformer(E, H, **kw)
+    a, b = theirs.state_dict(), ours.state_dict()
+    assert list(a) == list(b)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key  # same seed, same init
+    fresh = fnn.Transformer(E, H, **kw)
+    fresh.load_state_dict(a, strict=True)
+    nn.Transformer(E, H, **kw).load_state_dict(b, strict=True)
+    assert isinstance(ours.encoder.layers[1].self_attn, fnn.MultiheadAttention)
+    assert isinstance(ours.decoder.layers[0].norm3, fnn.LayerNorm)
+
+
+# --------------------------------------------------------------------------- whole model parity
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_transformer_parity_with_torch(batch_first, norm_first):
+    kw = dict(num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=FF, dropout=0.0)
+    kw |= dict(batch_first=batch_first, norm_first=norm_first)
+    theirs, ours = _pair(nn.Transformer, fnn.Transformer, E, H, **kw)
+    src, tgt = _seq(batch_first, S, seed=1), _seq(batch_first, T, seed=2)
+    src_kpm = _padding(B, S, seed=3)
+    masks = dict(
+        tgt_mask=nn.Transformer.generate_square_subsequent_mask(T),
+        tgt_is_causal=True,
+        src_key_padding_mask=src_kpm,
+        tgt_key_padding_mask=_padding(B, T, seed=4),
+        memory_key_padding_mask=src_kpm,
+    )
+    module_parity(ours, theirs, (src, tgt), masks, ["src", "tgt"])
+
+
+# --------------------------------------------------------------------------- layers and masks
+
+
+def _mask_cases():
+    g = torch.Generator().manual_seed(5)
+    blocked = torch.rand(S, S, generator=g) > 0.6
+    blocked.fill_diagonal_(False)  # nn convention: True = NOT allowed; no fully masked row
+    per_head = torch.rand(B * H, S, S, generator=g) > 0.6
+    per_head[:, torch.arange(S), torch.arange(S)] = False
+    float_kpm = torch.randn(B, S, generator=g)
+    float_kpm[1, -2:] = float("-inf")
+    causal = nn.Transformer.generate_square_subsequent_mask(S)
+    return {
+        "bool_attn_mask": dict(src_mask=blocked),
+        "float_attn_mask": dict(src_mask=torch.randn(S, S, generator=g)),
+        "per_head_float_mask": dict(src_mask=torch.randn(B * H, S, S, generator=g)),
+        "per_head_bool_mask": dict(src_mask=per_head),
+        "bool_padding": dict(src_key_padding_mask=_padding(B, S, seed=6)),
+        "float_padding": dict(src_key_padding_mask=float_kpm),
+        "float_padding_bool_mask": dict(src_mask=blocked, src_key_padding_mask=float_kpm),
+        "bool_padding_float_mask": dict(src_mask=causal, src_key_padding_mask=_padding(B, S)),
+        "causal_hint_and_padding": dict(
+            src_mask=causal, is_causal=True, src_key_padding_mask=_padding(B, S, seed=7)
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(_mask_cases()))
+def test_encoder_layer_masks(case):
+    masks = _mask_cases()[case]
+    theirs, ours = _pair(
+        nn.TransformerEncoderLayer, fnn.TransformerEncoderLayer, E, H, FF, dropout=0.0
+    )
+    module_parity(ours, theirs, (_seq(False, S),), masks, ["src"])
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("training", [False, True])
+def test_decoder_layer_cross_attention_masks(norm_first, training):
+    theirs, ours = _pair(
+        nn.TransformerDecoderLayer, fnn.TransformerDecoderLayer, E, H, FF, dropout=0.0,
+        batch_first=True, norm_first=norm_first,
+    )  # fmt: skip
+    theirs.train(training), ours.train(training)
+    g = torch.Generator().manual_seed(8)
+    memory_mask = torch.rand(T, S, generator=g) > 0.7
+    memory_mask[:, 0] = False
+    masks = dict(
+        tgt_mask=reference.causal_mask(T),
+        memory_mask=memory_mask,
+        tgt_key_padding_mask=_padding(B, T, seed=9),
+        memory_key_padding_mask=torch.randn(B, S, generator=g),  # float: added
+    )
+    module_parity(ours, theirs, (_seq(True, T), _seq(True, S, seed=1)), masks, ["tgt", "memory"])
+
+
+def test_encoder_layer_unbatched_input():
+    theirs, ours = _pair(
+        nn.TransformerEncoderLayer, fnn.TransformerEncoderLayer, E, H, FF, dropout=0.0
+    )
+    kpm = torch.zeros(S, dtype=torch.bool)
+    kpm[-2:] = True
+    module_parity(ours, theirs, (_randn(S, E),), dict(src_key_padding_mask=kpm), ["src"])
+
+
+@pytest.mark.parametrize("activation", ["gelu_tanh", "silu", "swiglu", "geglu"])
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_layers_with_extra_activations_match_reference(activation, norm_first):
+    kw = dict(dropout=0.0, activation=activation, norm_first=norm_first, batch_first=True)
+    ref = perturb(reference.TransformerDecoderLayer(E, H, FF, **kw))
+    ours = fnn.TransformerDecoderLayer(E, H, FF, **kw)
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    gated = activation in ("swiglu", "geglu")
+    assert ours.linear1.out_features == (2 * FF if gated else FF)
+    args = (_seq(True, T), _seq(True, S, seed=1))
+    module_parity(ours, ref, args, dict(tgt_is_causal=True), ["tgt", "memory"])
+
+
+def test_torch_activation_callables_are_fused():
+    for activation in (F.gelu, nn.GELU("tanh"), nn.SiLU()):
+        theirs, ours = _pair(
+            nn.TransformerEncoderLayer, fnn.TransformerEncoderLayer, E, H, FF, dropout=0.0,
+            activation=activation,
+        )  # fmt: skip
+        text = explain(ours, _seq(False, S))
+        assert "ffn -> eager" not in text, text
+        module_parity(ours, theirs, (_seq(False, S),), None, ["src"])
+
+
+def test_custom_activation_falls_back_with_reason():
+    def cube(x):
+        return x**3
+
+    theirs, ours = _pair(
+        nn.TransformerEncoderLayer, fnn.TransformerEncoderLayer, E, H, FF, dropout=0.0,
+        activation=cube,
+    )  # fmt: skip
+    text = explain(ours, _seq(False, S))
+    assert "ffn -> eager" in text and "custom callable" in text, text
+    module_parity(ours, theirs, (_seq(False, S),), None, ["src"])
+
+
+# --------------------------------------------------------------------------- MultiheadAttention
+
+
+def _mha_case(name):
+    """(constructor kwargs, forward args builder) for each projection layout."""
+    q, k, v = _randn(T, B, E, seed=1), _randn(S, B, E, seed=2), _randn(S, B, E, seed=3)
+    cases = {
+        "self": ({}, (q, q, q)),
+        "cross_key_is_value": ({}, (q, k, k)),
+        "distinct_qkv": ({}, (q, k, v)),
+        "kdim_vdim": (dict(kdim=12, vdim=10), (q, _randn(S, B, 12, seed=4), _randn(S, B, 10))),
+        "no_bias": (dict(bias=False), (q, k, v)),
+        "batch_first": (dict(batch_first=True), tuple(t.transpose(0, 1) for t in (q, k, k))),
+        "unbatched": ({}, (q[:, 0], k[:, 0], v[:, 0])),
+    }
+    return cases[name]
+
+
+class _Route(nn.Module):
+    """Calls an attention module with its inputs picked from `flat` by `index`; returns the
+    output only (so `q is k is v` survives compare_with_reference's copies)."""
+
+    def __init__(self, inner, index, kwargs):
+        super().__init__()
+        self.inner, self.index, self.kwargs = inner, index, kwargs
+
+    def forward(self, *flat):
+        return self.inner(*(flat[i] for i in self.index), **self.kwargs)[0]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "self",
+        "cross_key_is_value",
+        "distinct_qkv",
+        "kdim_vdim",
+        "no_bias",
+        "batch_first",
+        "unbatched",
+    ],
+)
+def test_multihead_attention_projections(case):
+    kwargs, args = _mha_case(case)
+    theirs, ours = _pair(nn.MultiheadAttention, fnn.MultiheadAttention, E, H, **kwargs)
+    assert ours.fallback_reasons == []
+    unbatched = case == "unbatched"
+    seq_k = args[1].shape[1 if kwargs.get("batch_first") else 0]
+    kpm = _padding(1 if unbatched else B, seq_k, seed=11)
+    masks = dict(need_weights=False, key_padding_mask=kpm[0] if unbatched else kpm)
+    distinct = list({id(t): t for t in args}.values())  # keeps `q is k` through the comparison
+    index = [next(i for i, d in enumerate(distinct) if d is t) for t in args]
+    module_parity(_Route(ours, index, masks), _Route(theirs, index, masks), tuple(distinct))
+    text = explain(ours, *args, **masks)
+    assert "attention -> torch" in text, text
+
+
+def test_multihead_attention_is_causal_without_mask():
+    theirs, ours = _pair(nn.MultiheadAttention, fnn.MultiheadAttention, E, H, batch_first=True)
+    x = _randn(B, S, E)
+    out, weights = ours(x, x, x, need_weights=False, is_causal=True)
+    assert weights is None
+    expected = theirs(x, x, x, need_weights=False, attn_mask=reference.causal_mask(S))[0]
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["need_weights", "add_bias_kv", "add_zero_attn"])
+def test_multihead_attention_fallbacks_match_torch(case):
+    kwargs = {"add_bias_kv": True} if case == "add_bias_kv" else {}
+    kwargs |= {"add_zero_attn": True} if case == "add_zero_attn" else {}
+    theirs, ours = _pair(nn.MultiheadAttention, fnn.MultiheadAttention, E, H, **kwargs)
+    q, k = _randn(T, B, E, grad=False), _randn(S, B, E, seed=1, grad=False)
+    call = dict(need_weights=case == "need_weights", key_padding_mask=_padding(B, S))
+    expected = theirs(q, k, k, **call)
+    got = ours(q, k, k, **call)
+    torch.testing.assert_close(got[0], expected[0], atol=0, rtol=0)  # torch.nn's own path
+    if case == "need_weights":
+        torch.testing.assert_close(got[1], expected[1], atol=0, rtol=0)
+    else:
+        assert any(case in r for r in ours.fallback_reasons)
+    text = explain(ours, q, k, k, **call)
+    assert "MultiheadAttention -> torch.nn" in text and case in text, text
+
+
+def test_fully_masked_rows_give_zero_like_the_reference():
+    ref = perturb(reference.MultiheadAttention(E, H, batch_first=True))
+    ours = fnn.MultiheadAttention(E, H, batch_first=True)
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    kpm = _padding(B, S)
+    kpm[1] = True  # every key of batch 1 is padding
+    args = (_randn(B, T, E, seed=1), _randn(B, S, E, seed=2))
+
+    class CrossAttention(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, q, kv):
+            return self.inner(q, kv, kv, key_padding_mask=kpm, need_weights=False)[0]
+
+    results = module_parity(CrossAttention(ours), CrossAttention(ref), args, None, ["q", "kv"])
+    assert all(math.isfinite(r.error) for r in results)
+
+
+# --------------------------------------------------------------------------- norms and FFN
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["affine", "no_bias", "no_affine", "2d_shape", "rms", "rms_eps", "rms_no_affine"],
+)
+def test_norms_match_torch(case):
+    make = {
+        "affine": (nn.LayerNorm, fnn.LayerNorm, (E,), {}),
+        "no_bias": (nn.LayerNorm, fnn.LayerNorm, (E,), dict(bias=False)),
+        "no_affine": (nn.LayerNorm, fnn.LayerNorm, (E,), dict(elementwise_affine=False)),
+        "2d_shape": (nn.LayerNorm, fnn.LayerNorm, ((4, E),), dict(eps=1e-3)),
+        "rms": (nn.RMSNorm, fnn.RMSNorm, (E,), {}),
+        "rms_eps": (nn.RMSNorm, fnn.RMSNorm, (E,), dict(eps=1e-3)),
+        "rms_no_affine": (nn.RMSNorm, fnn.RMSNorm, (E,), dict(elementwise_affine=False)),
+    }
+    torch_cls, fast_cls, args, kwargs = make[case]
+    theirs, ours = _pair(torch_cls, fast_cls, *args, **kwargs)
+    module_parity(ours, theirs, (_randn(B, 4, E) * 3 + 1,), None, ["input"])
+
+
+@pytest.mark.parametrize("activation", list(reference.ACTIVATIONS))
+def test_feed_forward_matches_reference(activation):
+    ours = perturb(fnn.FeedForward(E, FF, dropout=0.0, activation=activation))
+    assert ours.fallback_reasons == []
+
+    class Ref(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear1, self.linear2 = copy.deepcopy(ours.linear1), copy.deepcopy(ours.linear2)
+
+        def forward(self, x):
+            l1, l2 = self.linear1, self.linear2
+            return reference.ffn(x, l1.weight, l1.bias, l2.weight, l2.bias, activation)
+
+    module_parity(ours, Ref(), (_randn(B, S, E),), None, ["x"])
+
+
+def test_feed_forward_custom_callable_runs_unfused():
+    ours = fnn.FeedForward(E, FF, dropout=0.0, activation=torch.tanh)
+    assert any("custom callable" in r for r in ours.fallback_reasons)
+    x = _randn(B, S, E, grad=False)
+    expected = ours.linear2(torch.tanh(ours.linear1(x)))
+    torch.testing.assert_close(ours(x), expected, atol=0, rtol=0)
+
+
+def test_positional_encoding_matches_reference():
+    ours, ref = (
+        fnn.PositionalEncoding(E, dropout=0.0, max_len=50),
+        reference.PositionalEncoding(E, 0.0, 50),
+    )
+    x = _randn(B, S, E, grad=False)
+    torch.testing.assert_close(ours(x), ref(x), atol=0, rtol=0)
+    assert ours.state_dict() == {}
+
+
+# --------------------------------------------------------------------------- dropout
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_dropout_is_reproducible_with_the_seed(norm_first):
+    layer = fnn.TransformerDecoderLayer(E, H, FF, dropout=0.3, norm_first=norm_first)
+    tgt, memory = _seq(False, T, seed=1), _seq(False, S, seed=2)
+
+    def run(seed):
+        torch.manual_seed(seed)
+        return layer(tgt, memory, tgt_is_causal=True)
+
+    first, again, other = run(0), run(0), run(1)
+    torch.testing.assert_close(first, again, atol=0, rtol=0)
+    assert (first - other).abs().max() > 1e-3  # a new seed, new masks
+    layer.eval()
+    evaluated = layer(tgt, memory, tgt_is_causal=True)
+    assert (first - evaluated).abs().max() > 1e-3  # dropout did apply in training
+    torch.testing.assert_close(evaluated, layer(tgt, memory, tgt_is_causal=True), atol=0, rtol=0)
+
+
+def test_dropout_rate_of_feed_forward():
+    ff = fnn.FeedForward(E, 4096, dropout=0.25, activation="relu")
+    with torch.no_grad():
+        ff.linear1.weight.zero_(), ff.linear1.bias.fill_(1.0)  # hidden = 1 everywhere
+        ff.linear2.weight.fill_(1.0), ff.linear2.bias.zero_()
+    torch.manual_seed(0)
+    out = ff(torch.zeros(8, E))  # = (number kept) / (1 - p) per row
+    kept = out / (1 / 0.75)
+    assert abs(kept.mean().item() / 4096 - 0.75) < 0.01
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "case, error, words",
+    [
+        ("query_4d", ValueError, ["query", "(2, 3, 5, 16)"]),
+        ("key_dim", ValueError, ["key", "last dim 16"]),
+        ("mask_shape", ValueError, ["attn_mask", "(5, 7)", "(4, 4)"]),
+        ("kpm_shape", ValueError, ["key_padding_mask", "(3, 7)", "(3, 5)"]),
+        ("kpm_dtype", TypeError, ["key_padding_mask", "torch.int64"]),
+        ("activation", ValueError, ["activation", "'tanh'"]),
+        ("activation_type", TypeError, ["activation", "int"]),
+        ("max_len", ValueError, ["max_len", "60"]),
+    ],
+)
+def test_errors_name_the_argument(case, error, words):
+    mha = fnn.MultiheadAttention(E, H)
+    q, k = torch.randn(T, B, E), torch.randn(S, B, E)
+    calls = {
+        "query_4d": lambda: mha(torch.randn(2, 3, 5, E), k, k, need_weights=False),
+        "key_dim": lambda: mha(q, torch.randn(S, B, 8), k, need_weights=False),
+        "mask_shape": lambda: mha(q, k, k, attn_mask=torch.ones(4, 4), need_weights=False),
+        "kpm_shape": lambda: mha(q, k, k, torch.zeros(B, 5, dtype=torch.bool), need_weights=False),
+        "kpm_dtype": lambda: mha(q, k, k, torch.zeros(B, S, dtype=torch.long), need_weights=False),
+        "activation": lambda: fnn.TransformerEncoderLayer(E, H, activation="tanh"),
+        "activation_type": lambda: fnn.FeedForward(E, activation=3),
+        "max_len": lambda: fnn.PositionalEncoding(E, max_len=50)(torch.randn(1, 60, E)),
+    }
+    with pytest.raises(error) as info:
+        calls[case]()
+    for word in words:
+        assert word in str(info.value), str(info.value)
+
+
+# --------------------------------------------------------------------------- autocast
+
+
+def _autocast_pairs():
+    """kind -> (torch class, fastformer class, constructor args and kwargs, number of inputs)."""
+    layer = dict(dropout=0.0)
+    return {
+        "LayerNorm": (nn.LayerNorm, fnn.LayerNorm, (E,), {}, 1),
+        "RMSNorm": (nn.RMSNorm, fnn.RMSNorm, (E,), {}, 1),
+        "MultiheadAttention": (nn.MultiheadAttention, fnn.MultiheadAttention, (E, H), {}, 3),
+        "EncoderLayer": (nn.TransformerEncoderLayer, fnn.TransformerEncoderLayer, (E, H, FF), layer, 1),
+        "EncoderLayerPreLN": (
+            nn.TransformerEncoderLayer, fnn.TransformerEncoderLayer, (E, H, FF),
+            dict(layer, norm_first=True), 1,
+        ),
+        "DecoderLayer": (nn.TransformerDecoderLayer, fnn.TransformerDecoderLayer, (E, H, FF), layer, 2),
+        "DecoderLayerPreLN": (
+            nn.TransformerDecoderLayer, fnn.TransformerDecoderLayer, (E, H, FF),
+            dict(layer, norm_first=True), 2,
+        ),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", list(_autocast_pairs()))
+def test_autocast_gives_torch_dtypes(kind, dtype):
+    torch_cls, fast_cls, args, kwargs, n_inputs = _autocast_pairs()[kind]
+    theirs, ours = _pair(torch_cls, fast_cls, *args, **kwargs)
+    x = torch.randn(S, B, E, dtype=dtype)
+    extra = {"need_weights": False} if kind == "MultiheadAttention" else {}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, got = theirs(*(x,) * n_inputs, **extra), ours(*(x,) * n_inputs, **extra)
+    expected, got = (expected[0], got[0]) if isinstance(got, tuple) else (expected, got)
+    assert got.dtype == expected.dtype, (kind, dtype)
+    torch.testing.assert_close(got.float(), expected.float(), atol=0.1, rtol=0.05)
+    got.float().sum().backward()  # the casts are differentiable down to float32 weights
+    assert all(p.grad is not None and p.grad.dtype == p.dtype for p in ours.parameters())
+
+
+# --------------------------------------------------------------------------- the other paths
+
+
+def test_triton_attention_path(monkeypatch):
+    """The Triton kernel (interpreted on CPU) behind MultiheadAttention, padding included."""
+    monkeypatch.delenv("FASTFORMER_BACKEND_ATTENTION")
+    theirs, ours = _pair(nn.MultiheadAttention, fnn.MultiheadAttention, 32, 2, batch_first=True)
+    x = _randn(2, 9, 32)
+    kpm = _padding(2, 9)
+    text = explain(ours, x, x, x, key_padding_mask=kpm, need_weights=False)
+    assert "attention -> triton" in text, text  # conftest sets TRITON_INTERPRET=1 on CPU
+
+    class Self(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x, x, x, key_padding_mask=kpm, need_weights=False)[0]
+
+    module_parity(Self(ours), Self(theirs), (x,), None, ["x"])
+
+
+def test_torch_encoder_nested_path_falls_back_to_torch():
+    """An unswapped torch.nn.TransformerEncoder hands fastformer layers nested tensors in
+    inference; the layer then runs torch.nn's own path (same result)."""
+    layer = fnn.TransformerEncoderLayer(E, H, FF, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    theirs = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(E, H, FF, batch_first=True), 2, enable_nested_tensor=True
+    ).eval()
+    theirs.load_state_dict(encoder.state_dict())
+    x, kpm = torch.randn(B, S, E), _padding(B, S)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            encoder(x, src_key_padding_mask=kpm), theirs(x, src_key_padding_mask=kpm)
+        )
+        text = explain(encoder, x, src_key_padding_mask=kpm)
+    assert "layers.1 (TransformerEncoderLayer)" in text and "nested-tensor input" in text, text
+
+
+def test_explain_reports_backends_and_unswapped_modules():
+    model = nn.Sequential(
+        fnn.TransformerEncoderLayer(E, H, FF, batch_first=True, activation=torch.tanh),
+        nn.LayerNorm(E),
+    )
+    text = explain(model, torch.randn(B, S, E))
+    assert isinstance(text, str) and text.records
+    assert "0.self_attn (MultiheadAttention)" in text
+    assert "FASTFORMER_BACKEND_ATTENTION=torch forces torch" in text
+    assert "dropout_add_layer_norm" in text and "ffn -> eager" in text
+    assert "1 (LayerNorm)" in text and "fastformer.swap" in text
+    encoder = fnn.TransformerEncoder(model[0], 1)
+    text = explain(encoder, torch.randn(B, S, E), mask=reference.causal_mask(S))
+    assert "mask -> applied as given" in text and "pass is_causal=True" in text, text
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_cuda_transformer_parity_bf16(norm_first):
+    torch.manual_seed(0)
+    kw = dict(num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=256, dropout=0.0)
+    theirs, ours = _pair(
+        nn.Transformer, fnn.Transformer, 128, 2, **kw, batch_first=True, norm_first=norm_first
+    )
+    theirs, ours = theirs.cuda().bfloat16(), ours.cuda().bfloat16()
+    src = torch.randn(2, 97, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    tgt = torch.randn(2, 33, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kpm = _padding(2, 97).cuda()
+    masks = dict(src_key_padding_mask=kpm, memory_key_padding_mask=kpm, tgt_is_causal=True)
+    masks["tgt_mask"] = reference.causal_mask(33, device="cuda")  # torch.nn needs it with the hint
+    module_parity(ours, theirs, (src, tgt), masks, ["src", "tgt"])
+
+
+@pytest.mark.cuda
+def test_cuda_autocast_gives_torch_dtypes():
+    kw = dict(num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=64, dropout=0.0)
+    for norm_first in (False, True):
+        theirs, ours = _pair(nn.Transformer, fnn.Transformer, 32, 2, **kw, norm_first=norm_first)
+        theirs, ours = theirs.cuda(), ours.cuda()
+        x = torch.randn(9, 2, 32, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            expected, got = theirs(x, x), ours(x, x)
+        assert got.dtype == expected.dtype

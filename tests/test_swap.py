@@ -1,0 +1,226 @@
+"""fastformer.swap: replaces modules in place, shares every Parameter, keeps the state_dict keys
+and the results (parity rule against an unswapped copy of the same model)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fastformer.nn as fnn
+import fastformer.swap as swap_module
+from fastformer import reference
+from fastformer.explain import explain
+from fastformer.swap import SwapReport, swap
+from fastformer.testing import assert_parity, compare_with_reference
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Support for mismatched:UserWarning"),
+    pytest.mark.filterwarnings("ignore:enable_nested_tensor is True:UserWarning"),
+]
+
+E, H, FF, B, S, T = 16, 2, 32, 3, 7, 5
+
+
+@pytest.fixture(autouse=True)
+def torch_attention(monkeypatch):
+    """The attention op's torch backend: the Triton interpreter is too slow for every test."""
+    monkeypatch.setenv("FASTFORMER_BACKEND_ATTENTION", "torch")
+
+
+def _model_parity(fast, ref, args, kwargs=None):
+    """Parity rule for the output and every parameter gradient (args: no gradient)."""
+    names = [n for n, _ in fast.named_parameters()]
+    params = [p.detach().clone().requires_grad_() for _, p in fast.named_parameters()]
+
+    def call(module):
+        def fn(*flat):
+            inputs, weights = flat[: len(args)], flat[len(args) :]
+            return torch.func.functional_call(module, dict(zip(names, weights)), inputs, kwargs)
+
+        return fn
+
+    results = compare_with_reference(call(fast), call(ref), [*args, *params], names=names)
+    assert len(results) == 1 + len(names)
+    assert_parity(results)
+
+
+def _perturb(model, seed=0):
+    """Move every parameter off its init (LayerNorm 1/0, zero biases)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
+
+
+def _padding(batch, length, seed=0):
+    lengths = torch.randint(1, length + 1, (batch,), generator=torch.Generator().manual_seed(seed))
+    lengths[0] = length
+    return reference.padding_mask(lengths, length)
+
+
+def _types(model):
+    return {name: type(m) for name, m in model.named_modules()}
+
+
+def test_swap_torch_transformer_in_place():
+    model = _perturb(nn.Transformer(E, H, 2, 2, FF, dropout=0.0, batch_first=True))
+    original = copy.deepcopy(model)
+    params = list(model.parameters())
+    modules = dict(model.named_modules())
+    keys = list(model.state_dict())
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    report = swap(model)
+
+    assert isinstance(report, SwapReport) and report.left == []
+    # 1 transformer + 2 stacks + 2 norms + 2 x (layer, attn, 2 norms) + 2 x (layer, 2 attn, 3 norms)
+    assert len(report.replaced) == 25
+    assert ("encoder.layers.1.self_attn", nn.MultiheadAttention, fnn.MultiheadAttention) in (
+        report.replaced
+    )
+    assert all(p is q for p, q in zip(params, model.parameters()))
+    assert len(params) == len(list(model.parameters()))
+    assert all(m is modules[n] for n, m in model.named_modules())  # same module objects
+    assert list(model.state_dict()) == keys
+    assert isinstance(model.decoder.layers[1].norm3, fnn.LayerNorm)
+
+    src, tgt = torch.randn(B, S, E), torch.randn(B, T, E)
+    kpm = _padding(B, S)
+    masks = dict(src_key_padding_mask=kpm, memory_key_padding_mask=kpm, tgt_is_causal=True)
+    masks |= dict(tgt_mask=nn.Transformer.generate_square_subsequent_mask(T))
+    _model_parity(model, original, (src, tgt), masks)
+
+    before = [p.detach().clone() for p in params]
+    model(src, tgt, **masks).square().mean().backward()
+    optimizer.step()  # the optimizer made before the swap updates the swapped model
+    assert all(not torch.equal(b, p) for b, p in zip(before, params) if p.grad is not None)
+    assert optimizer.state[params[0]]["step"] == 1
+
+
+def test_swap_reference_model():
+    torch.manual_seed(0)
+    model = reference.TransformerModel(13, 13, E, H, 1, 1, FF, dropout=0.0, share_embeddings=True)
+    model = _perturb(model)
+    original = copy.deepcopy(model)
+    params = list(model.parameters())
+    report = swap(model)
+    kinds = {(old, new) for _, old, new in report.replaced}
+    assert kinds == {
+        (reference.MultiheadAttention, fnn.MultiheadAttention),
+        (reference.LayerNorm, fnn.LayerNorm),
+        (reference.TransformerEncoderLayer, fnn.TransformerEncoderLayer),
+        (reference.TransformerDecoderLayer, fnn.TransformerDecoderLayer),
+    }
+    assert all(p is q for p, q in zip(params, model.parameters()))
+    assert isinstance(model.transformer.encoder.layers[0].self_attn, fnn.MultiheadAttention)
+
+    g = torch.Generator().manual_seed(1)
+    src, tgt = torch.randint(2, 13, (B, S), generator=g), torch.randint(2, 13, (B, T), generator=g)
+    src[1, -3:] = 0  # padding at the end (pad_id 0)
+    _model_parity(model, original, (src, tgt))
+    model.loss(src, tgt).backward()
+
+
+class HandWritten(nn.Module):
+    """A model written with torch.nn pieces, not nn.Transformer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, E)
+        self.attn = nn.MultiheadAttention(E, H, batch_first=True)
+        self.norm = nn.LayerNorm(E)
+        self.cross = nn.MultiheadAttention(E, H, kdim=12, vdim=12, batch_first=True)
+        self.head = nn.Sequential(nn.RMSNorm(E), nn.Linear(E, 4))
+
+    def forward(self, x, memory, kpm):
+        h = self.embed(x)
+        h = self.norm(h + self.attn(h, h, h, key_padding_mask=kpm, need_weights=False)[0])
+        h = h + self.cross(h, memory, memory, need_weights=False)[0]
+        return self.head(h)
+
+
+def test_swap_hand_written_model():
+    model = _perturb(HandWritten())
+    original = copy.deepcopy(model)
+    report = swap(model)
+    assert [name for name, _, _ in report.replaced] == ["attn", "norm", "cross", "head.0"]
+    assert type(model.embed) is nn.Linear
+    args = (torch.randn(B, S, 8), torch.randn(B, T, 12), _padding(B, S))
+    _model_parity(model, original, args)
+    text = explain(model, *args)
+    assert "attn (MultiheadAttention)" in text and "attention ->" in text, text
+
+
+def test_include_and_exclude():
+    model = nn.Transformer(E, H, 1, 1, FF)
+    report = swap(model, include=["MultiheadAttention"])
+    assert {new for _, _, new in report.replaced} == {fnn.MultiheadAttention}
+    assert ("encoder.norm", nn.LayerNorm, "not selected by include") in report.left
+    assert type(model.encoder.layers[0]) is nn.TransformerEncoderLayer
+
+    model = nn.Transformer(E, H, 1, 1, FF)
+    report = swap(model, exclude=["decoder*", nn.LayerNorm])
+    replaced = {name for name, _, _ in report.replaced}
+    assert "encoder.layers.0.self_attn" in replaced and "encoder.layers.0" in replaced
+    assert not any(name.startswith("decoder") or "norm" in name for name in replaced)
+    assert type(model.decoder.layers[0].self_attn) is nn.MultiheadAttention
+    assert ("encoder.norm", nn.LayerNorm, "excluded by exclude") in report.left
+
+
+def test_subclasses_are_left_with_a_reason():
+    class MyNorm(nn.LayerNorm):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    model = nn.Sequential(MyNorm(E), nn.LayerNorm(E))
+    report = swap(model)
+    assert [name for name, _, _ in report.replaced] == ["1"]
+    ((name, kind, reason),) = report.left
+    assert name == "0" and kind is MyNorm and "subclass of torch.nn.LayerNorm" in reason
+    assert type(model[0]) is MyNorm
+
+
+def test_swap_twice_is_a_no_op_and_report_prints():
+    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, FF), 2, nn.LayerNorm(E))
+    report = swap(model)
+    text = str(report)
+    assert "replaced 10" in text
+    assert "layers.0.self_attn" in text
+    assert "torch.nn.MultiheadAttention" in text and "fastformer.nn.MultiheadAttention" in text
+    again = swap(model)
+    assert again.replaced == [] and again.left == []
+
+
+def test_failed_state_dict_check_undoes_the_swap(monkeypatch):
+    class Renamed(fnn.LayerNorm):
+        def _save_to_state_dict(self, destination, prefix, keep_vars):
+            super()._save_to_state_dict(destination, prefix + "renamed_", keep_vars)
+
+    monkeypatch.setitem(swap_module._FROM_TORCH, nn.LayerNorm, Renamed)
+    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, FF), 1, nn.LayerNorm(E))
+    before = _types(model)
+    with pytest.raises(RuntimeError, match="state_dict keys"):
+        swap(model)
+    assert _types(model) == before
+
+
+def test_swapped_layers_run_the_fused_ops():
+    model = nn.TransformerEncoderLayer(E, H, FF, batch_first=True)
+    swap(model)
+    text = explain(model, torch.randn(B, S, E))
+    for call in ("attention ->", "dropout_add_layer_norm ->", "ffn ->"):
+        assert call in text, text
+    assert "torch.nn" not in text.split("\n", 1)[1], text
+
+
+def test_package_level_swap_and_explain():
+    """fastformer.swap / fastformer.explain are the functions, even after something imported
+    the submodules of the same names (as this file does)."""
+    import fastformer
+
+    model = nn.Sequential(nn.LayerNorm(E))
+    assert callable(fastformer.swap) and callable(fastformer.explain)
+    assert fastformer.swap(model).replaced
+    assert "layer_norm ->" in fastformer.explain(model, torch.randn(B, E))
