@@ -1,0 +1,363 @@
+// CUDA kernels of the fused FFN's elementwise stages (layouts and semantics: ffn/ffn.h).
+//
+// The GEMMs run in cuBLAS(Lt) through ATen (ffn.cpp); these kernels do what lies between them:
+//   forward:  g = dropout(act(h))                      (one read of h, one write of g)
+//   backward: dh = dg * keep / (1 - p) * act'(h), g recomputed for linear2's weight gradient,
+//             and the bias gradient of linear1 as a deterministic column reduction.
+// Blocks are 32 column-vectors x 8 rows, so each warp reads 16-byte vectors along one row
+// (coalesced) and a block's column sums need only one shared-memory pass.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <type_traits>
+
+#include "common/philox.h"
+#include "ffn/ffn.h"
+
+namespace fastformer {
+namespace {
+
+constexpr int kThreadsX = 32;  // column vectors per block: one warp along a row
+constexpr int kThreadsY = 8;   // rows per block step
+constexpr int64_t kMaxForwardRowBlocks = 65535;  // gridDim.y limit; larger inputs loop
+constexpr int kFinalizeThreads = 256;
+
+static_assert(kFfnRowsPerBlock % kThreadsY == 0, "a row block is whole block steps");
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// VEC consecutive elements moved as one aligned (up to 16-byte) access.
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Pack {
+  T v[VEC];
+};
+
+template <typename T, int VEC>
+__device__ __forceinline__ void load(const T* ptr, float (&out)[VEC]) {
+  const Pack<T, VEC> pack = *reinterpret_cast<const Pack<T, VEC>*>(ptr);
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) out[k] = to_float(pack.v[k]);
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store(T* ptr, const float (&in)[VEC]) {
+  Pack<T, VEC> pack;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) pack.v[k] = from_float<T>(in[k]);
+  *reinterpret_cast<Pack<T, VEC>*>(ptr) = pack;
+}
+
+constexpr float kSqrtHalf = 0.70710678118654752f;     // 1 / sqrt(2)
+constexpr float kInvSqrt2Pi = 0.39894228040143268f;   // 1 / sqrt(2 pi)
+constexpr float kTanhBeta = 0.79788456080286536f;     // sqrt(2 / pi)
+constexpr float kTanhKappa = 0.044715f;
+
+__host__ __device__ constexpr bool is_gated(FfnActivation a) {
+  return a == FfnActivation::kSwiglu || a == FfnActivation::kGeglu;
+}
+
+// The activation (of the gate, for the gated variants), in fp32.
+template <FfnActivation A>
+__device__ __forceinline__ float act(float x) {
+  if constexpr (A == FfnActivation::kRelu) {
+    return x < 0.f ? 0.f : x;  // NaN stays NaN, as in torch.relu
+  } else if constexpr (A == FfnActivation::kGelu || A == FfnActivation::kGeglu) {
+    return 0.5f * x * (1.f + erff(x * kSqrtHalf));
+  } else if constexpr (A == FfnActivation::kGeluTanh) {
+    return 0.5f * x * (1.f + tanhf(kTanhBeta * (x + kTanhKappa * x * x * x)));
+  } else if constexpr (A == FfnActivation::kSilu || A == FfnActivation::kSwiglu) {
+    return x / (1.f + expf(-x));
+  } else {
+    return x;  // kIdentity: the activation ran in the GEMM epilogue
+  }
+}
+
+// d act / dx (not used for relu, whose backward reads the saved output instead).
+template <FfnActivation A>
+__device__ __forceinline__ float act_grad(float x) {
+  if constexpr (A == FfnActivation::kGelu || A == FfnActivation::kGeglu) {
+    return 0.5f * (1.f + erff(x * kSqrtHalf)) + x * kInvSqrt2Pi * expf(-0.5f * x * x);
+  } else if constexpr (A == FfnActivation::kGeluTanh) {
+    const float t = tanhf(kTanhBeta * (x + kTanhKappa * x * x * x));
+    return 0.5f * (1.f + t) +
+           0.5f * x * (1.f - t * t) * kTanhBeta * (1.f + 3.f * kTanhKappa * x * x);
+  } else if constexpr (A == FfnActivation::kSilu || A == FfnActivation::kSwiglu) {
+    const float s = 1.f / (1.f + expf(-x));
+    return s * (1.f + x * (1.f - s));
+  } else {
+    return 1.f;
+  }
+}
+
+// Dropout multipliers of VEC consecutive elements: 1/(1-p) where kept, 0 where dropped.
+template <int VEC>
+__device__ __forceinline__ void dropout_multipliers(float (&m)[VEC], uint64_t seed,
+                                                    int64_t offset, float p, float scale) {
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    m[k] = p > 0.f ? (dropout_keep(seed, static_cast<uint64_t>(offset + k), p) ? scale : 0.f)
+                   : 1.f;
+  }
+}
+
+// g = dropout(act(h)); h and g may alias (in-place), hence no __restrict__.
+template <typename T, FfnActivation A, int VEC>
+__global__ void __launch_bounds__(kThreadsX* kThreadsY)
+    ffn_forward_kernel(const T* h, T* g, int64_t rows, int64_t d_ff, uint64_t seed, float p,
+                       float scale) {
+  const int64_t col = (static_cast<int64_t>(blockIdx.x) * kThreadsX + threadIdx.x) * VEC;
+  if (col >= d_ff) return;
+  const int64_t ld_h = is_gated(A) ? 2 * d_ff : d_ff;
+  const int64_t row_step = static_cast<int64_t>(gridDim.y) * kThreadsY;
+  for (int64_t row = static_cast<int64_t>(blockIdx.y) * kThreadsY + threadIdx.y; row < rows;
+       row += row_step) {
+    float a[VEC], y[VEC], m[VEC];
+    load<T, VEC>(h + row * ld_h + col, a);
+    if constexpr (is_gated(A)) {
+      float up[VEC];
+      load<T, VEC>(h + row * ld_h + d_ff + col, up);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) y[k] = act<A>(a[k]) * up[k];
+    } else {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) y[k] = act<A>(a[k]);
+    }
+    dropout_multipliers<VEC>(m, seed, row * d_ff + col, p, scale);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) y[k] *= m[k];
+    store<T, VEC>(g + row * d_ff + col, y);
+  }
+}
+
+// One row of the backward stage for the columns [col, col + VEC); adds dh to `acc` (fp32).
+// acc holds VEC sums (2 * VEC when gated: the gate columns, then the up columns).
+template <typename T, FfnActivation A, int VEC, int ACC>
+__device__ __forceinline__ void backward_row(const T* __restrict__ dg, const T* __restrict__ saved,
+                                             T* __restrict__ dh, T* __restrict__ g_out,
+                                             int64_t row, int64_t col, int64_t d_ff,
+                                             uint64_t seed, float p, float scale,
+                                             float (&acc)[ACC]) {
+  float d[VEC];
+  load<T, VEC>(dg + row * d_ff + col, d);
+  if constexpr (A == FfnActivation::kRelu) {
+    // saved = dropout(relu(h)): positive exactly where relu passed and dropout kept.
+    float gv[VEC];
+    load<T, VEC>(saved + row * d_ff + col, gv);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      d[k] = gv[k] > 0.f ? d[k] * scale : 0.f;
+      acc[k] += d[k];
+    }
+    store<T, VEC>(dh + row * d_ff + col, d);
+  } else {
+    float m[VEC], y[VEC];
+    dropout_multipliers<VEC>(m, seed, row * d_ff + col, p, scale);
+    if constexpr (is_gated(A)) {
+      float gate[VEC], up[VEC], dgate[VEC], dup[VEC];
+      load<T, VEC>(saved + row * 2 * d_ff + col, gate);
+      load<T, VEC>(saved + row * 2 * d_ff + d_ff + col, up);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float a = act<A>(gate[k]), dm = d[k] * m[k];
+        y[k] = a * up[k] * m[k];
+        dgate[k] = dm * up[k] * act_grad<A>(gate[k]);
+        dup[k] = dm * a;
+        acc[k] += dgate[k];
+        acc[VEC + k] += dup[k];
+      }
+      store<T, VEC>(dh + row * 2 * d_ff + col, dgate);
+      store<T, VEC>(dh + row * 2 * d_ff + d_ff + col, dup);
+    } else {
+      float a[VEC];
+      load<T, VEC>(saved + row * d_ff + col, a);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        y[k] = act<A>(a[k]) * m[k];
+        d[k] = d[k] * m[k] * act_grad<A>(a[k]);
+        acc[k] += d[k];
+      }
+      store<T, VEC>(dh + row * d_ff + col, d);
+    }
+    store<T, VEC>(g_out + row * d_ff + col, y);
+  }
+}
+
+// dh, recomputed g and per-block column partial sums of dh (partials[blockIdx.y][column]).
+template <typename T, FfnActivation A, int VEC>
+__global__ void __launch_bounds__(kThreadsX* kThreadsY)
+    ffn_backward_kernel(const T* __restrict__ dg, const T* __restrict__ saved,
+                        T* __restrict__ dh, T* __restrict__ g_out, float* __restrict__ partials,
+                        int64_t rows, int64_t d_ff, uint64_t seed, float p, float scale) {
+  constexpr int kAcc = is_gated(A) ? 2 * VEC : VEC;
+  __shared__ float lanes[kThreadsY][kThreadsX * kAcc];
+  const int64_t col = (static_cast<int64_t>(blockIdx.x) * kThreadsX + threadIdx.x) * VEC;
+  const bool active = col < d_ff;
+  float acc[kAcc];
+#pragma unroll
+  for (int j = 0; j < kAcc; ++j) acc[j] = 0.f;
+  if (active) {
+    const int64_t row_step = static_cast<int64_t>(gridDim.y) * kThreadsY;
+    for (int64_t row = static_cast<int64_t>(blockIdx.y) * kThreadsY + threadIdx.y; row < rows;
+         row += row_step) {
+      backward_row<T, A, VEC, kAcc>(dg, saved, dh, g_out, row, col, d_ff, seed, p, scale, acc);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kAcc; ++j) lanes[threadIdx.y][threadIdx.x * kAcc + j] = acc[j];
+  __syncthreads();
+  if (threadIdx.y != 0 || !active) return;
+  const int64_t width = is_gated(A) ? 2 * d_ff : d_ff;
+#pragma unroll
+  for (int j = 0; j < kAcc; ++j) {
+    float sum = 0.f;
+#pragma unroll
+    for (int r = 0; r < kThreadsY; ++r) sum += lanes[r][threadIdx.x * kAcc + j];
+    const int64_t column = j < VEC ? col + j : d_ff + col + (j - VEC);
+    partials[static_cast<int64_t>(blockIdx.y) * width + column] = sum;
+  }
+}
+
+// db[c] = sum over row blocks b (in order) of partials[b][c].
+template <typename T>
+__global__ void __launch_bounds__(kFinalizeThreads)
+    ffn_bias_grad_finalize_kernel(const float* __restrict__ partials, T* __restrict__ db,
+                                  int64_t blocks, int64_t width) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kFinalizeThreads;
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * kFinalizeThreads + threadIdx.x; c < width;
+       c += stride) {
+    float sum = 0.f;
+    for (int64_t b = 0; b < blocks; ++b) sum += partials[b * width + c];
+    db[c] = from_float<T>(sum);
+  }
+}
+
+// ------------------------------------------------------------------ host-side dispatch
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+template <typename F>
+void dispatch_dtype(FfnDtype dtype, F&& f) {
+  switch (dtype) {
+    case FfnDtype::kFloat32: return f(TypeTag<float>{});
+    case FfnDtype::kFloat16: return f(TypeTag<__half>{});
+    case FfnDtype::kBFloat16: return f(TypeTag<__nv_bfloat16>{});
+  }
+}
+
+template <FfnActivation A>
+using ActTag = std::integral_constant<FfnActivation, A>;
+
+template <typename F>
+void dispatch_activation(FfnActivation act, F&& f) {
+  switch (act) {
+    case FfnActivation::kIdentity: return f(ActTag<FfnActivation::kIdentity>{});
+    case FfnActivation::kRelu: return f(ActTag<FfnActivation::kRelu>{});
+    case FfnActivation::kGelu: return f(ActTag<FfnActivation::kGelu>{});
+    case FfnActivation::kGeluTanh: return f(ActTag<FfnActivation::kGeluTanh>{});
+    case FfnActivation::kSilu: return f(ActTag<FfnActivation::kSilu>{});
+    case FfnActivation::kSwiglu: return f(ActTag<FfnActivation::kSwiglu>{});
+    case FfnActivation::kGeglu: return f(ActTag<FfnActivation::kGeglu>{});
+  }
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+template <typename T, FfnActivation A, int VEC>
+void launch_forward(const FfnForwardArgs& a, cudaStream_t stream) {
+  const dim3 block(kThreadsX, kThreadsY);
+  const int64_t row_blocks = ceil_div(a.rows, kThreadsY);
+  const dim3 grid(static_cast<unsigned>(ceil_div(ceil_div(a.d_ff, VEC), kThreadsX)),
+                  static_cast<unsigned>(row_blocks < kMaxForwardRowBlocks ? row_blocks
+                                                                          : kMaxForwardRowBlocks));
+  ffn_forward_kernel<T, A, VEC><<<grid, block, 0, stream>>>(
+      static_cast<const T*>(a.h), static_cast<T*>(a.g), a.rows, a.d_ff, a.seed, a.dropout_p,
+      a.dropout_p > 0.f ? a.dropout_scale : 1.f);
+}
+
+template <typename T, FfnActivation A, int VEC>
+void launch_backward(const FfnBackwardArgs& a, cudaStream_t stream) {
+  const dim3 block(kThreadsX, kThreadsY);
+  const dim3 grid(static_cast<unsigned>(ceil_div(ceil_div(a.d_ff, VEC), kThreadsX)),
+                  static_cast<unsigned>(ffn_bias_grad_row_blocks(a.rows)));
+  ffn_backward_kernel<T, A, VEC><<<grid, block, 0, stream>>>(
+      static_cast<const T*>(a.dg), static_cast<const T*>(a.saved), static_cast<T*>(a.dh),
+      static_cast<T*>(a.g_out), a.partials, a.rows, a.d_ff, a.seed, a.dropout_p,
+      a.dropout_p > 0.f ? a.dropout_scale : 1.f);
+}
+
+template <typename T>
+void launch_finalize(const FfnBackwardArgs& a, cudaStream_t stream) {
+  const int64_t width = ffn_is_gated(a.act) ? 2 * a.d_ff : a.d_ff;
+  if (width == 0) return;
+  const int64_t blocks = a.rows > 0 && a.d_ff > 0 ? ffn_bias_grad_row_blocks(a.rows) : 0;
+  const int64_t grid = ceil_div(width, kFinalizeThreads);
+  ffn_bias_grad_finalize_kernel<T><<<static_cast<unsigned>(grid < 4096 ? grid : 4096),
+                                     kFinalizeThreads, 0, stream>>>(
+      a.partials, static_cast<T*>(a.db1), blocks, width);
+}
+
+}  // namespace
+
+void ffn_forward_cuda_launch(const FfnForwardArgs& args, cudaStream_t stream) {
+  if (args.rows == 0 || args.d_ff == 0) return;
+  dispatch_dtype(args.dtype, [&](auto type_tag) {
+    using T = typename decltype(type_tag)::type;
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vectorized = args.d_ff % kVec == 0 && aligned16(args.h) && aligned16(args.g);
+    dispatch_activation(args.act, [&](auto act_tag) {
+      constexpr FfnActivation A = decltype(act_tag)::value;
+      if (vectorized) {
+        launch_forward<T, A, kVec>(args, stream);
+      } else {
+        launch_forward<T, A, 1>(args, stream);
+      }
+    });
+  });
+}
+
+void ffn_backward_cuda_launch(const FfnBackwardArgs& args, cudaStream_t stream) {
+  dispatch_dtype(args.dtype, [&](auto type_tag) {
+    using T = typename decltype(type_tag)::type;
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vectorized = args.d_ff % kVec == 0 && aligned16(args.dg) &&
+                            aligned16(args.saved) && aligned16(args.dh) &&
+                            (args.g_out == nullptr || aligned16(args.g_out));
+    if (args.rows > 0 && args.d_ff > 0) {
+      dispatch_activation(args.act, [&](auto act_tag) {
+        constexpr FfnActivation A = decltype(act_tag)::value;
+        if constexpr (A != FfnActivation::kIdentity) {  // the backward always knows act
+          if (vectorized) {
+            launch_backward<T, A, kVec>(args, stream);
+          } else {
+            launch_backward<T, A, 1>(args, stream);
+          }
+        }
+      });
+    }
+    launch_finalize<T>(args, stream);
+  });
+}
+
+}  // namespace fastformer

@@ -1,0 +1,447 @@
+"""The fused position-wise feed-forward op: ``linear2(dropout(act(linear1(x))))``.
+
+``ffn(x, w1, b1, w2, b2, activation="relu", dropout_p=0.0)`` with ``nn.Linear`` layouts:
+``w1`` is ``(d_ff, d_model)`` (``(2 * d_ff, d_model)`` for the gated activations), ``b1`` matches
+its first dimension, ``w2`` is ``(d_out, d_ff)`` (``d_out`` is usually ``d_model``), ``b2`` is
+``(d_out,)``; either bias may be None. ``x`` is ``(..., d_model)``; the output is
+``(..., d_out)`` in the dtype of the inputs (float16, bfloat16, float32; float64 too on CPU).
+
+Activations (``ACTIVATIONS``): ``relu``, ``gelu`` (exact, erf), ``gelu_tanh`` (tanh
+approximation), ``silu``, and the gated ``swiglu`` / ``geglu``: ``h = linear1(x)`` is split as
+``gate, up = h.chunk(2, -1)`` and the FIRST half goes through the activation (silu, exact gelu):
+``act(gate) * up`` -- exactly ``fastformer.reference.ffn``.
+
+Dropout (``dropout_p`` in [0, 1)) acts on the ``(tokens, d_ff)`` activation with the shared
+Philox scheme: element ``(t, j)`` is kept where ``philox_uniform(seed, t * d_ff + j) >= p`` and
+scaled by ``1 / (1 - p)``; ``ffn_keep_mask(seed, tokens, d_ff, p)`` regenerates that mask in
+plain PyTorch. The seed is drawn inside the op (``draw_seed``), so ``torch.manual_seed``
+reproduces a call and ``torch.compile`` never bakes it in.
+
+Backends (``fastformer.ops._dispatch``, ``FASTFORMER_BACKEND_FFN`` forces one): ``cpp``, the
+compiled ``torch.ops.fastformer.ffn_forward`` / ``ffn_backward`` (csrc/ffn: ATen GEMMs plus one
+fused elementwise pass on CPU, a CUDA kernel on GPU), then ``torch``, the same math in plain
+PyTorch. Both save the same tensors for backward: ``x``, the weights, the seed and the
+pre-activation ``h`` -- for relu only ``dropout(relu(h))``, which is linear2's input anyway and
+whose sign is relu's and dropout's mask together. No byte mask is ever stored.
+
+On CUDA, relu and gelu_tanh can run inside cuBLASLt's GEMM epilogue (``use_fused_epilogue``;
+``FASTFORMER_FFN_EPILOGUE=auto|fused|unfused``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fastformer import reference
+from fastformer._ext import cuda_kernels_compiled, extension_error
+from fastformer.ops import rng
+from fastformer.ops._dispatch import Backend, register, select
+
+__all__ = [
+    "ACTIVATIONS",
+    "EPILOGUE_ENV",
+    "EPILOGUE_MODES",
+    "GATED_ACTIVATIONS",
+    "FfnInputs",
+    "epilogue_mode",
+    "ffn",
+    "ffn_keep_mask",
+    "use_fused_epilogue",
+]
+
+ACTIVATIONS: tuple[str, ...] = reference.ACTIVATIONS
+GATED_ACTIVATIONS: tuple[str, ...] = reference.GATED_ACTIVATIONS
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+EPILOGUE_ENV = "FASTFORMER_FFN_EPILOGUE"
+EPILOGUE_MODES = ("auto", "fused", "unfused")
+# Activations cuBLASLt can apply in the GEMM epilogue (torch._addmm_activation: RELU_BIAS and
+# GELU_BIAS, whose GELU is the tanh approximation).
+EPILOGUE_ACTIVATIONS = ("relu", "gelu_tanh")
+
+
+# --------------------------------------------------------------------------- dropout mask
+
+
+def ffn_keep_mask(
+    seed: int,
+    tokens: int,
+    d_ff: int,
+    dropout_p: float,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """The op's dropout keep-mask, regenerated in plain PyTorch (for tests and the reference).
+
+    Returns a bool tensor ``(tokens, d_ff)``: True where
+    ``philox_uniform(seed, t * d_ff + j) >= dropout_p``. Feed it to
+    ``fastformer.reference.ffn(..., keep_mask=...)`` to reproduce a call that drew ``seed``.
+    """
+    offsets = torch.arange(tokens * d_ff, dtype=torch.int64, device=device).view(tokens, d_ff)
+    return rng.dropout_keep(seed, offsets, dropout_p)
+
+
+# --------------------------------------------------------------------------- backends
+
+
+@dataclass(frozen=True)
+class FfnInputs:
+    """What backend choice looks at: the device and dtype of the inputs."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+
+def _cpp_reasons(inputs: FfnInputs | None) -> list[str]:
+    error = extension_error()
+    if error is not None:
+        return [error]
+    if not hasattr(torch.ops.fastformer, "ffn_forward"):
+        return ["fastformer._C was built without csrc/ffn; rebuild it (make build)"]
+    if inputs is None:
+        return []
+    if inputs.device.type == "cuda":
+        if not cuda_kernels_compiled():
+            return ["fastformer._C was built without CUDA kernels"]
+        if inputs.dtype not in CUDA_DTYPES:
+            return [f"CUDA kernels take float16, bfloat16 or float32, got {inputs.dtype}"]
+        return []
+    if inputs.device.type != "cpu":
+        return [f"runs on CPU and CUDA tensors, got device {inputs.device}"]
+    return []
+
+
+def _torch_reasons(inputs: FfnInputs | None) -> list[str]:
+    return []
+
+
+register("ffn", [Backend("cpp", _cpp_reasons), Backend("torch", _torch_reasons)])
+
+
+# --------------------------------------------------------------------------- CUDA epilogue
+
+
+def epilogue_mode() -> str:
+    """``FASTFORMER_FFN_EPILOGUE`` (auto, fused or unfused; default auto), validated."""
+    mode = os.environ.get(EPILOGUE_ENV, "auto").strip().lower() or "auto"
+    if mode not in EPILOGUE_MODES:
+        raise ValueError(f"{EPILOGUE_ENV} must be one of {EPILOGUE_MODES}, got {mode!r}")
+    return mode
+
+
+def use_fused_epilogue(
+    activation: str, capability: tuple[int, int], needs_grad: bool, mode: str = "auto"
+) -> bool:
+    """Whether linear1's activation runs in cuBLASLt's GEMM epilogue on a GPU of `capability`.
+
+    Fused: ``torch._addmm_activation`` (cuBLASLt RELU_BIAS / GELU_BIAS), then at most an
+    in-place dropout kernel. Unfused: ``addmm`` (cuBLASLt BIAS epilogue), then our fused
+    activation + dropout kernel. Rules:
+
+    * only relu and gelu_tanh exist as epilogues (cuBLASLt's GELU is the tanh form);
+    * gelu_tanh only when no gradient is needed: the epilogue never writes the pre-activation
+      that gelu's derivative needs (torch does not expose GELU_AUX), and recomputing it would
+      cost a whole GEMM -- slower than unfused;
+    * ``mode="fused"`` / ``"unfused"`` force the choice within those limits (benchmarking);
+    * ``"auto"``: relu fused on every GPU -- the epilogue is a max in registers, its output is
+      exactly what the backward saves, and without dropout it removes our kernel (one read and
+      one write of the activation); gelu_tanh fused before sm_90 only, since flash-attention
+      measured cuBLASLt's fused GELU epilogue slower than the unfused GEMM + GELU on H100.
+    """
+    if mode not in EPILOGUE_MODES:
+        raise ValueError(f"mode must be one of {EPILOGUE_MODES}, got {mode!r}")
+    if activation not in EPILOGUE_ACTIVATIONS or mode == "unfused":
+        return False
+    if activation == "gelu_tanh" and needs_grad:
+        return False
+    if mode == "fused" or activation == "relu":
+        return True
+    return capability < (9, 0)
+
+
+# --------------------------------------------------------------------------- input checks
+
+
+def _check_tensor(name: str, t: object, x: Tensor, optional: bool = False) -> None:
+    if t is None and optional:
+        return
+    if not isinstance(t, Tensor):
+        expected = "a Tensor or None" if optional else "a Tensor"
+        raise TypeError(f"ffn: {name} must be {expected}, got {type(t).__name__}")
+    if t.device != x.device:
+        raise ValueError(
+            f"ffn: {name} is on {t.device} but x is on {x.device}; expected one device"
+        )
+    if t.dtype != x.dtype:
+        raise TypeError(f"ffn: {name} has dtype {t.dtype} but x has {x.dtype}; expected one dtype")
+
+
+def _check_shape(name: str, t: Tensor | None, expected: tuple[int, ...], why: str) -> None:
+    if t is not None and tuple(t.shape) != expected:
+        raise ValueError(f"ffn: {name} must have shape {expected} ({why}), got {tuple(t.shape)}")
+
+
+def _check_scalars(activation: object, dropout_p: object) -> None:
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise ValueError(f"ffn: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"ffn: dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"ffn: dropout_p must be in [0, 1), got {dropout_p}")
+
+
+def _check_inputs(x, w1, b1, w2, b2, activation, dropout_p) -> None:
+    """Every check of `ffn`, before any work; raises TypeError / ValueError naming the argument."""
+    _check_scalars(activation, dropout_p)
+    if not isinstance(x, Tensor):
+        raise TypeError(f"ffn: x must be a Tensor, got {type(x).__name__}")
+    if x.dim() < 1:
+        raise ValueError("ffn: x must have at least 1 dimension (..., d_model), got a 0-d tensor")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"ffn: x must have a floating dtype {FLOAT_DTYPES}, got {x.dtype}")
+    for name, t, optional in (("w1", w1, False), ("b1", b1, True), ("w2", w2, False)):
+        _check_tensor(name, t, x, optional)
+    _check_tensor("b2", b2, x, optional=True)
+    d_model = x.shape[-1]
+    if w1.dim() != 2 or w1.shape[1] != d_model:
+        raise ValueError(
+            f"ffn: w1 must have shape (d_ff, d_model={d_model}) to match x {tuple(x.shape)}, "
+            f"got {tuple(w1.shape)}"
+        )
+    gated = activation in GATED_ACTIVATIONS
+    if gated and w1.shape[0] % 2:
+        raise ValueError(
+            f"ffn: activation {activation!r} is gated, so w1 must have shape (2 * d_ff, d_model) "
+            f"with an even first dimension, got {tuple(w1.shape)}"
+        )
+    d_ff = w1.shape[0] // 2 if gated else w1.shape[0]
+    _check_shape("b1", b1, (w1.shape[0],), f"w1 is {tuple(w1.shape)}")
+    if w2.dim() != 2 or w2.shape[1] != d_ff:
+        raise ValueError(
+            f"ffn: w2 must have shape (d_out, d_ff={d_ff}) to match w1 {tuple(w1.shape)} "
+            f"({activation}), got {tuple(w2.shape)}"
+        )
+    _check_shape("b2", b2, (w2.shape[0],), f"w2 is {tuple(w2.shape)}")
+
+
+# --------------------------------------------------------------------------- public op
+
+
+def ffn(
+    x: Tensor,
+    w1: Tensor,
+    b1: Tensor | None,
+    w2: Tensor,
+    b2: Tensor | None,
+    activation: str = "relu",
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """Fused feed-forward ``linear2(dropout(act(linear1(x))))`` (see the module docstring).
+
+    Args:
+        x: ``(..., d_model)``, float16 / bfloat16 / float32 (float64 on CPU), any strides.
+        w1: ``(d_ff, d_model)``, or ``(2 * d_ff, d_model)`` for swiglu / geglu.
+        b1: ``(w1.shape[0],)`` or None.
+        w2: ``(d_out, d_ff)``.
+        b2: ``(d_out,)`` or None.
+        activation: one of ``ACTIVATIONS``.
+        dropout_p: drop probability in [0, 1) on the ``(tokens, d_ff)`` activation.
+
+    Returns:
+        ``(..., d_out)`` in the dtype of ``x``. Differentiable in x, w1, b1, w2, b2 (first order).
+    """
+    _check_inputs(x, w1, b1, w2, b2, activation, dropout_p)
+    params = (x, w1, b1, w2, b2)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)
+    x2d = x.reshape(-1, x.shape[-1])
+    out, _, _ = _ffn_op(x2d, w1, b1, w2, b2, activation, float(dropout_p), needs_grad)
+    return out.view(*x.shape[:-1], w2.shape[0])
+
+
+def _saved_shape(x: Tensor, w1: Tensor) -> tuple[int, int]:
+    # (tokens, w1 rows): h, or for relu (never gated) dropout(relu(h)) of the same shape.
+    return (x.shape[0], w1.shape[0])
+
+
+@torch.library.custom_op("fastformer::ffn", mutates_args=())
+def _ffn_op(
+    x: Tensor,
+    w1: Tensor,
+    b1: Tensor | None,
+    w2: Tensor,
+    b2: Tensor | None,
+    activation: str,
+    dropout_p: float,
+    needs_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, saved, seed) for a 2-D x; saved is empty when no gradient is needed."""
+    backend = select("ffn", FfnInputs(x.device, x.dtype))
+    seed = rng.draw_seed(x.device) if dropout_p > 0 else 0
+    if backend == "cpp":
+        fused = x.is_cuda and use_fused_epilogue(
+            activation, torch.cuda.get_device_capability(x.device), needs_grad, epilogue_mode()
+        )
+        out, saved = torch.ops.fastformer.ffn_forward(
+            x.contiguous(), w1, b1, w2, b2, activation, dropout_p, seed, fused
+        )
+    else:
+        out, saved = _torch_forward(x, w1, b1, w2, b2, activation, dropout_p, seed)
+    if not needs_grad:
+        saved = x.new_empty(0)
+    return out, saved, torch.tensor(seed, dtype=torch.int64)
+
+
+@_ffn_op.register_fake
+def _ffn_op_fake(x, w1, b1, w2, b2, activation, dropout_p, needs_grad):
+    saved_shape = _saved_shape(x, w1) if needs_grad else (0,)
+    seed = torch.empty((), dtype=torch.int64)
+    return x.new_empty(x.shape[0], w2.shape[0]), x.new_empty(saved_shape), seed
+
+
+@torch.library.custom_op("fastformer::ffn_grad", mutates_args=())
+def _ffn_grad_op(
+    grad_out: Tensor,
+    x: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    saved: Tensor,
+    seed: Tensor,
+    activation: str,
+    dropout_p: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dw1, db1, dw2, db2) of `fastformer::ffn` from what its forward saved."""
+    backend = select("ffn", FfnInputs(x.device, x.dtype))
+    if backend == "cpp":
+        return torch.ops.fastformer.ffn_backward(
+            grad_out.contiguous(), x, w1, w2, saved, activation, dropout_p, int(seed)
+        )
+    return _torch_backward(grad_out, x, w1, w2, saved, int(seed), activation, dropout_p)
+
+
+@_ffn_grad_op.register_fake
+def _ffn_grad_op_fake(grad_out, x, w1, w2, saved, seed, activation, dropout_p):
+    return (
+        x.new_empty(x.shape),
+        w1.new_empty(w1.shape),
+        w1.new_empty(w1.shape[0]),
+        w2.new_empty(w2.shape),
+        w2.new_empty(w2.shape[0]),
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, w1, b1, w2, b2, activation, dropout_p, _ = inputs
+    _, saved, seed = output
+    ctx.save_for_backward(x, w1, w2, saved, seed)
+    # saved and seed are bookkeeping outputs: no gradient flows into them, and autograd should
+    # not materialize a zero (tokens, width) tensor for them at every backward.
+    ctx.mark_non_differentiable(saved, seed)
+    ctx.set_materialize_grads(False)
+    ctx.activation, ctx.dropout_p = activation, dropout_p
+    ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
+
+
+def _backward(ctx, grad_out, _grad_saved, _grad_seed):
+    if grad_out is None:  # grads are not materialized: nothing flowed into `out`
+        return (None,) * 8
+    x, w1, w2, saved, seed = ctx.saved_tensors
+    if saved.dim() != 2:
+        raise RuntimeError(
+            "fastformer::ffn ran with needs_grad=False, so it saved nothing to differentiate"
+        )
+    dx, dw1, db1, dw2, db2 = _ffn_grad_op(
+        grad_out, x, w1, w2, saved, seed, ctx.activation, ctx.dropout_p
+    )
+    db1 = db1 if ctx.has_b1 else None
+    db2 = db2 if ctx.has_b2 else None
+    return dx, dw1, db1, dw2, db2, None, None, None
+
+
+_ffn_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------- torch backend
+
+_ACT = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+    "silu": F.silu,
+    "swiglu": F.silu,
+    "geglu": F.gelu,
+}
+
+
+def _act_backward(grad: Tensor, h: Tensor, activation: str) -> Tensor:
+    """grad * act'(h) through ATen's own derivative kernels (what autograd would run)."""
+    if activation in ("gelu", "geglu"):
+        return torch.ops.aten.gelu_backward(grad, h, approximate="none")
+    if activation == "gelu_tanh":
+        return torch.ops.aten.gelu_backward(grad, h, approximate="tanh")
+    return torch.ops.aten.silu_backward(grad, h)
+
+
+def _dropout(g: Tensor, seed: int, dropout_p: float) -> Tensor:
+    if dropout_p == 0.0:
+        return g
+    keep = ffn_keep_mask(seed, g.shape[0], g.shape[1], dropout_p, g.device)
+    return g * keep.to(g.dtype) * (1.0 / (1.0 - dropout_p))
+
+
+def _torch_forward(x, w1, b1, w2, b2, activation, dropout_p, seed) -> tuple[Tensor, Tensor]:
+    """Plain-PyTorch forward: (out, saved) with the same meaning as ffn_forward's."""
+    h = F.linear(x, w1, b1)
+    if activation in GATED_ACTIVATIONS:
+        gate, up = h.chunk(2, dim=-1)
+        g = _ACT[activation](gate) * up
+    else:
+        g = _ACT[activation](h)
+    g = _dropout(g, seed, dropout_p)
+    return F.linear(g, w2, b2), g if activation == "relu" else h
+
+
+def _torch_backward(grad_out, x, w1, w2, saved, seed, activation, dropout_p):
+    """Plain-PyTorch backward from (x, saved, seed): (dx, dw1, db1, dw2, db2)."""
+    dg = grad_out @ w2
+    scale = 1.0 / (1.0 - dropout_p)
+    if activation == "relu":
+        g = saved
+        dh = torch.where(g > 0, dg * scale, torch.zeros_like(dg))
+    else:
+        keep = ffn_keep_mask(seed, x.shape[0], dg.shape[1], dropout_p, x.device).to(dg.dtype)
+        dm = dg * keep * scale
+        if activation in GATED_ACTIVATIONS:
+            gate, up = saved.chunk(2, dim=-1)
+            a = _ACT[activation](gate)
+            g = a * up * keep * scale
+            dh = torch.cat([_act_backward(dm * up, gate, activation), dm * a], dim=-1)
+        else:
+            g = _ACT[activation](saved) * keep * scale
+            dh = _act_backward(dm, saved, activation)
+    return dh @ w1, dh.t() @ x, dh.sum(0), grad_out.t() @ g, grad_out.sum(0)
+
+
+# --------------------------------------------------------------------------- kernel fakes
+
+
+def _register_kernel_fakes() -> None:
+    """Fake kernels of the compiled ops, so they trace and pass opcheck on their own too."""
+    if extension_error() is not None or not hasattr(torch.ops.fastformer, "ffn_forward"):
+        return
+
+    @torch.library.register_fake("fastformer::ffn_forward")
+    def _(x, w1, b1, w2, b2, activation, dropout_p, seed, fused_epilogue=False):
+        epilogue_only = fused_epilogue and x.device.type == "cuda" and activation == "gelu_tanh"
+        saved_shape = (0,) if epilogue_only else _saved_shape(x, w1)
+        return x.new_empty(x.shape[0], w2.shape[0]), x.new_empty(saved_shape)
+
+    @torch.library.register_fake("fastformer::ffn_backward")
+    def _(grad_out, x, w1, w2, saved, activation, dropout_p, seed):
+        return _ffn_grad_op_fake(grad_out, x, w1, w2, saved, seed, activation, dropout_p)
+
+
+_register_kernel_fakes()

@@ -1,0 +1,440 @@
+"""fastformer.ops.ffn: parity with fastformer.reference.ffn (outputs and every gradient), the
+shared Philox dropout, bad inputs, torch.library registration (opcheck, torch.compile), what is
+saved for backward, the CUDA epilogue heuristic, and (GPU only) the CUDA kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastformer
+from fastformer import reference
+from fastformer.ops import _dispatch, rng
+from fastformer.ops import ffn as ffn_mod
+from fastformer.ops.ffn import ffn, ffn_keep_mask, use_fused_epilogue
+from fastformer.testing import assert_parity, compare_with_reference
+
+ACTIVATIONS = reference.ACTIVATIONS
+GATED = reference.GATED_ACTIVATIONS
+NAMES = ["x", "w1", "b1", "w2", "b2"]
+
+# (leading dims of x, d_model, d_ff): tokens 1, 7, 10, 1000; d_model 8..1024; d_ff never a
+# multiple of 8 except one (the CUDA kernels' vectorized path).
+SHAPES = [((1,), 8, 13), ((7,), 64, 37), ((2, 5), 24, 16), ((1000,), 16, 11), ((3,), 1024, 23)]
+
+
+def make_inputs(
+    lead, d_model, d_ff, activation, dtype=torch.float32, device="cpu", bias=True, seed=0
+):
+    """x (*lead, d_model), w1, b1, w2, b2 with O(1) activations; all require grad."""
+    gen = torch.Generator().manual_seed(seed)
+    width = 2 * d_ff if activation in GATED else d_ff
+
+    def rand(*shape, scale=1.0):
+        t = torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
+        return t.to(dtype=dtype, device=device).requires_grad_()
+
+    x = rand(*lead, d_model)
+    w1 = rand(width, d_model, scale=d_model**-0.5)
+    w2 = rand(d_model, d_ff, scale=d_ff**-0.5)
+    b1 = rand(width, scale=0.5) if bias else None
+    b2 = rand(d_model, scale=0.5) if bias else None
+    return [x, w1, b1, w2, b2]
+
+
+def names_of(inputs):
+    return [n for n, t in zip(NAMES, inputs) if t is not None]
+
+
+def check_parity(inputs, activation, dropout_p=0.0, seed=1234):
+    """ffn vs reference.ffn (fed the op's Philox mask when dropout_p > 0), outputs and grads."""
+    x = inputs[0]
+    d_ff = inputs[3].shape[1]
+    torch.manual_seed(seed)
+    drawn = rng.draw_seed(x.device) if dropout_p > 0 else 0
+    keep = ffn_keep_mask(drawn, x[..., 0].numel(), d_ff, dropout_p, x.device)
+    keep = keep.view(*x.shape[:-1], d_ff)
+
+    def fast(*args):
+        torch.manual_seed(seed)
+        return ffn(*args, activation, dropout_p)
+
+    def ref(*args):
+        return reference.ffn(*args, activation, dropout_p, keep_mask=keep)
+
+    assert_parity(compare_with_reference(fast, ref, inputs, names=names_of(inputs)))
+
+
+# --------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}")
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_parity(shape, activation, dtype):
+    check_parity(make_inputs(*shape, activation, dtype), activation)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+)
+def test_parity_without_biases(activation, dtype):
+    check_parity(make_inputs((2, 9), 32, 21, activation, dtype, bias=False), activation)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "swiglu"])
+def test_parity_with_dropout(activation):
+    inputs = make_inputs((3, 11), 40, 29, activation)
+    check_parity(inputs, activation, dropout_p=0.3)
+    check_parity([t.detach().bfloat16().requires_grad_() for t in inputs], activation, 0.1)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_parity_with_dropout_fp64(activation):
+    check_parity(make_inputs((5,), 12, 9, activation, torch.float64), activation, dropout_p=0.5)
+
+
+def test_parity_non_contiguous_x():
+    _, w1, b1, w2, b2 = make_inputs((1,), 16, 13, "gelu")
+    base = torch.randn(16, 2, 30, dtype=torch.float32)
+    x_t = base.permute(1, 2, 0).requires_grad_()  # (2, 30, 16), d_model not innermost in memory
+    x_s = torch.randn(40, 32)[::3, ::2].requires_grad_()  # strided rows and columns
+    for x in (x_t, x_s):
+        assert not x.is_contiguous()
+        check_parity([x, w1, b1, w2, b2], "gelu")
+        check_parity([x, w1, b1, w2, b2], "gelu", dropout_p=0.2)
+
+
+def test_rank1_and_empty_x():
+    x, w1, b1, w2, b2 = make_inputs((1,), 8, 6, "silu")
+    check_parity([x[0].detach().requires_grad_(), w1, b1, w2, b2], "silu")
+    empty = torch.empty(0, 8, requires_grad=True)
+    out = ffn(empty, w1, b1, w2, b2, "silu", 0.2)
+    assert out.shape == (0, 8)
+    out.sum().backward()
+    assert torch.equal(w1.grad, torch.zeros_like(w1)) and torch.equal(b2.grad, torch.zeros(8))
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gradcheck_float64(activation):
+    inputs = make_inputs((2, 3), 5, 4, activation, torch.float64)
+
+    def fn(*args):
+        torch.manual_seed(7)  # the same dropout mask at every evaluation
+        return ffn(*args, activation, 0.25)
+
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- dropout
+
+
+def identity_probe(tokens, d_ff, dropout_p):
+    """ffn output that IS the scaled keep-mask: h = 1 everywhere, relu, w2 = identity."""
+    x = torch.ones(tokens, 1)
+    w1, w2 = torch.ones(d_ff, 1), torch.eye(d_ff)
+    return ffn(x, w1, None, w2, None, "relu", dropout_p)
+
+
+def test_keep_mask_is_the_ops_mask():
+    torch.manual_seed(3)
+    seed = rng.draw_seed("cpu")
+    torch.manual_seed(3)
+    out = identity_probe(37, 23, 0.4)
+    expected = ffn_keep_mask(seed, 37, 23, 0.4).float() / 0.6
+    assert torch.allclose(out, expected, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dropout_p", [0.1, 0.5, 0.9])
+def test_keep_rate_binomial(dropout_p):
+    tokens, d_ff = 200, 500
+    kept = int((identity_probe(tokens, d_ff, dropout_p) > 0).sum())
+    n, q = tokens * d_ff, 1.0 - dropout_p
+    assert abs(kept - n * q) <= 5 * (n * q * dropout_p) ** 0.5, (kept, n * q)
+
+
+def test_dropout_reproducible_and_calls_differ():
+    inputs = [t.detach() for t in make_inputs((4, 6), 16, 19, "geglu")]
+    torch.manual_seed(11)
+    first = ffn(*inputs, "geglu", 0.3)
+    second = ffn(*inputs, "geglu", 0.3)
+    torch.manual_seed(11)
+    again = ffn(*inputs, "geglu", 0.3)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, second)
+
+
+def test_no_dropout_is_deterministic_and_draws_nothing():
+    inputs = [t.detach() for t in make_inputs((5,), 16, 12, "relu")]
+    torch.manual_seed(0)
+    ffn(*inputs, "relu", 0.0)
+    after = torch.rand(1)
+    torch.manual_seed(0)
+    assert torch.equal(torch.rand(1), after)
+
+
+def test_backward_regenerates_the_forward_mask():
+    inputs = make_inputs((6,), 8, 10, "gelu")
+    torch.manual_seed(5)
+    out = ffn(*inputs, "gelu", 0.5)
+    torch.rand(100)  # RNG traffic between forward and backward must not matter
+    (dx,) = torch.autograd.grad(out.sum(), inputs[0])
+    torch.manual_seed(5)
+    seed = rng.draw_seed("cpu")
+    keep = ffn_keep_mask(seed, 6, 10, 0.5)
+    ref = reference.ffn(*inputs, "gelu", 0.5, keep_mask=keep)
+    (dx_ref,) = torch.autograd.grad(ref.sum(), inputs[0])
+    torch.testing.assert_close(dx, dx_ref)
+
+
+# --------------------------------------------------------------------------- saved tensors
+
+
+@pytest.mark.parametrize(
+    ("activation", "saved_width"), [("relu", 13), ("gelu", 13), ("swiglu", 26)]
+)
+def test_saves_no_byte_mask(activation, saved_width):
+    inputs = make_inputs((7,), 16, 13, activation)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ffn(*inputs, activation, 0.3)
+    shapes = sorted(tuple(t.shape) for t in saved)
+    # x, w1, w2, the activation (g for relu, else h), the seed -- no bool tensor of any size.
+    expected = sorted([(7, 16), inputs[1].shape, (16, 13), (7, saved_width), ()])
+    assert shapes == sorted(tuple(s) for s in expected)
+    assert not any(t.dtype == torch.bool for t in saved)
+
+
+def test_inference_saves_nothing_large():
+    inputs = [t.detach() for t in make_inputs((7,), 16, 13, "gelu")]
+    out, saved, _ = ffn_mod._ffn_op(inputs[0], *inputs[1:], "gelu", 0.0, False)
+    assert saved.numel() == 0 and out.shape == (7, 16)
+
+
+# --------------------------------------------------------------------------- bad inputs
+
+
+def _bad_cases():
+    x, w1, b1, w2, b2 = (t.detach() for t in make_inputs((3,), 8, 6, "relu"))
+    ok = dict(x=x, w1=w1, b1=b1, w2=w2, b2=b2, activation="relu", dropout_p=0.1)
+    w1g = torch.randn(11, 8)
+    return [
+        ("x_dim", dict(x=torch.randn(3, 9)), ValueError, r"w1 must have shape \(d_ff, d_model=9\)"),
+        ("w1_rank", dict(w1=torch.randn(6, 8, 1)), ValueError, r"w1 must have shape"),
+        ("b1", dict(b1=torch.randn(7)), ValueError, r"b1 must have shape \(6,\).*got \(7,\)"),
+        ("w2", dict(w2=torch.randn(8, 5)), ValueError, r"w2 must have shape \(d_out, d_ff=6\)"),
+        ("b2", dict(b2=torch.randn(2, 8)), ValueError, r"b2 must have shape \(8,\).*got \(2, 8\)"),
+        ("gated_odd", dict(w1=w1g, b1=None, activation="swiglu"), ValueError, r"even.*\(11, 8\)"),
+        ("activation", dict(activation="tanh"), ValueError, r"one of .*'relu'.*got 'tanh'"),
+        ("dtype_mix", dict(w2=w2.double()), TypeError, r"w2 has dtype torch.float64 but x"),
+        ("device_mix", dict(b1=b1.to("meta")), ValueError, r"b1 is on meta but x is on cpu"),
+        ("p_one", dict(dropout_p=1.0), ValueError, r"dropout_p must be in \[0, 1\), got 1.0"),
+        ("p_negative", dict(dropout_p=-0.1), ValueError, r"dropout_p must be in \[0, 1\)"),
+        ("p_type", dict(dropout_p="0.1"), TypeError, r"dropout_p must be a float, got str"),
+        ("x_scalar", dict(x=torch.tensor(1.0)), ValueError, r"at least 1 dimension"),
+        ("x_int", dict(x=torch.ones(3, 8, dtype=torch.int64)), TypeError, r"floating dtype"),
+        ("b1_type", dict(b1=[0.0] * 6), TypeError, r"b1 must be a Tensor or None, got list"),
+    ], ok
+
+
+BAD_CASES, OK_ARGS = _bad_cases()
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"), [c[1:] for c in BAD_CASES], ids=[c[0] for c in BAD_CASES]
+)
+def test_bad_inputs_raise_before_any_work(change, error, match, monkeypatch):
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the op ran on bad inputs")
+
+    monkeypatch.setattr(ffn_mod, "_ffn_op", must_not_run)
+    args = {**OK_ARGS, **change}
+    with pytest.raises(error, match=match):
+        ffn(**args)
+
+
+def test_compiled_kernels_reject_bad_calls():
+    x, w1, b1, w2, b2 = (t.detach() for t in make_inputs((3,), 8, 6, "relu"))
+    with pytest.raises(RuntimeError, match=r"w2 must be \(d_out, 6\)"):
+        torch.ops.fastformer.ffn_forward(x, w1, b1, w2.t(), b2, "relu", 0.0, 0)
+    with pytest.raises(RuntimeError, match="activation must be one of"):
+        torch.ops.fastformer.ffn_forward(x, w1, b1, w2, b2, "tanh", 0.0, 0)
+    with pytest.raises(RuntimeError, match=r"saved must be \[3, 6\]"):
+        torch.ops.fastformer.ffn_backward(x, x, w1, w2, torch.zeros(3, 7), "relu", 0.0, 0)
+
+
+# --------------------------------------------------------------------------- registration
+
+
+def test_ops_registered():
+    for name in ("ffn_forward", "ffn_backward"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fastformer::{name}", "CPU")
+        if fastformer.cuda_kernels_compiled():
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fastformer::{name}", "CUDA")
+    assert _dispatch.explain("ffn") == [("cpp", []), ("torch", [])]
+
+
+def test_backend_reasons():
+    cpu = ffn_mod.FfnInputs(torch.device("cpu"), torch.float64)
+    assert ffn_mod._cpp_reasons(cpu) == []
+    meta = ffn_mod.FfnInputs(torch.device("meta"), torch.float32)
+    assert "CPU and CUDA" in ffn_mod._cpp_reasons(meta)[0]
+    cuda64 = ffn_mod.FfnInputs(torch.device("cuda", 0), torch.float64)
+    reason = ffn_mod._cpp_reasons(cuda64)
+    assert reason and ("float64" in reason[0] or "without CUDA" in reason[0])
+    assert _dispatch.select("ffn", meta) == "torch"
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu_tanh", "geglu"])
+def test_torch_backend_matches_reference_and_cpp(activation, monkeypatch):
+    inputs = make_inputs((2, 6), 16, 14, activation)
+    monkeypatch.setenv("FASTFORMER_BACKEND_FFN", "torch")
+    check_parity(inputs, activation, dropout_p=0.3)
+    torch.manual_seed(2)
+    via_torch = ffn(*inputs, activation, 0.3)
+    monkeypatch.setenv("FASTFORMER_BACKEND_FFN", "cpp")
+    torch.manual_seed(2)
+    via_cpp = ffn(*inputs, activation, 0.3)
+    torch.testing.assert_close(via_cpp, via_torch)
+
+
+def test_opcheck():
+    x, w1, b1, w2, b2 = make_inputs((6,), 8, 5, "swiglu")
+    x = x.detach().requires_grad_()
+    op = torch.ops.fastformer.ffn.default
+    torch.library.opcheck(op, (x, w1, b1, w2, b2, "swiglu", 0.0, True))
+    plain = [t.detach() for t in (x, w1, b1, w2, b2)]
+    torch.library.opcheck(op, (plain[0], plain[1][:5], None, plain[3], None, "relu", 0.0, False))
+    out, saved = torch.ops.fastformer.ffn_forward(*plain, "swiglu", 0.4, 99)
+    seed = torch.tensor(99)
+    grad_out = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.fastformer.ffn_forward.default, (*plain, "swiglu", 0.4, 99))
+    torch.library.opcheck(
+        torch.ops.fastformer.ffn_backward.default,
+        (grad_out, plain[0], plain[1], plain[3], saved, "swiglu", 0.4, 99),
+    )
+    torch.library.opcheck(
+        torch.ops.fastformer.ffn_grad.default,
+        (grad_out, plain[0], plain[1], plain[3], saved, seed, "swiglu", 0.4),
+    )
+
+
+@pytest.mark.parametrize(("activation", "dropout_p"), [("swiglu", 0.2), ("relu", 0.0)])
+def test_torch_compile_fullgraph_matches_eager(activation, dropout_p):
+    inputs = make_inputs((3, 5), 16, 13, activation)
+
+    def fn(*args):
+        return ffn(*args, activation, dropout_p)
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    results = []
+    for f in (fn, compiled):
+        torch.manual_seed(21)
+        out = f(*inputs)
+        results.append((out, torch.autograd.grad(out.square().sum(), inputs)))
+    (out_e, grads_e), (out_c, grads_c) = results
+    assert torch.equal(out_e, out_c)
+    for g_e, g_c in zip(grads_e, grads_c):
+        assert torch.equal(g_e, g_c)
+    with torch.no_grad():  # the inference path (nothing saved) compiles too
+        torch.manual_seed(21)
+        assert torch.equal(compiled(*inputs), out_e)
+
+
+# --------------------------------------------------------------------------- CUDA epilogue
+
+
+def test_epilogue_heuristic():
+    h100, a100 = (9, 0), (8, 0)
+    assert use_fused_epilogue("relu", h100, True) and use_fused_epilogue("relu", a100, True)
+    assert not use_fused_epilogue("gelu_tanh", h100, False)  # slower on sm_90
+    assert use_fused_epilogue("gelu_tanh", a100, False)
+    assert not use_fused_epilogue("gelu_tanh", a100, True)  # backward needs the pre-activation
+    assert use_fused_epilogue("gelu_tanh", h100, False, mode="fused")
+    assert not use_fused_epilogue("gelu_tanh", h100, True, mode="fused")
+    assert not use_fused_epilogue("relu", h100, True, mode="unfused")
+    for activation in ("gelu", "silu", "swiglu", "geglu"):
+        assert not use_fused_epilogue(activation, a100, False, mode="fused")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        use_fused_epilogue("relu", h100, True, mode="always")
+
+
+def test_epilogue_env(monkeypatch):
+    monkeypatch.delenv(ffn_mod.EPILOGUE_ENV, raising=False)
+    assert ffn_mod.epilogue_mode() == "auto"
+    monkeypatch.setenv(ffn_mod.EPILOGUE_ENV, "Unfused")
+    assert ffn_mod.epilogue_mode() == "unfused"
+    monkeypatch.setenv(ffn_mod.EPILOGUE_ENV, "yes")
+    with pytest.raises(ValueError, match="FASTFORMER_FFN_EPILOGUE must be one of"):
+        ffn_mod.epilogue_mode()
+
+
+# --------------------------------------------------------------------------- CUDA (GPU only)
+
+CUDA_SHAPES = [((1,), 8, 13), ((7,), 64, 64), ((3, 129), 96, 40), ((1000,), 256, 1000)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("epilogue", ["fused", "unfused"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"]
+)
+def test_cuda_parity(epilogue, activation, dtype, monkeypatch):
+    monkeypatch.setenv(ffn_mod.EPILOGUE_ENV, epilogue)
+    for shape in CUDA_SHAPES:
+        inputs = make_inputs(*shape, activation, dtype, device="cuda")
+        check_parity(inputs, activation)
+        check_parity(inputs, activation, dropout_p=0.2)
+        without_bias = make_inputs(*shape, activation, dtype, device="cuda", bias=False)
+        check_parity(without_bias, activation, dropout_p=0.1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("epilogue", ["fused", "unfused"])
+@pytest.mark.parametrize("activation", ["relu", "gelu_tanh"])
+def test_cuda_inference_epilogue(epilogue, activation, monkeypatch):
+    monkeypatch.setenv(ffn_mod.EPILOGUE_ENV, epilogue)
+    inputs = [t.detach() for t in make_inputs((300,), 128, 512, activation, torch.bfloat16, "cuda")]
+    for p in (0.0, 0.3):
+        torch.manual_seed(4)
+        seed = rng.draw_seed("cuda")
+        torch.manual_seed(4)
+        with torch.no_grad():
+            out = ffn(*inputs, activation, p)
+        keep = ffn_keep_mask(seed, 300, 512, p, "cuda")
+        args64 = [t.double() for t in inputs]
+        ref64 = reference.ffn(*args64, activation, p, keep_mask=keep)
+        ref_lp = reference.ffn(*inputs, activation, p, keep_mask=keep)
+        bound = 2 * (ref_lp.double() - ref64).abs().max() + 1e-2
+        assert (out.double() - ref64).abs().max() <= bound
+
+
+@pytest.mark.cuda
+def test_cuda_mask_equals_cpu_mask():
+    torch.manual_seed(8)
+    seed = rng.draw_seed("cuda")
+    torch.manual_seed(8)
+    x = torch.ones(333, 1, device="cuda")
+    w1, w2 = torch.ones(77, 1, device="cuda"), torch.eye(77, device="cuda")
+    out = ffn(x, w1, None, w2, None, "relu", 0.35)
+    assert torch.equal((out > 0).cpu(), ffn_keep_mask(seed, 333, 77, 0.35))
+
+
+@pytest.mark.cuda
+def test_cuda_bias_grad_deterministic_and_many_rows():
+    # 530k rows: more than the forward grid's 65535 x 8 rows per pass, and many row blocks.
+    inputs = make_inputs((530_000,), 8, 16, "gelu", torch.bfloat16, "cuda")
+    grads = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        out = ffn(*inputs, "gelu", 0.1)
+        grads.append(torch.autograd.grad(out.float().sum(), inputs[2]))
+    assert torch.equal(grads[0][0], grads[1][0])
+    check_parity(make_inputs((530_000,), 8, 16, "swiglu", torch.float32, "cuda"), "swiglu", 0.1)
