@@ -1,5 +1,9 @@
-"""Functional ops of fastformer: input checks, backend choice and torch.library registration."""
+"""Functional ops of fastformer: input checks, backend choice and torch.library registration.
 
-from fastformer.ops import rng
+`attention`, `layer_norm` and `ffn` register their backends on import (see `_dispatch`);
+`rng` is the shared dropout RNG.
+"""
 
-__all__ = ["rng"]
+from fastformer.ops import attention, ffn, layer_norm, rng
+
+__all__ = ["attention", "ffn", "layer_norm", "rng"]
