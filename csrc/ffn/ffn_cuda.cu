@@ -11,6 +11,7 @@
 
 #include <type_traits>
 
+#include "common/convert.cuh"
 #include "common/philox.h"
 #include "ffn/ffn.h"
 
@@ -23,25 +24,6 @@ constexpr int64_t kMaxForwardRowBlocks = 65535;  // gridDim.y limit; larger inpu
 constexpr int kFinalizeThreads = 256;
 
 static_assert(kFfnRowsPerBlock % kThreadsY == 0, "a row block is whole block steps");
-
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
 
 // VEC consecutive elements moved as one aligned (up to 16-byte) access.
 template <typename T, int VEC>

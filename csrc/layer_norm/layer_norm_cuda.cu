@@ -34,6 +34,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include "common/convert.cuh"
 #include "common/philox.h"
 #include "layer_norm/layer_norm.h"
 
@@ -50,33 +51,6 @@ constexpr int kFwdMaxVecs = 4;  // 16-byte vectors a forward thread holds, at mo
 constexpr int bwd_max_vecs(int elem_bytes) { return elem_bytes == 2 ? 2 : 4; }
 constexpr int kFinalizeRows = 8;  // row groups of the finalize kernel (each sums a strided slice)
 constexpr int64_t kMaxGrid = int64_t{1} << 30;
-
-// ------------------------------------------------------------------ element conversions
-
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-// Rounds an fp32 value to T and back: what storing it in the input dtype keeps.
-template <typename T>
-__device__ __forceinline__ float round_to(float v) {
-  return to_float(from_float<T>(v));
-}
 
 // ------------------------------------------------------------------ 16-byte vector access
 
