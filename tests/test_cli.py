@@ -315,7 +315,12 @@ def test_benchmark_suites_skip_cleanly_without_a_gpu():
         text=True,
         timeout=300,
         cwd=ROOT,
-        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        # Without the parent's PYTEST_* variables: under pytest-xdist they make
+        # pytest-benchmark believe it runs under xdist and refuse --benchmark-only.
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")},
+            "PYTHONDONTWRITEBYTECODE": "1",
+        },
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "skipped" in done.stdout and "passed" not in done.stdout

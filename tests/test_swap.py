@@ -2,17 +2,20 @@
 and the results (parity rule against an unswapped copy of the same model)."""
 
 import copy
+import importlib
 
 import pytest
 import torch
 from torch import nn
 
 import fastformer.nn as fnn
-import fastformer.swap as swap_module
 from fastformer import reference
 from fastformer.explain import explain
 from fastformer.swap import SwapReport, swap
 from fastformer.testing import assert_parity, compare_with_reference
+
+# `import fastformer.swap as m` would give the function fastformer.swap, not the submodule.
+swap_module = importlib.import_module("fastformer.swap")
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Support for mismatched:UserWarning"),
