@@ -1,0 +1,553 @@
+"""Fused scaled-dot-product attention: the public op.
+
+`scaled_dot_product_attention` has exactly the arguments and meaning of
+`torch.nn.functional.scaled_dot_product_attention` (q (B, H, Lq, D), k (B, Hkv, Lk, D),
+v (B, Hkv, Lk, Dv); bool attn_mask True = attend, float attn_mask added to the scores, masks
+broadcastable to (B, H, Lq, Lk); causal aligned top-left; enable_gqa with H % Hkv == 0) plus
+`key_padding_mask` (B, Lk) bool, True = padding. Unlike SDPA, `is_causal` combines with both
+masks, and a query row with every key masked gives 0 (gradient 0), never NaN.
+
+Backends (fastformer.ops._dispatch, FASTFORMER_BACKEND_ATTENTION forces one): `triton`, the
+fused kernel of fastformer.kernels.attention (CUDA tensors, or CPU tensors under
+TRITON_INTERPRET=1), then `torch`, the eager reference fed with the same dropout mask.
+
+Dropout: each call draws a seed from the torch generator of the query's device (inside the
+custom op, so torch.compile never bakes it in) and keeps attention probability (b, h, i, j) when
+
+    tl.rand(seed, offset) >= dropout_p,   offset = ((b * H + h) << 32) + i * Lk + j   (int64)
+
+i.e. `fastformer.ops.rng.dropout_keep(seed, offset, dropout_p)`; kept probabilities are scaled by
+1 / (1 - dropout_p). The (b, h) pair owns the high 32 bits of the Philox counter and (i, j) the
+low 32, so the scheme holds for any B * H and for Lq * Lk <= 2**32 (a ValueError beyond).
+`dropout_keep_mask(seed, ...)` regenerates the mask a call used; the backward of both backends
+regenerates it too, so nothing of size Lq x Lk is stored.
+"""
+
+import math
+from dataclasses import dataclass
+from importlib.util import find_spec
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from fastformer import reference
+from fastformer.ops import rng
+from fastformer.ops._dispatch import Backend, explain, register, select
+
+__all__ = [
+    "AttentionInputs",
+    "backend_reasons",
+    "dropout_keep_mask",
+    "scaled_dot_product_attention",
+    "scaled_dot_product_attention_with_lse",
+]
+
+OP = "attention"
+MAX_HEAD_DIM = 256
+MAX_DROPOUT_SCORES = 2**32  # Lq * Lk: the low 32 bits of the Philox counter
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MASK_DIMS = ("batch", "heads", "seq_q", "seq_k")
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """Fused `softmax(q k^T * scale + masks) v` with dropout on the probabilities.
+
+    Args:
+        query: (B, H, Lq, D) float16, bfloat16 or float32, 1 <= D <= 256.
+        key: (B, Hkv, Lk, D), same dtype and device; Hkv == H unless enable_gqa.
+        value: (B, Hkv, Lk, Dv), 1 <= Dv <= 256.
+        attn_mask: bool (True = attend) or float (added to the scores; the query dtype or
+            float32, differentiable), broadcastable to (B, H, Lq, Lk).
+        dropout_p: probability in [0, 1) of dropping an attention probability.
+        is_causal: key j is visible from query i iff j <= i (top-left aligned).
+        scale: score scale, default 1 / sqrt(D); a positive finite float.
+        enable_gqa: grouped-query attention, H % Hkv == 0 (query head h reads kv head
+            h // (H // Hkv)).
+        key_padding_mask: (B, Lk) bool, True = padding (that key is ignored).
+
+    Returns:
+        (B, H, Lq, Dv) in the query dtype; rows with every key masked are 0.
+    """
+    return scaled_dot_product_attention_with_lse(
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        enable_gqa,
+        key_padding_mask=key_padding_mask,
+    )[0]
+
+
+def scaled_dot_product_attention_with_lse(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    key_padding_mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """`scaled_dot_product_attention` plus the log-sum-exp of the scaled, masked scores.
+
+    Returns:
+        (out, lse): out (B, H, Lq, Dv) in the query dtype; lse (B, H, Lq) float32, natural log,
+        -inf for a row with every key masked. Both are differentiable.
+    """
+    scale = _check_inputs(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
+    )
+    out, lse, _ = torch.ops.fastformer.attention(
+        query, key, value, attn_mask, key_padding_mask, float(dropout_p), bool(is_causal), scale
+    )
+    return out, lse
+
+
+def dropout_keep_mask(
+    seed: int,
+    batch: int,
+    heads: int,
+    seq_q: int,
+    seq_k: int,
+    dropout_p: float,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """The bool (batch, heads, seq_q, seq_k) keep-mask a call with this `seed` used.
+
+    keep[b, h, i, j] = philox_uniform(seed, ((b * heads + h) << 32) + i * seq_k + j) >= dropout_p
+    (see the module docstring), computed in plain PyTorch on `device`.
+    """
+    for name, n in (("batch", batch), ("heads", heads), ("seq_q", seq_q), ("seq_k", seq_k)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"dropout_keep_mask: {name} must be an int >= 0, got {n!r}")
+    _check_dropout_p("dropout_keep_mask", dropout_p)
+    _check_dropout_size("dropout_keep_mask", seq_q, seq_k)
+    bh = torch.arange(batch * heads, dtype=torch.int64, device=device) << 32
+    ij = torch.arange(seq_q * seq_k, dtype=torch.int64, device=device)
+    offsets = (bh[:, None] + ij[None, :]).view(batch, heads, seq_q, seq_k)
+    return rng.dropout_keep(seed, offsets, dropout_p)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_inputs(
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
+) -> float:
+    """Raise TypeError/ValueError naming the bad argument; return the resolved scale."""
+    _check_qkv(query, key, value, enable_gqa)
+    if attn_mask is not None:
+        _check_attn_mask(attn_mask, query, key)
+    if key_padding_mask is not None:
+        _check_key_padding_mask(key_padding_mask, query, key)
+    _check_dropout_p("scaled_dot_product_attention", dropout_p)
+    if dropout_p > 0:
+        _check_dropout_size("scaled_dot_product_attention", query.shape[2], key.shape[2])
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    return _resolve_scale(scale, query.shape[-1])
+
+
+def _check_qkv(query, key, value, enable_gqa) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}"
+            )
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != query.dtype:
+            raise TypeError(
+                f"{name} has dtype {t.dtype} but query has {query.dtype}: q, k, v "
+                "must share one dtype"
+            )
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
+        if t.shape[0] != query.shape[0]:
+            raise ValueError(f"{name} has batch {t.shape[0]} but query has batch {query.shape[0]}")
+    if value.shape[1] != key.shape[1] or value.shape[2] != key.shape[2]:
+        raise ValueError(
+            f"value (B, Hkv, Lk, Dv) = {tuple(value.shape)} must match key "
+            f"{tuple(key.shape)} in heads and sequence length"
+        )
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(
+            f"key head_dim {key.shape[-1]} must equal query head_dim {query.shape[-1]}"
+        )
+    for name, d in (("query/key head_dim", query.shape[-1]), ("value head_dim", value.shape[-1])):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} must be in [1, {MAX_HEAD_DIM}], got {d}")
+    _check_heads(query.shape[1], key.shape[1], enable_gqa)
+
+
+def _check_heads(h: int, hkv: int, enable_gqa) -> None:
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
+    if enable_gqa:
+        if hkv == 0 or h % hkv != 0:
+            raise ValueError(
+                f"enable_gqa needs query heads ({h}) divisible by key/value heads ({hkv})"
+            )
+    elif hkv != h:
+        raise ValueError(
+            f"query has {h} heads but key/value have {hkv}; pass "
+            "enable_gqa=True for grouped-query attention"
+        )
+
+
+def _check_attn_mask(mask, query: Tensor, key: Tensor) -> None:
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and mask.dtype not in (query.dtype, torch.float32):
+        raise TypeError(
+            f"attn_mask must be bool or float ({query.dtype} or torch.float32), got {mask.dtype}"
+        )
+    if mask.device != query.device:
+        raise ValueError(f"attn_mask is on {mask.device} but query is on {query.device}")
+    target = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    if mask.dim() > 4:
+        raise ValueError(
+            f"attn_mask must have at most 4 dims, broadcastable to (batch, heads, "
+            f"seq_q, seq_k) = {target}, got shape {tuple(mask.shape)}"
+        )
+    for dim in range(-1, -mask.dim() - 1, -1):
+        if mask.shape[dim] not in (1, target[dim]):
+            raise ValueError(
+                f"attn_mask of shape {tuple(mask.shape)} is not broadcastable to (batch, heads, "
+                f"seq_q, seq_k) = {target}: its {_MASK_DIMS[dim]} dim has size "
+                f"{mask.shape[dim]}, expected 1 or {target[dim]}"
+            )
+
+
+def _check_key_padding_mask(kpm, query: Tensor, key: Tensor) -> None:
+    if not isinstance(kpm, Tensor):
+        raise TypeError(
+            f"key_padding_mask must be a torch.Tensor or None, got {type(kpm).__name__}"
+        )
+    if kpm.dtype != torch.bool:
+        raise TypeError(f"key_padding_mask must be bool (True = padding), got {kpm.dtype}")
+    expected = (query.shape[0], key.shape[2])
+    if tuple(kpm.shape) != expected:
+        raise ValueError(
+            f"key_padding_mask must have shape (batch, seq_k) = {expected}, got {tuple(kpm.shape)}"
+        )
+    if kpm.device != query.device:
+        raise ValueError(f"key_padding_mask is on {kpm.device} but query is on {query.device}")
+
+
+def _check_dropout_p(fn: str, dropout_p) -> None:
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool):
+        raise TypeError(f"{fn}: dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p}")
+
+
+def _check_dropout_size(fn: str, seq_q: int, seq_k: int) -> None:
+    if seq_q * seq_k > MAX_DROPOUT_SCORES:
+        raise ValueError(
+            f"{fn}: dropout needs seq_q * seq_k <= 2**32 (the Philox offset of a score is "
+            f"((b*H + h) << 32) + i*seq_k + j), got seq_q={seq_q}, seq_k={seq_k}"
+        )
+
+
+def _resolve_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite float, got {scale}")
+    return float(scale)
+
+
+# --------------------------------------------------------------------------- backends
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """What backend choice looks at: the query and whatever else the caller knows (the value
+    head dim, or the key / value / attn_mask tensors themselves: the most complete answer)."""
+
+    query: Tensor
+    value_head_dim: int | None = None
+    key: Tensor | None = None
+    value: Tensor | None = None
+    attn_mask: Tensor | None = None
+
+
+def backend_reasons(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    key_padding_mask: Tensor | None = None,
+) -> list[tuple[str, list[str]]]:
+    """(backend, reasons it cannot run) for a call with these arguments, in preference order."""
+    return explain(OP, AttentionInputs(query, key=key, value=value, attn_mask=attn_mask))
+
+
+def _as_inputs(inputs) -> AttentionInputs | None:
+    # Callers may pass the query tensor alone (fastformer.nn does).
+    return AttentionInputs(inputs) if isinstance(inputs, Tensor) else inputs
+
+
+def _kernels():
+    from fastformer.kernels import attention as kernels
+
+    return kernels
+
+
+def _triton_reasons(inputs) -> list[str]:
+    """Why the Triton kernel cannot run `inputs` (None: this environment)."""
+    if find_spec("triton") is None:
+        return ["triton is not installed"]
+    interpreted = _kernels().INTERPRETED
+    inputs = _as_inputs(inputs)
+    if inputs is None:
+        if not torch.cuda.is_available() and not interpreted:
+            return ["no CUDA device (on CPU the Triton kernel runs only under TRITON_INTERPRET=1)"]
+        return []
+    q = inputs.query
+    reasons = []
+    if q.device.type == "cuda":
+        if interpreted:
+            reasons.append(
+                "TRITON_INTERPRET=1 was set when the kernels were imported: the "
+                "interpreter runs CPU tensors only"
+            )
+        elif torch.cuda.get_device_capability(q.device)[0] < 8:
+            reasons.append("needs an NVIDIA GPU of compute capability >= 8.0")
+    elif q.device.type == "cpu":
+        if not interpreted:
+            reasons.append(
+                "CPU tensors run the Triton kernel only under TRITON_INTERPRET=1 (the "
+                "Triton interpreter, for tests)"
+            )
+        elif q.dtype == torch.bfloat16:
+            reasons.append(
+                "bfloat16 is not supported by the Triton interpreter (tl.dot on bf16 "
+                "is broken there)"
+            )
+    else:
+        reasons.append(f"no Triton kernel for device type {q.device.type!r}")
+    return reasons + _shape_reasons(inputs)
+
+
+def _shape_reasons(inputs: AttentionInputs) -> list[str]:
+    """Head dims over 256, and (batch, head) slices too large for the kernels' int32 offsets."""
+    limit = _kernels().INT32_LIMIT
+    reasons = []
+    for name in ("query", "key", "value"):
+        t = getattr(inputs, name)
+        if t is None or t.dim() != 4:
+            continue
+        if t.shape[-1] > MAX_HEAD_DIM:
+            reasons.append(f"{name} head dim must be <= {MAX_HEAD_DIM}, got {t.shape[-1]}")
+        if t.shape[2] * t.shape[3] >= limit:
+            reasons.append(
+                f"a (batch, head) slice of {name} has {t.shape[2] * t.shape[3]} elements: the "
+                "kernel's int32 offsets need < 2**31"
+            )
+    if inputs.value is None and (inputs.value_head_dim or 0) > MAX_HEAD_DIM:
+        reasons.append(f"value head dim must be <= {MAX_HEAD_DIM}, got {inputs.value_head_dim}")
+    mask = inputs.attn_mask
+    if mask is not None and 2 <= mask.dim() <= 4:
+        extent = _kernels().slice_extent(mask[(None,) * (4 - mask.dim())])
+        if extent >= limit:
+            reasons.append(
+                f"attn_mask spans {extent + 1} elements per (batch, head): the kernel's int32 "
+                "offsets need < 2**31"
+            )
+    return reasons
+
+
+def _torch_reasons(inputs) -> list[str]:
+    return []
+
+
+register(OP, [Backend("triton", _triton_reasons), Backend("torch", _torch_reasons)])
+
+
+# --------------------------------------------------------------------------- torch backend
+
+
+def _torch_forward(q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scale):
+    """The eager reference with the Philox keep-mask of `seed` (materialized: fine here)."""
+    b, h, lq, _ = q.shape
+    keep = None
+    if dropout_p > 0:
+        keep = dropout_keep_mask(seed, b, h, lq, k.shape[2], dropout_p, device=q.device)
+    out, lse = reference.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        enable_gqa=k.shape[1] != h,
+        key_padding_mask=kpm,
+        dropout_mask=keep,
+        return_lse=True,
+    )
+    return out, lse.float()
+
+
+def _torch_backward(
+    grad_out, grad_lse, q, k, v, out, lse, attn_mask, kpm, seed, dropout_p, is_causal, scale,
+    mask_grad,
+):  # fmt: skip
+    """Gradients by torch.func.vjp through the recomputed reference (same keep-mask); the
+    arguments are those of kernels.attention.attention_backward (out and lse unused)."""
+
+    # torch.func.vjp, not torch.autograd: inside a custom op the Autograd dispatch key is
+    # excluded, so tensors created here would not record a graph.
+    def forward(q, k, v, mask=attn_mask):
+        return _torch_forward(q, k, v, mask, kpm, seed, dropout_p, is_causal, scale)
+
+    primals = (q, k, v, attn_mask) if mask_grad else (q, k, v)
+    _, vjp = torch.func.vjp(forward, *primals)
+    if grad_lse is None:
+        grad_lse = torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
+    grads = vjp((grad_out, grad_lse))
+    # Contiguous like the fake kernel and the Triton backward: inductor checks the strides, and
+    # vjp returns gradients with the strides of q/k/v, which are often transposed views.
+    dq, dk, dv = (g.contiguous() for g in grads[:3])
+    return dq, dk, dv, grads[3].contiguous() if mask_grad else None
+
+
+# --------------------------------------------------------------------------- custom ops
+
+
+def _backend(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> str:
+    return select(OP, AttentionInputs(q, key=k, value=v, attn_mask=attn_mask))
+
+
+@torch.library.custom_op("fastformer::attention", mutates_args=())
+def _attention_op(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor],  # noqa: UP045 (torch's schema inference wants typing.Optional)
+    key_padding_mask: Optional[Tensor],  # noqa: UP045
+    dropout_p: float,
+    is_causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, lse, seed): seed is a CPU int64 scalar, drawn here at run time when dropout_p > 0."""
+    seed = rng.draw_seed(query.device) if dropout_p > 0 else 0
+    args = (query, key, value, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale)
+    if _backend(query, key, value, attn_mask) == "triton":
+        out, lse = _kernels().attention_forward(*args)
+    else:
+        out, lse = _torch_forward(*args)
+    return out, lse, torch.tensor(seed, dtype=torch.int64)
+
+
+@_attention_op.register_fake
+def _attention_fake(query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale):
+    b, h, lq, _ = query.shape
+    out = query.new_empty(b, h, lq, value.shape[-1])
+    lse = query.new_empty(b, h, lq, dtype=torch.float32)
+    return out, lse, torch.empty((), dtype=torch.int64)
+
+
+@torch.library.custom_op("fastformer::attention_backward", mutates_args=())
+def _attention_backward_op(
+    grad_out: Tensor,
+    grad_lse: Optional[Tensor],  # noqa: UP045
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    attn_mask: Optional[Tensor],  # noqa: UP045
+    key_padding_mask: Optional[Tensor],  # noqa: UP045
+    seed: Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float,
+    mask_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dmask); dmask is empty unless mask_grad (float attn_mask needing grad)."""
+    args = (grad_out, grad_lse, query, key, value, out, lse, attn_mask, key_padding_mask,
+            int(seed), dropout_p, is_causal, scale, mask_grad)  # fmt: skip
+    if _backend(query, key, value, attn_mask) == "triton":
+        dq, dk, dv, dmask = _kernels().attention_backward(*args)
+    else:
+        dq, dk, dv, dmask = _torch_backward(*args)
+    return dq, dk, dv, query.new_empty(0) if dmask is None else dmask
+
+
+@_attention_backward_op.register_fake
+def _attention_backward_fake(grad_out, grad_lse, query, key, value, *rest):
+    attn_mask, mask_grad = rest[2], rest[-1]
+    dmask = attn_mask.new_empty(attn_mask.shape) if mask_grad else query.new_empty(0)
+    return (
+        query.new_empty(query.shape),
+        key.new_empty(key.shape),
+        value.new_empty(value.shape),
+        dmask,
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale = inputs
+    out, lse, seed = output
+    # O(B*H*L*D): q, k, v, out and lse; the masks are the caller's own tensors.
+    ctx.save_for_backward(query, key, value, out, lse, attn_mask, key_padding_mask, seed)
+    ctx.dropout_p, ctx.is_causal, ctx.scale = dropout_p, is_causal, scale
+    ctx.float_mask = attn_mask is not None and attn_mask.is_floating_point()
+
+
+def _backward(ctx, grad_out, grad_lse, _grad_seed):
+    query, key, value, out, lse, attn_mask, key_padding_mask, seed = ctx.saved_tensors
+    mask_grad = ctx.float_mask and ctx.needs_input_grad[3]
+    dq, dk, dv, dmask = torch.ops.fastformer.attention_backward(
+        grad_out,
+        grad_lse,
+        query,
+        key,
+        value,
+        out,
+        lse,
+        attn_mask,
+        key_padding_mask,
+        seed,
+        ctx.dropout_p,
+        ctx.is_causal,
+        ctx.scale,
+        mask_grad,
+    )
+    return dq, dk, dv, dmask if mask_grad else None, None, None, None, None
+
+
+torch.library.register_autograd("fastformer::attention", _backward, setup_context=_setup_context)

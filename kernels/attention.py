@@ -1,0 +1,1253 @@
+"""Triton fused scaled-dot-product attention, FlashAttention-2 style: forward and backward.
+
+Layout: q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), last stride 1 (the launchers copy
+otherwise); every other stride is passed to the kernels, so transposed views need no copy.
+Offsets inside one (batch, head) slice are int32 (int64 block starts cost up to 60 registers on
+sm_90); the launchers copy strided views whose slice would overflow, and the op routes tensors
+whose contiguous slice still would (L * D >= 2**31) to the torch backend.
+Query head h reads key/value head h // (H // Hkv) (grouped-query attention).
+
+Forward (`attn_fwd`, one program per (query block, batch*head)): online softmax in fp32 on
+log2-prescaled scores (exp2), keeps only O and the row log-sum-exp (natural log, fp32). Key
+tiles that causal masking hides are never visited (the loop bound is cut), and the per-element
+bound / causal masks are only computed on the few edge tiles.
+
+Backward: `attn_bwd_preprocess` computes delta = rowsum(dO * O) - dLSE; `attn_bwd_dkdv`
+(one program per key block, loop over query blocks from the causal start) and `attn_bwd_dq`
+(one program per query block, loop over key blocks) recompute P from the saved LSE. No atomics:
+the result is deterministic. For fp16/bf16 head dims > 128 dK and dV are two launches (PART)
+so that each fits in registers. With GQA, dK/dV are written per query head (fp32) and summed
+over each group in torch. A float attn_mask that needs a gradient gets dS written to an fp32
+(B, H, Lq, Lk) buffer (only in that case), reduced in torch over the mask's broadcast dims.
+
+Masks: attn_mask is read per tile through its (B, H, Lq, Lk) broadcast strides (stride 0 on
+broadcast dims, never materialized); bool (as uint8) -> -inf where 0, float added to the scores.
+key_padding_mask (B, Lk) is read per key tile as uint8, nonzero = padding. Key tiles that are all
+padding are skipped: the leading and trailing ones through the loop bounds (the launcher passes
+each batch's first and last kept key), and a dK/dV program whose key block is all padding does
+no work. (Not with a runtime `if` inside the key loop: on sm_90 that turns off Triton's software
+pipelining of the K/V loads, measured: 24 KB instead of 64 KB of pipelined shared memory.)
+A query row with every key masked gives O = 0, LSE = -inf and zero gradients.
+
+Dropout: element (b, h, i, j) is kept when `tl.rand(seed, ((b*H + h) << 32) + i*Lk + j)` >= p
+(fastformer.ops.attention.dropout_keep_mask regenerates it); kept probabilities are scaled by
+1/(1-p). The backward regenerates the same numbers; nothing of size Lq x Lk is stored.
+
+Configs: small autotune lists per architecture (sm_80 and sm_90 tables keyed on kernel, dtype
+class, head-dim bucket and feature class; the autotune key adds head dims, causal, mask kind,
+padding, dropout and power-of-two sequence buckets); under TRITON_INTERPRET=1 one fixed small
+config. `hopper_compile_report()` (or `python -m fastformer.kernels.attention`) compiles every
+sm_90 config for Hopper without a GPU and reports ptxas registers, spills and shared memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+import tempfile
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
+INT32_LIMIT = 2**31  # offsets inside one (batch, head) slice are int32
+
+
+# --------------------------------------------------------------------------- shared helpers
+# fmt: off
+# (kernel argument lists stay grouped by role; one argument per line would triple the file)
+
+
+@triton.jit
+def _load_rows(base, start, offs, n_rows, stride, cols, N_COLS: tl.constexpr,
+               BLOCK_COLS: tl.constexpr):
+    # Rows start + offs (< n_rows) of a (rows, head dim) tile, zero outside. Offsets inside one
+    # (batch, head) slice are int32 (the op checks they fit): int64 block starts measured up to
+    # 60 more registers on sm_90, as the loop-invariant part got hoisted and kept live. A row
+    # mask keeps loads vectorized (constant along the contiguous dim); the column mask is only
+    # there for non-power-of-two head dims.
+    rows = start + offs
+    ptrs = base + rows[:, None] * stride + cols[None, :]
+    if N_COLS == BLOCK_COLS:
+        x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    else:
+        x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < N_COLS), other=0.0)
+    return x
+
+
+@triton.jit
+def _store_rows(base, start, offs, n_rows, stride, cols, x, N_COLS: tl.constexpr,
+                BLOCK_COLS: tl.constexpr):
+    rows = start + offs
+    ptrs = base + rows[:, None] * stride + cols[None, :]
+    if N_COLS == BLOCK_COLS:
+        tl.store(ptrs, x, mask=rows[:, None] < n_rows)
+    else:
+        tl.store(ptrs, x, mask=(rows[:, None] < n_rows) & (cols[None, :] < N_COLS))
+
+
+@triton.jit
+def _key_kept(kpm_base, cols, stride_pn, Lk):
+    # True for keys that take part: in range and not padding.
+    pad = tl.load(kpm_base + cols * stride_pn, mask=cols < Lk, other=1)
+    return pad == 0
+
+
+@triton.jit
+def _apply_attn_mask(s, mask_base, rows_rel, rows, cols, Lq, Lk, stride_mm, stride_mn,
+                     MASK_KIND: tl.constexpr):
+    # s: (queries `rows`, keys `cols`) scores in log2 units; mask_base + rows_rel * stride_mm
+    # addresses those rows (fwd/dq advance mask_base to their first row, in int64).
+    ptrs = mask_base + rows_rel[:, None] * stride_mm + cols[None, :] * stride_mn
+    inside = (rows[:, None] < Lq) & (cols[None, :] < Lk)
+    if MASK_KIND == 1:
+        allowed = tl.load(ptrs, mask=inside, other=1)
+        s = tl.where(allowed != 0, s, float("-inf"))
+    elif MASK_KIND == 2:
+        bias = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+        s = s + bias * 1.4426950408889634
+    return s
+
+
+@triton.jit
+def _dropout_keep(seed, drop_base, rows_local, cols, Lk, dropout_p):
+    # offset = ((b*H + h) << 32) + i*Lk + j; drop_base already holds the (b, h, first row) part.
+    offsets = drop_base + rows_local[:, None].to(tl.int64) * Lk + cols[None, :]
+    return tl.rand(seed, offsets) >= dropout_p
+
+
+@triton.jit
+def _key_range(KvRange, off_b, row0, Lk, IS_CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key loop of one query block: [lo, hi) holds every key it can see; tiles in
+    [lo, full_hi) are in range and (causal) left of the diagonal: no per-element bound mask."""
+    lo = 0
+    hi = Lk
+    if HAS_KPM:
+        # Leading and trailing all-padding tiles are skipped: KvRange[b] = (first kept key,
+        # last kept key + 1), computed once per call by the launcher.
+        lo = (tl.load(KvRange + 2 * off_b) // BLOCK_N) * BLOCK_N
+        hi = tl.load(KvRange + 2 * off_b + 1)
+    limit = hi
+    if IS_CAUSAL:
+        # Keys past the block's last row are hidden from all its rows: never visited.
+        hi = tl.minimum(hi, row0 + BLOCK_M)
+        limit = tl.minimum(hi, row0)
+    full_hi = lo + (tl.maximum(limit - lo, 0) // BLOCK_N) * BLOCK_N
+    return lo, hi, full_hi
+
+
+@triton.jit
+def _lse_log2(Lse, row_ptrs, rows, Lq):
+    # LSE in log2 units; rows with LSE = -inf (fully masked) become +inf so that P = 0 there.
+    lse = tl.load(Lse + row_ptrs, mask=rows < Lq, other=0.0)
+    return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+
+# --------------------------------------------------------------------------- forward
+
+
+@triton.jit
+def _fwd_tile(
+    acc, l_i, m_i, q, k_base, v_base, mask_base, kpm_base, start_n, row0, rows_local, offs_n,
+    offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
+    seed, dropout_p, drop_base, qk_scale, Lq, Lk,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, EDGE: tl.constexpr,
+):
+    cols = start_n + offs_n
+    k = _load_rows(k_base, start_n, offs_n, Lk, stride_kn, offs_d, HEAD_D, BLOCK_D)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    if MASK_KIND != 0:
+        s = _apply_attn_mask(s, mask_base, rows_local, row0 + rows_local, cols, Lq, Lk,
+                             stride_mm, stride_mn, MASK_KIND)
+    if HAS_KPM:
+        s = tl.where(_key_kept(kpm_base, cols, stride_pn, Lk)[None, :], s, float("-inf"))
+    if EDGE:  # only the tiles that cross the key bound or the causal diagonal
+        visible = cols[None, :] < Lk
+        if IS_CAUSAL:
+            visible = visible & (cols[None, :] <= row0 + rows_local[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row with nothing visible yet has m = -inf: subtract 0 instead, so exp2 gives 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if HAS_DROPOUT:
+        p = tl.where(_dropout_keep(seed, drop_base, rows_local, cols, Lk, dropout_p), p, 0.0)
+    v = _load_rows(v_base, start_n, offs_n, Lk, stride_vn, offs_dv, HEAD_DV, BLOCK_DV)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _fwd_loop(
+    acc, l_i, m_i, q, k_base, v_base, mask_base, kpm_base, lo, hi, row0, rows_local, offs_n,
+    offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
+    seed, dropout_p, drop_base, qk_scale, Lq, Lk,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, EDGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # Branch-free body: a runtime `if` in the loop would turn off Triton's software pipelining.
+    for start_n in range(lo, hi, BLOCK_N):
+        acc, l_i, m_i = _fwd_tile(
+            acc, l_i, m_i, q, k_base, v_base, mask_base, kpm_base, start_n, row0, rows_local,
+            offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
+            seed, dropout_p, drop_base, qk_scale, Lq, Lk,
+            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
+            DOT_PREC, EDGE,
+        )
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["seed"])
+def attn_fwd(
+    Q, K, V, Out, Lse, Mask, Kpm, KvRange,
+    seed, dropout_p, qk_scale, out_scale,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
+    stride_mb, stride_mh, stride_mm, stride_mn, stride_pb, stride_pn,
+    H, GROUP, Lq, Lk, SEQ_Q_BUCKET, SEQ_K_BUCKET,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """O and LSE for one (query block, batch*head); grid (cdiv(Lq, BLOCK_M), B*H)."""
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // H).to(tl.int64)
+    off_h = (off_bh % H).to(tl.int64)
+    off_hkv = off_h // GROUP
+    row0 = start_m * BLOCK_M
+    rows_local = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    q = _load_rows(Q + off_b * stride_qb + off_h * stride_qh, row0, rows_local, Lq, stride_qm,
+                   offs_d, HEAD_D, BLOCK_D)
+    k_base = K + off_b * stride_kb + off_hkv * stride_kh
+    v_base = V + off_b * stride_vb + off_hkv * stride_vh
+    mask_base = Mask + off_b * stride_mb + off_h * stride_mh + row0.to(tl.int64) * stride_mm
+    kpm_base = Kpm + off_b * stride_pb
+    drop_base = (off_bh.to(tl.int64) << 32) + row0.to(tl.int64) * Lk
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    lo, hi, full_hi = _key_range(KvRange, off_b, row0, Lk, IS_CAUSAL, HAS_KPM, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _fwd_loop(
+        acc, l_i, m_i, q, k_base, v_base, mask_base, kpm_base, lo, full_hi, row0, rows_local,
+        offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
+        seed, dropout_p, drop_base, qk_scale, Lq, Lk,
+        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
+        DOT_PREC, False, BLOCK_N,
+    )
+    acc, l_i, m_i = _fwd_loop(
+        acc, l_i, m_i, q, k_base, v_base, mask_base, kpm_base, full_hi, hi, row0, rows_local,
+        offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
+        seed, dropout_p, drop_base, qk_scale, Lq, Lk,
+        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
+        DOT_PREC, True, BLOCK_N,
+    )
+
+    empty = l_i == 0.0  # every key masked: O = 0, LSE = -inf
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc * (out_scale / l_safe)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    _store_rows(Out + off_b * stride_ob + off_h * stride_oh, row0, rows_local, Lq, stride_om,
+                offs_dv, out.to(Out.dtype.element_ty), HEAD_DV, BLOCK_DV)
+    rows = row0 + rows_local
+    tl.store(Lse + off_bh.to(tl.int64) * Lq + rows, lse, mask=rows < Lq)
+
+
+# --------------------------------------------------------------------------- backward
+
+
+@triton.jit
+def attn_bwd_preprocess(
+    Out, DO, DLse, Delta, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
+    H, Lq, HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """delta = rowsum(dO * O) - dLSE, fp32 (B*H, Lq); grid (cdiv(Lq, BLOCK_M), B*H)."""
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // H).to(tl.int64)
+    off_h = (off_bh % H).to(tl.int64)
+    row0 = tl.program_id(0) * BLOCK_M
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    o = _load_rows(Out + off_b * stride_ob + off_h * stride_oh, row0, offs_m, Lq, stride_om,
+                   offs_dv, HEAD_DV, BLOCK_DV)
+    do = _load_rows(DO + off_b * stride_dob + off_h * stride_doh, row0, offs_m, Lq, stride_dom,
+                    offs_dv, HEAD_DV, BLOCK_DV)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    rows = row0 + offs_m
+    row_ptrs = off_bh.to(tl.int64) * Lq + rows
+    if HAS_DLSE:
+        # d lse / d s = P, so the LSE cotangent folds into delta: dS = P * (dP - delta + dLSE).
+        delta -= tl.load(DLse + row_ptrs, mask=rows < Lq, other=0.0)
+    tl.store(Delta + row_ptrs, delta, mask=rows < Lq)
+
+
+@triton.jit
+def _dkdv_tile_t(
+    dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, start_m, col0, offs_m, offs_n, offs_d,
+    offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
+    seed, dropout_p, out_scale, drop_base, qk_scale, Lq, Lk,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+    CAUSAL_TILE: tl.constexpr,
+):
+    # Both accumulators, on transposed tiles (keys x queries) so that P^T and dS^T come out
+    # directly as the first dot operand (the Triton tutorial's form; fewest registers with
+    # both accumulators live, measured on sm_90).
+    rows = start_m + offs_m
+    cols = col0 + offs_n
+    q = _load_rows(q_base, start_m, offs_m, Lq, stride_qm, offs_d, HEAD_D, BLOCK_D)
+    do = _load_rows(do_base, start_m, offs_m, Lq, stride_dom, offs_dv, HEAD_DV, BLOCK_DV)
+    lse = _lse_log2(Lse, bh_row0 + rows, rows, Lq)
+    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale
+    if MASK_KIND != 0:
+        # Read in the mask's own (query, key) orientation, whose rows are contiguous (fewer
+        # registers than a transposed read, measured on sm_90).
+        s_t = tl.trans(_apply_attn_mask(tl.trans(s_t), mask_base, rows, rows, cols, Lq, Lk,
+                                        stride_mm, stride_mn, MASK_KIND))
+    if CAUSAL_TILE:
+        s_t = tl.where(cols[:, None] <= rows[None, :], s_t, float("-inf"))
+    p_t = tl.math.exp2(s_t - lse[None, :])
+    if HAS_DROPOUT:
+        keep_t = tl.trans(_dropout_keep(seed, drop_base, rows, cols, Lk, dropout_p))
+    pd_t = p_t  # dV = (P * keep / (1 - p))^T dO
+    if HAS_DROPOUT:
+        pd_t = tl.where(keep_t, p_t * out_scale, 0.0)
+    dv = tl.dot(pd_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+    delta = tl.load(Delta + bh_row0 + rows, mask=rows < Lq, other=0.0)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+    if HAS_DROPOUT:
+        dp_t = tl.where(keep_t, dp_t * out_scale, 0.0)
+    ds_t = p_t * (dp_t - delta[None, :])  # dK = scale * dS^T Q, dS = P * (dP - delta)
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_tile_n(
+    dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, start_m, col0, offs_m, offs_n, offs_d,
+    offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
+    seed, dropout_p, out_scale, drop_base, qk_scale, Lq, Lk,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+    CAUSAL_TILE: tl.constexpr, PART: tl.constexpr,
+):
+    # One accumulator (PART 1: dV, 2: dK), scores as (queries x keys) with K and V as the
+    # second dot operand, which wgmma reads from shared memory instead of registers: for head
+    # dims > 128 this is what fits without spills (measured on sm_90).
+    rows = start_m + offs_m
+    cols = col0 + offs_n
+    q = _load_rows(q_base, start_m, offs_m, Lq, stride_qm, offs_d, HEAD_D, BLOCK_D)
+    do = _load_rows(do_base, start_m, offs_m, Lq, stride_dom, offs_dv, HEAD_DV, BLOCK_DV)
+    lse = _lse_log2(Lse, bh_row0 + rows, rows, Lq)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    if MASK_KIND != 0:
+        s = _apply_attn_mask(s, mask_base, rows, rows, cols, Lq, Lk, stride_mm, stride_mn,
+                             MASK_KIND)
+    if CAUSAL_TILE:
+        s = tl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
+    p = tl.math.exp2(s - lse[:, None])
+    if HAS_DROPOUT:
+        keep = _dropout_keep(seed, drop_base, rows, cols, Lk, dropout_p)
+    if PART == 1:
+        if HAS_DROPOUT:
+            p = tl.where(keep, p * out_scale, 0.0)
+        dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PREC)
+    else:
+        delta = tl.load(Delta + bh_row0 + rows, mask=rows < Lq, other=0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        if HAS_DROPOUT:
+            dp = tl.where(keep, dp * out_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_loop(
+    dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, lo, hi, col0, offs_m, offs_n, offs_d,
+    offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
+    seed, dropout_p, out_scale, drop_base, qk_scale, Lq, Lk,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+    CAUSAL_TILE: tl.constexpr, PART: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    for start_m in range(lo, hi, BLOCK_M):
+        if PART == 0:
+            dk, dv = _dkdv_tile_t(
+                dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, start_m, col0, offs_m,
+                offs_n, offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
+                seed, dropout_p, out_scale, drop_base, qk_scale, Lq, Lk,
+                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC,
+                CAUSAL_TILE,
+            )
+        else:
+            dk, dv = _dkdv_tile_n(
+                dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, start_m, col0, offs_m,
+                offs_n, offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
+                seed, dropout_p, out_scale, drop_base, qk_scale, Lq, Lk,
+                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC,
+                CAUSAL_TILE, PART,
+            )
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["seed"])
+def attn_bwd_dkdv(
+    Q, K, V, DO, Lse, Delta, DK, DV, Mask, Kpm,
+    seed, dropout_p, out_scale, qk_scale, sm_scale,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+    stride_mb, stride_mh, stride_mm, stride_mn, stride_pb, stride_pn,
+    H, GROUP, Lq, Lk, SEQ_Q_BUCKET, SEQ_K_BUCKET,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, PART: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dK, dV of one (key block, batch*query head); grid (cdiv(Lk, BLOCK_N), B*H).
+
+    PART: 0 computes both; 1 only dV, 2 only dK (fp16/bf16 head dims > 128: two launches, each
+    holding one accumulator, as both together do not fit in registers without spills)."""
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // H).to(tl.int64)
+    off_h = (off_bh % H).to(tl.int64)
+    off_hkv = off_h // GROUP
+    col0 = tl.program_id(0) * BLOCK_N
+    offs_n = tl.arange(0, BLOCK_N)
+    cols = col0 + offs_n
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    k = _load_rows(K + off_b * stride_kb + off_hkv * stride_kh, col0, offs_n, Lk, stride_kn,
+                   offs_d, HEAD_D, BLOCK_D)
+    if PART == 1:
+        v = k  # unused: dV needs no V
+    else:
+        v = _load_rows(V + off_b * stride_vb + off_hkv * stride_vh, col0, offs_n, Lk, stride_vn,
+                       offs_dv, HEAD_DV, BLOCK_DV)
+    q_base = Q + off_b * stride_qb + off_h * stride_qh
+    do_base = DO + off_b * stride_dob + off_h * stride_doh
+    mask_base = Mask + off_b * stride_mb + off_h * stride_mh
+    drop_base = off_bh.to(tl.int64) << 32
+    bh_row0 = off_bh.to(tl.int64) * Lq
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+
+    lo = 0
+    diag_end = 0
+    hi = Lq
+    if IS_CAUSAL:
+        # Query blocks above the first key never see it; those crossing the diagonal are masked.
+        lo = (col0 // BLOCK_M) * BLOCK_M
+        diag_end = tl.minimum(tl.cdiv(col0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, Lq)
+        diag_end = tl.maximum(diag_end, lo)
+    if HAS_KPM:
+        kept = _key_kept(Kpm + off_b * stride_pb, cols, stride_pn, Lk)
+        any_kept = tl.max(kept.to(tl.int32), 0) > 0  # else a block of padding: dK = dV = 0
+        hi = tl.where(any_kept, hi, lo)
+        diag_end = tl.where(any_kept, diag_end, lo)
+    dk, dv = _dkdv_loop(
+        dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, lo, diag_end, col0, offs_m, offs_n,
+        offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
+        seed, dropout_p, out_scale, drop_base, qk_scale, Lq, Lk,
+        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC, True, PART, BLOCK_M,
+    )
+    dk, dv = _dkdv_loop(
+        dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, diag_end, hi, col0, offs_m, offs_n,
+        offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
+        seed, dropout_p, out_scale, drop_base, qk_scale, Lq, Lk,
+        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC, False, PART, BLOCK_M,
+    )
+    if HAS_KPM:
+        # P was not masked for padding keys here (it is per key, constant over the loop): every
+        # contribution to a padding key's dK/dV is zero, so zero those rows once.
+        dk = tl.where(kept[:, None], dk, 0.0)
+        dv = tl.where(kept[:, None], dv, 0.0)
+    if PART != 1:
+        _store_rows(DK + off_b * stride_dkb + off_h * stride_dkh, col0, offs_n, Lk, stride_dkn,
+                    offs_d, (dk * sm_scale).to(DK.dtype.element_ty), HEAD_D, BLOCK_D)
+    if PART != 2:
+        _store_rows(DV + off_b * stride_dvb + off_h * stride_dvh, col0, offs_n, Lk, stride_dvn,
+                    offs_dv, dv.to(DV.dtype.element_ty), HEAD_DV, BLOCK_DV)
+
+
+@triton.jit
+def _dq_tile(
+    dq, q, do, lse, delta, k_base, v_base, mask_base, ds_base, kpm_base, start_n, row0,
+    rows_local, offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
+    seed, dropout_p, out_scale, drop_base, qk_scale, Lq, Lk,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, DOT_PREC: tl.constexpr,
+    EDGE: tl.constexpr,
+):
+    cols = start_n + offs_n
+    k = _load_rows(k_base, start_n, offs_n, Lk, stride_kn, offs_d, HEAD_D, BLOCK_D)
+    v = _load_rows(v_base, start_n, offs_n, Lk, stride_vn, offs_dv, HEAD_DV, BLOCK_DV)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    if MASK_KIND != 0:
+        s = _apply_attn_mask(s, mask_base, rows_local, row0 + rows_local, cols, Lq, Lk,
+                             stride_mm, stride_mn, MASK_KIND)
+    if HAS_KPM:
+        s = tl.where(_key_kept(kpm_base, cols, stride_pn, Lk)[None, :], s, float("-inf"))
+    if EDGE:
+        visible = cols[None, :] < Lk
+        if IS_CAUSAL:
+            visible = visible & (cols[None, :] <= row0 + rows_local[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    p = tl.math.exp2(s - lse[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+    if HAS_DROPOUT:
+        keep = _dropout_keep(seed, drop_base, rows_local, cols, Lk, dropout_p)
+        dp = tl.where(keep, dp * out_scale, 0.0)
+    ds = p * (dp - delta[:, None])
+    if WRITE_DS:  # ds_base: this block's first row in the (B, H, Lq, Lk) fp32 buffer
+        ptrs = ds_base + (rows_local[:, None] * Lk + cols[None, :])
+        tl.store(ptrs, ds, mask=(row0 + rows_local[:, None] < Lq) & (cols[None, :] < Lk))
+    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+    return dq
+
+
+@triton.jit
+def _dq_loop(
+    dq, q, do, lse, delta, k_base, v_base, mask_base, ds_base, kpm_base, lo, hi, row0,
+    rows_local, offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
+    seed, dropout_p, out_scale, drop_base, qk_scale, Lq, Lk,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, DOT_PREC: tl.constexpr,
+    EDGE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    for start_n in range(lo, hi, BLOCK_N):
+        dq = _dq_tile(
+            dq, q, do, lse, delta, k_base, v_base, mask_base, ds_base, kpm_base, start_n, row0,
+            rows_local, offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn,
+            stride_pn, seed, dropout_p, out_scale, drop_base, qk_scale, Lq, Lk,
+            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
+            WRITE_DS, DOT_PREC, EDGE,
+        )
+    return dq
+
+
+@triton.jit(do_not_specialize=["seed"])
+def attn_bwd_dq(
+    Q, K, V, DO, Lse, Delta, DQ, Mask, Kpm, KvRange, DS,
+    seed, dropout_p, out_scale, qk_scale, sm_scale,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+    stride_dqb, stride_dqh, stride_dqm,
+    stride_mb, stride_mh, stride_mm, stride_mn, stride_pb, stride_pn,
+    H, GROUP, Lq, Lk, SEQ_Q_BUCKET, SEQ_K_BUCKET,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dQ (and dS if WRITE_DS) of one (query block, batch*head); grid (cdiv(Lq, BLOCK_M), B*H)."""
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // H).to(tl.int64)
+    off_h = (off_bh % H).to(tl.int64)
+    off_hkv = off_h // GROUP
+    row0 = start_m * BLOCK_M
+    rows_local = tl.arange(0, BLOCK_M)
+    rows = row0 + rows_local
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    q = _load_rows(Q + off_b * stride_qb + off_h * stride_qh, row0, rows_local, Lq, stride_qm,
+                   offs_d, HEAD_D, BLOCK_D)
+    do = _load_rows(DO + off_b * stride_dob + off_h * stride_doh, row0, rows_local, Lq,
+                    stride_dom, offs_dv, HEAD_DV, BLOCK_DV)
+    bh_row0 = off_bh.to(tl.int64) * Lq
+    lse = _lse_log2(Lse, bh_row0 + rows, rows, Lq)
+    delta = tl.load(Delta + bh_row0 + rows, mask=rows < Lq, other=0.0)
+    k_base = K + off_b * stride_kb + off_hkv * stride_kh
+    v_base = V + off_b * stride_vb + off_hkv * stride_vh
+    mask_base = Mask + off_b * stride_mb + off_h * stride_mh + row0.to(tl.int64) * stride_mm
+    ds_base = DS + (bh_row0 + row0) * Lk
+    kpm_base = Kpm + off_b * stride_pb
+    drop_base = (off_bh.to(tl.int64) << 32) + row0.to(tl.int64) * Lk
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    lo, hi, full_hi = _key_range(KvRange, off_b, row0, Lk, IS_CAUSAL, HAS_KPM, BLOCK_M, BLOCK_N)
+    dq = _dq_loop(
+        dq, q, do, lse, delta, k_base, v_base, mask_base, ds_base, kpm_base, lo, full_hi, row0,
+        rows_local, offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn,
+        stride_pn, seed, dropout_p, out_scale, drop_base, qk_scale, Lq, Lk,
+        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
+        WRITE_DS, DOT_PREC, False, BLOCK_N,
+    )
+    dq = _dq_loop(
+        dq, q, do, lse, delta, k_base, v_base, mask_base, ds_base, kpm_base, full_hi, hi, row0,
+        rows_local, offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn,
+        stride_pn, seed, dropout_p, out_scale, drop_base, qk_scale, Lq, Lk,
+        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
+        WRITE_DS, DOT_PREC, True, BLOCK_N,
+    )
+    _store_rows(DQ + off_b * stride_dqb + off_h * stride_dqh, row0, rows_local, Lq, stride_dqm,
+                offs_d, (dq * sm_scale).to(DQ.dtype.element_ty), HEAD_D, BLOCK_D)
+
+
+# fmt: on
+
+
+# --------------------------------------------------------------------------- configs
+
+
+class Config(NamedTuple):
+    """One launch configuration: tile sizes (query rows, key rows), warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# The interpreter runs one fixed small config (fast tests); GPUs autotune over small lists keyed
+# by (kernel, arch family, dtype class, head-dim bucket, feature class). The feature class
+# matters because dropout (Philox per score) and mask tiles cost registers: "base" = no
+# attn_mask / padding / dropout (causal allowed), "masked" = attn_mask and/or key padding,
+# "dropout" = dropout with anything. Every sm_90 entry is checked by hopper_compile_report()
+# (compiles for sm_90a, wgmma for fp16/bf16, 0 spill bytes, smem <= 227 KB).
+INTERPRET_CONFIG = Config(32, 32, 4, 1)
+FEATURE_CLASSES = ("base", "masked", "dropout")
+_C = Config
+# fmt: off
+# (kernel, dtype class, bucket): (base, masked, dropout) config lists. Config = (BLOCK_M query
+# rows, BLOCK_N keys, warps, stages); dkdv programs own BLOCK_N keys and step over BLOCK_M
+# queries, fwd/dq programs own BLOCK_M queries and step over BLOCK_N keys.
+_SM90 = {
+    ("fwd", "16bit", 64): ([_C(128, 64, 4, 3), _C(128, 128, 8, 3)], [_C(128, 64, 8, 3)],
+                           [_C(128, 32, 8, 3)]),
+    ("fwd", "16bit", 128): ([_C(128, 64, 8, 3), _C(128, 128, 8, 2)], [_C(128, 64, 8, 3)],
+                            [_C(128, 32, 8, 3)]),
+    ("fwd", "16bit", 256): ([_C(128, 64, 8, 2), _C(128, 32, 8, 2)], [_C(128, 32, 8, 2)],
+                            [_C(128, 16, 8, 2)]),
+    ("dkdv", "16bit", 64): ([_C(32, 128, 8, 3), _C(64, 128, 8, 2)], [_C(32, 128, 8, 3)],
+                            [_C(32, 128, 8, 3)]),
+    ("dkdv", "16bit", 128): ([_C(32, 128, 8, 2), _C(32, 64, 8, 2)], [_C(32, 64, 8, 2)],
+                             [_C(16, 128, 8, 2)]),
+    ("dkdv", "16bit", 256): ([_C(32, 64, 8, 2)], [_C(16, 64, 8, 2)], [_C(16, 64, 8, 2)]),
+    ("dq", "16bit", 64): ([_C(128, 32, 4, 3), _C(128, 64, 8, 2)], [_C(128, 32, 8, 3)],
+                          [_C(128, 32, 8, 3)]),
+    ("dq", "16bit", 128): ([_C(128, 32, 8, 2), _C(128, 64, 8, 2)], [_C(128, 32, 8, 2)],
+                           [_C(128, 32, 8, 2)]),
+    ("dq", "16bit", 256): ([_C(64, 32, 8, 2)], [_C(64, 16, 8, 2)], [_C(64, 16, 8, 2)]),
+    # fp32 runs "ieee" dots on FMA units, whose operand layouts need many registers: small tiles.
+    ("fwd", "fp32", 64): ([_C(32, 16, 4, 2)],) * 3,
+    ("fwd", "fp32", 128): ([_C(32, 16, 4, 2)],) * 3,
+    ("fwd", "fp32", 256): ([_C(32, 16, 4, 2)],) * 3,
+    ("dkdv", "fp32", 64): ([_C(16, 32, 4, 2)],) * 3,
+    ("dkdv", "fp32", 128): ([_C(16, 32, 8, 2)],) * 3,
+    ("dkdv", "fp32", 256): ([_C(16, 16, 4, 2)],) * 3,
+    ("dq", "fp32", 64): ([_C(16, 16, 4, 2)],) * 3,
+    ("dq", "fp32", 128): ([_C(16, 16, 4, 2)],) * 3,
+    ("dq", "fp32", 256): ([_C(16, 16, 4, 2)],) * 3,
+}
+# sm_80 (and the fallback for other archs): mma.sync, 164 KB smem on A100 (99 KB on sm_86/89;
+# the autotuner drops configs that do not fit). Compile-checked for sm_80 by hand only.
+_SM80 = {
+    ("fwd", "16bit", 64): ([_C(128, 64, 4, 3), _C(64, 64, 4, 3)], [_C(64, 64, 4, 3)],
+                           [_C(64, 32, 4, 2)]),
+    ("fwd", "16bit", 128): ([_C(128, 64, 8, 2), _C(64, 64, 4, 2)], [_C(64, 32, 8, 2)],
+                            [_C(64, 32, 8, 2)]),
+    ("fwd", "16bit", 256): ([_C(64, 64, 8, 2), _C(64, 32, 8, 2)], [_C(64, 32, 8, 2)],
+                            [_C(64, 16, 4, 2)]),
+    ("dkdv", "16bit", 64): ([_C(32, 128, 8, 2), _C(32, 64, 4, 2)], [_C(16, 128, 8, 2)],
+                            [_C(16, 128, 8, 2)]),
+    ("dkdv", "16bit", 128): ([_C(32, 64, 8, 2)], [_C(32, 64, 8, 2)], [_C(16, 64, 8, 2)]),
+    ("dkdv", "16bit", 256): ([_C(32, 64, 8, 2)], [_C(16, 64, 8, 2)], [_C(16, 64, 8, 2)]),
+    ("dq", "16bit", 64): ([_C(128, 32, 8, 2), _C(64, 64, 4, 2)], [_C(64, 32, 4, 2)],
+                          [_C(64, 32, 4, 2)]),
+    ("dq", "16bit", 128): ([_C(128, 32, 8, 2), _C(64, 32, 4, 2)], [_C(64, 32, 4, 2)],
+                           [_C(64, 16, 4, 2)]),
+    ("dq", "16bit", 256): ([_C(64, 32, 8, 2)], [_C(64, 16, 8, 2)], [_C(64, 16, 8, 2)]),
+    **{key: lists for key, lists in _SM90.items() if key[1] == "fp32"},
+}
+CONFIGS: dict[tuple[str, int, str, int, str], list[Config]] = {
+    (kernel, arch, dclass, bucket, fclass): configs
+    for arch, table in ((90, _SM90), (80, _SM80))
+    for (kernel, dclass, bucket), lists in table.items()
+    for fclass, configs in zip(FEATURE_CLASSES, lists)
+}
+# fmt: on
+KERNELS = {"fwd": attn_fwd, "dkdv": attn_bwd_dkdv, "dq": attn_bwd_dq}
+_CHECKED_KERNELS = {**KERNELS, "pre": attn_bwd_preprocess}
+# Re-tune when any of these change; Triton's autotuner adds the tensor dtypes itself.
+_TUNE_KEY = [
+    "HEAD_D",
+    "HEAD_DV",
+    "IS_CAUSAL",
+    "MASK_KIND",
+    "HAS_KPM",
+    "HAS_DROPOUT",
+    "PART",
+    "WRITE_DS",
+    "SEQ_Q_BUCKET",
+    "SEQ_K_BUCKET",
+]
+INTERPRETED = not isinstance(attn_fwd, triton.runtime.JITFunction)
+
+
+def block_dim(d: int) -> int:
+    """Padded tile width of a head dim: next power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(d))
+
+
+def dim_bucket(d: int, dv: int) -> int:
+    """Config-table bucket of the head dims: 64, 128 or 256."""
+    return max(64, block_dim(max(d, dv)))
+
+
+def dtype_class(dtype: torch.dtype) -> str:
+    return "fp32" if dtype == torch.float32 else "16bit"
+
+
+def arch_family(device: torch.device) -> int:
+    """90 for Hopper and Blackwell datacenter parts, 80 for everything else."""
+    major, _ = torch.cuda.get_device_capability(device)
+    return 90 if major in (9, 10) else 80
+
+
+def dkdv_parts(dtype: torch.dtype, d: int, dv: int) -> tuple[int, ...]:
+    """PART values of the dK/dV launches: (0,) one launch for both, (1, 2) dV then dK.
+
+    fp16/bf16 head dims > 128 split: both accumulators plus K and V tiles do not fit in
+    registers on sm_90 without spills. fp32 tiles are small enough to keep both.
+    """
+    return (1, 2) if dim_bucket(d, dv) > 128 and dtype != torch.float32 else (0,)
+
+
+def _seq_bucket(n: int) -> int:
+    # Autotune once per power-of-two sequence length, not per exact length.
+    return triton.next_power_of_2(max(n, 64))
+
+
+def feature_class(mask_kind: int, has_kpm: bool, has_dropout: bool) -> str:
+    """ "base", "masked" or "dropout": which config list a call uses (see CONFIGS)."""
+    if has_dropout:
+        return "dropout"
+    return "masked" if mask_kind != MASK_NONE or has_kpm else "base"
+
+
+@functools.cache
+def _autotuned(kernel: str, arch: int, dclass: str, bucket: int, fclass: str):
+    configs = [
+        triton.Config(
+            {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n},
+            num_warps=c.num_warps,
+            num_stages=c.num_stages,
+        )
+        for c in CONFIGS[(kernel, arch, dclass, bucket, fclass)]
+    ]
+    return triton.autotune(configs=configs, key=_TUNE_KEY)(KERNELS[kernel])
+
+
+def _launch(
+    kernel: str, grid, args: tuple, meta: dict, q: torch.Tensor, config: Config | None
+) -> None:
+    if config is None and (INTERPRETED or q.device.type != "cuda"):
+        config = INTERPRET_CONFIG
+    if config is not None:
+        blocks = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n}
+        KERNELS[kernel][grid(blocks)](
+            *args, **meta, **blocks, num_warps=config.num_warps, num_stages=config.num_stages
+        )
+        return
+    bucket = dim_bucket(meta["HEAD_D"], meta["HEAD_DV"])
+    fclass = feature_class(meta["MASK_KIND"], meta["HAS_KPM"], meta["HAS_DROPOUT"])
+    tuned = _autotuned(kernel, arch_family(q.device), dtype_class(q.dtype), bucket, fclass)
+    tuned[grid](*args, **meta)
+
+
+# --------------------------------------------------------------------------- launchers
+# fmt: off
+
+
+class _Mask(NamedTuple):
+    tensor: torch.Tensor
+    strides: tuple[int, ...]
+    kind: int
+
+
+def _attn_mask(mask: torch.Tensor | None, shape: tuple[int, ...], dummy: torch.Tensor) -> _Mask:
+    # Broadcast through strides (0 on broadcast dims): the mask is never materialized.
+    if mask is None:
+        return _Mask(dummy, (0, 0, 0, 0), MASK_NONE)
+    kind = MASK_BOOL if mask.dtype == torch.bool else MASK_FLOAT
+    if kind == MASK_BOOL:
+        mask = mask.view(torch.uint8)
+    mask = mask[(None,) * (4 - mask.dim())].expand(shape)
+    return _Mask(mask, tuple(mask.stride()), kind)
+
+
+class _Padding(NamedTuple):
+    tensor: torch.Tensor  # (B, Lk) uint8, nonzero = padding
+    kv_range: torch.Tensor  # (B, 2) int32: first kept key, last kept key + 1 ((0, 0) if none)
+    strides: tuple[int, int]
+
+
+def _padding(kpm: torch.Tensor | None, dummy: torch.Tensor) -> _Padding:
+    if kpm is None:
+        return _Padding(dummy, dummy, (0, 0))
+    kept = ~kpm
+    lk = kpm.shape[1]
+    first = kept.to(torch.int8).argmax(1)  # first True (argmax returns the first maximum)
+    last = lk - kept.flip(1).to(torch.int8).argmax(1)
+    none = ~kept.any(1)
+    kv_range = torch.stack([first.masked_fill(none, 0), last.masked_fill(none, 0)], 1)
+    kpm = kpm.view(torch.uint8)
+    return _Padding(kpm, kv_range.to(torch.int32).contiguous(), (kpm.stride(0), kpm.stride(1)))
+
+
+def slice_extent(x: torch.Tensor) -> int:
+    """Largest element offset inside one (batch, head) slice of a 4-D tensor: the kernels
+    address within a slice in int32, so it must stay below INT32_LIMIT."""
+    return sum((n - 1) * abs(st) for n, st in zip(x.shape[2:], x.stride()[2:]) if n > 0)
+
+
+def _kernel_layout(x: torch.Tensor) -> torch.Tensor:
+    # The kernels take every stride but the last: copy only when the last one is not 1, or
+    # when a strided slice would overflow int32 offsets (a contiguous one fits: the op checks).
+    if x.stride(-1) == 1 and slice_extent(x) < INT32_LIMIT:
+        return x
+    return x.contiguous()
+
+
+def _meta(q, k, v, mask: _Mask, kpm, dropout_p: float, is_causal: bool) -> dict:
+    d, dv = q.shape[-1], v.shape[-1]
+    return {
+        "HEAD_D": d,
+        "HEAD_DV": dv,
+        "BLOCK_D": block_dim(d),
+        "BLOCK_DV": block_dim(dv),
+        "IS_CAUSAL": bool(is_causal),
+        "MASK_KIND": mask.kind,
+        "HAS_KPM": kpm is not None,
+        "HAS_DROPOUT": dropout_p > 0.0,
+        # fp32 inputs get true fp32 products (not tf32); fp16/bf16 use tensor cores.
+        "DOT_PREC": "ieee" if q.dtype == torch.float32 else "tf32",
+    }
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+    seed: int,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float,
+    config: Config | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention forward; inputs are trusted (fastformer.ops.attention validates them).
+
+    Args:
+        q: (B, H, Lq, D) fp16/bf16/fp32; k: (B, Hkv, Lk, D), v: (B, Hkv, Lk, Dv), same dtype,
+            H % Hkv == 0.
+        attn_mask: None, bool (True = attend) or float (added), broadcastable to (B, H, Lq, Lk).
+        key_padding_mask: None or (B, Lk) bool, True = padding.
+        seed: dropout seed (ignored when dropout_p == 0).
+        config: fixed tile config instead of the autotuned/interpreter one (tests).
+
+    Returns:
+        out (B, H, Lq, Dv) in q's dtype, lse (B, H, Lq) fp32 (natural log; -inf when every key
+        of the row is masked).
+    """
+    q, k, v = _kernel_layout(q), _kernel_layout(k), _kernel_layout(v)
+    b, h, lq, _ = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    out = q.new_empty(b, h, lq, v.shape[-1])
+    lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or lk == 0:  # nothing to compute, or every row fully masked
+        return out.zero_(), lse.fill_(float("-inf"))
+    mask = _attn_mask(attn_mask, (b, h, lq, lk), q)
+    pad = _padding(key_padding_mask, q)
+    meta = _meta(q, k, v, mask, key_padding_mask, dropout_p, is_causal)
+    args = (
+        q, k, v, out, lse, mask.tensor, pad.tensor, pad.kv_range, seed, dropout_p, scale * LOG2E,
+        1.0 / (1.0 - dropout_p), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *out.stride()[:3], *mask.strides, *pad.strides, h, h // hkv, lq, lk, _seq_bucket(lq),
+        _seq_bucket(lk),
+    )
+    _launch("fwd", lambda c: (triton.cdiv(lq, c["BLOCK_M"]), b * h), args, meta, q, config)
+    return out, lse
+
+
+def _delta(
+    out: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
+) -> torch.Tensor:
+    b, h, lq, dv = out.shape
+    delta = torch.empty(b, h, lq, dtype=torch.float32, device=out.device)
+    block_dv = block_dim(dv)
+    block_m = max(16, 8192 // block_dv)  # ~64 fp32 values per thread: no spills at Dv = 256
+    dlse = delta if grad_lse is None else grad_lse.float().contiguous()
+    attn_bwd_preprocess[(triton.cdiv(lq, block_m), b * h)](
+        out, grad_out, dlse, delta, *out.stride()[:3], *grad_out.stride()[:3], h, lq, HEAD_DV=dv,
+        BLOCK_DV=block_dv, HAS_DLSE=grad_lse is not None, BLOCK_M=block_m, num_warps=4,
+    )
+    return delta
+
+
+def attention_backward(
+    grad_out: torch.Tensor,
+    grad_lse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+    seed: int,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float,
+    mask_grad: bool,
+    config: Config | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients of attention_forward's (out, lse) w.r.t. q, k, v and a float attn_mask.
+
+    Args:
+        grad_out: (B, H, Lq, Dv) cotangent of out; grad_lse: None or (B, H, Lq) of lse.
+        out, lse: what attention_forward returned for these inputs (same seed).
+        mask_grad: also return d attn_mask (float mask only), shaped and typed like attn_mask.
+
+    Returns:
+        (dq, dk, dv, dmask or None), dq/dk/dv contiguous in the dtype and shape of q/k/v.
+    """
+    q, k, v = _kernel_layout(q), _kernel_layout(k), _kernel_layout(v)
+    grad_out, out = _kernel_layout(grad_out), _kernel_layout(out)
+    b, h, lq, d = q.shape
+    hkv, lk, dv = k.shape[1], k.shape[2], v.shape[3]
+    group = h // hkv
+    # Every row of dq, dk, dv is written by the kernels (zeros where nothing is visible).
+    dq = torch.empty(b, h, lq, d, dtype=q.dtype, device=q.device)
+    # GQA: per-query-head dK/dV in fp32, summed over each group below (deterministic).
+    buf_dtype = q.dtype if group == 1 else torch.float32
+    dk = torch.empty(b, h, lk, d, dtype=buf_dtype, device=q.device)
+    dv_ = torch.empty(b, h, lk, dv, dtype=buf_dtype, device=q.device)
+    ds = None
+    if mask_grad and attn_mask is not None:  # skipped tiles are never written: start at 0
+        ds = torch.zeros(b, h, lq, lk, dtype=torch.float32, device=q.device)
+    if lq == 0 or lk == 0:  # no scores: every gradient is 0
+        for t in (dq, dk, dv_):
+            t.zero_()
+    else:
+        _backward_kernels(
+            grad_out, grad_lse, q, k, v, out, lse, attn_mask, key_padding_mask, seed, dropout_p,
+            is_causal, scale, dq, dk, dv_, ds, config,
+        )
+    if group > 1:
+        dk = dk.view(b, hkv, group, lk, d).sum(2).to(q.dtype)
+        dv_ = dv_.view(b, hkv, group, lk, dv).sum(2).to(q.dtype)
+    dmask = None
+    if ds is not None:
+        shape4 = (1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)
+        dmask = ds.sum_to_size(shape4).view(attn_mask.shape).to(attn_mask.dtype)
+    return dq, dk, dv_, dmask
+
+
+def _backward_kernels(
+    grad_out,
+    grad_lse,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    attn_mask,
+    key_padding_mask,
+    seed,
+    dropout_p,
+    is_causal,
+    scale,
+    dq,
+    dk,
+    dv,
+    ds,
+    config,
+) -> None:
+    b, h, lq, _ = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    delta = _delta(out, grad_out, grad_lse)
+    mask = _attn_mask(attn_mask, (b, h, lq, lk), q)
+    pad = _padding(key_padding_mask, q)
+    meta = _meta(q, k, v, mask, key_padding_mask, dropout_p, is_causal)
+    common = (
+        seed, dropout_p, 1.0 / (1.0 - dropout_p), scale * LOG2E, scale, *q.stride()[:3],
+        *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
+    )
+    tail = (*mask.strides, *pad.strides, h, h // hkv, lq, lk, _seq_bucket(lq), _seq_bucket(lk))
+    args = (
+        q, k, v, grad_out, lse, delta, dk, dv, mask.tensor, pad.tensor, *common, *dk.stride()[:3],
+        *dv.stride()[:3], *tail,
+    )
+    dkdv_grid = lambda c: (triton.cdiv(lk, c["BLOCK_N"]), b * h)
+    for part in dkdv_parts(q.dtype, meta["HEAD_D"], meta["HEAD_DV"]):
+        _launch("dkdv", dkdv_grid, args, {**meta, "PART": part}, q, config)
+    args = (
+        q, k, v, grad_out, lse, delta, dq, mask.tensor, pad.tensor, pad.kv_range,
+        delta if ds is None else ds, *common, *dq.stride()[:3], *tail,
+    )
+    meta = {**meta, "WRITE_DS": ds is not None}
+    _launch("dq", lambda c: (triton.cdiv(lq, c["BLOCK_M"]), b * h), args, meta, q, config)
+# fmt: on
+
+
+# --------------------------------------------------------------------------- Hopper compile check
+
+_TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_FLOAT_ARGS = {"dropout_p", "qk_scale", "out_scale", "sm_scale"}
+_FP32_POINTERS = {"Lse", "Delta", "DLse", "DS"}
+_POINTERS = {"Q", "K", "V", "Out", "DO", "DQ", "DK", "DV", "Mask", "Kpm", "KvRange"}
+_POINTERS |= _FP32_POINTERS
+# Arguments that are 1 in the usual contiguous case: Triton specializes them to constants.
+_ONE_ARGS = {"stride_mn", "stride_pn", "GROUP"}
+
+
+class Variant(NamedTuple):
+    """The constexpr features a compile check turns on."""
+
+    name: str
+    is_causal: bool
+    mask_kind: int
+    has_kpm: bool
+    has_dropout: bool
+
+
+# The variant each feature class is checked with: its heaviest combination of features.
+CHECK_VARIANTS = {
+    "base": Variant("causal", True, MASK_NONE, False, False),
+    "masked": Variant("masks", True, MASK_FLOAT, True, False),
+    "dropout": Variant("all", True, MASK_FLOAT, True, True),
+}
+
+
+def _compile_inputs(
+    kernel: str, dtype: torch.dtype, head_dim: int, config: Config, variant: Variant, part: int = 0
+) -> tuple[dict, dict, dict]:
+    """ASTSource signature, constexprs and attrs of one kernel specialization, as a launch with
+    contiguous inputs (sizes multiples of 16) would produce them."""
+    fn = _CHECKED_KERNELS[kernel]
+    ty = _TRITON_DTYPE[dtype]
+    constexprs = {
+        "HEAD_D": head_dim,
+        "HEAD_DV": head_dim,
+        "BLOCK_D": block_dim(head_dim),
+        "BLOCK_DV": block_dim(head_dim),
+        "IS_CAUSAL": variant.is_causal,
+        "MASK_KIND": variant.mask_kind,
+        "HAS_KPM": variant.has_kpm,
+        "HAS_DROPOUT": variant.has_dropout,
+        "DOT_PREC": "ieee" if dtype == torch.float32 else "tf32",
+        "BLOCK_M": config.block_m,
+        "BLOCK_N": config.block_n,
+        "PART": part,
+        "WRITE_DS": variant.mask_kind == MASK_FLOAT,
+        "HAS_DLSE": True,
+    }
+    constexprs.update({name: 1 for name in _ONE_ARGS})
+    constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
+    signature, attrs = {}, {}
+    for index, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in _POINTERS:
+            signature[name] = "*" + _pointer_type(name, ty, variant)
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif name == "seed":
+            signature[name] = "i64"
+        elif name in _FLOAT_ARGS:
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name.startswith(("stride", "Lq", "Lk", "SEQ")):
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
+def _pointer_type(name: str, ty: str, variant: Variant) -> str:
+    if name in _FP32_POINTERS:
+        return "fp32"
+    if name == "KvRange":
+        return "i32"
+    if name == "Kpm" or (name == "Mask" and variant.mask_kind == MASK_BOOL):
+        return "u8"
+    if name == "Mask":
+        return "fp32"  # a float mask may be fp32 for any q dtype: the most shared memory
+    return ty
+
+
+def _ptxas(ptx: str, arch: int) -> dict:
+    """Registers, spill bytes and static smem that ptxas reports for one kernel's PTX."""
+    ptxas = os.environ.get("PTXAS", "/usr/local/cuda/bin/ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        suffix = "a" if arch == 90 else ""
+        result = subprocess.run(
+            [ptxas, f"-arch=sm_{arch}{suffix}", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    text = result.stdout + result.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return {
+        "registers": int(regs.group(1)) if regs else -1,
+        "spill_stores": int(spills.group(1)) if spills else -1,
+        "spill_loads": int(spills.group(2)) if spills else -1,
+    }
+
+
+def compile_one(
+    kernel: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    config: Config,
+    variant: Variant,
+    arch: int = 90,
+    part: int = 0,
+) -> dict:
+    """Compile one kernel specialization for sm_`arch` (no GPU needed) and describe it."""
+    from triton.backends.compiler import GPUTarget
+
+    if INTERPRETED:
+        raise RuntimeError("compile checks need the real Triton JIT: unset TRITON_INTERPRET")
+    signature, constexprs, attrs = _compile_inputs(kernel, dtype, head_dim, config, variant, part)
+    source = triton.compiler.ASTSource(
+        fn=_CHECKED_KERNELS[kernel], signature=signature, constexprs=constexprs, attrs=attrs
+    )
+    compiled = triton.compile(
+        source,
+        target=GPUTarget("cuda", arch, 32),
+        options={"num_warps": config.num_warps, "num_stages": config.num_stages},
+    )
+    ptx = compiled.asm["ptx"]
+    return {
+        "kernel": kernel,
+        "arch": arch,
+        "dtype": str(dtype).removeprefix("torch."),
+        "head_dim": head_dim,
+        "config": list(config),
+        "variant": "-" if kernel == "pre" else variant.name,
+        "part": part,
+        "wgmma": "wgmma" in ptx,
+        "shared": int(compiled.metadata.shared),
+        **_ptxas(ptx, arch),
+    }
+
+
+def _compile_job(job: tuple) -> dict:
+    kernel, dtype_name, head_dim, config, variant_class, arch, part = job
+    return compile_one(
+        kernel,
+        getattr(torch, dtype_name),
+        head_dim,
+        Config(*config),
+        CHECK_VARIANTS[variant_class],
+        arch,
+        part,
+    )
+
+
+def compile_jobs(arch: int = 90) -> list[tuple]:
+    """Every kernel specialization the compile check builds for the `arch` config table.
+
+    Each (kernel, head-dim bucket, config, dK/dV part) is compiled once in fp16 (fp32 for the
+    fp32 table) at the largest head dim of its bucket, with the heaviest feature class that
+    uses it (CHECK_VARIANTS; features only add code); the first base config of the 128 and 256
+    buckets is also compiled in bf16 (wgmma there too; same code and registers as fp16 but for
+    the MMA type). Plus the delta preprocess kernel.
+    """
+    rank = {name: i for i, name in enumerate(FEATURE_CLASSES)}
+    heaviest: dict[tuple, str] = {}
+    for (kernel, table_arch, dclass, bucket, fclass), configs in CONFIGS.items():
+        if table_arch != arch:
+            continue
+        dtype = "float32" if dclass == "fp32" else "float16"
+        for config in configs:
+            key = (kernel, dtype, bucket, tuple(config))
+            if rank[fclass] >= rank[heaviest.get(key, "base")]:
+                heaviest[key] = fclass
+            if dclass == "16bit" and fclass == "base" and config == configs[0] and bucket > 64:
+                heaviest[(kernel, "bfloat16", bucket, tuple(config))] = "base"
+    jobs = []
+    for (kernel, dtype, bucket, config), fclass in heaviest.items():
+        parts = dkdv_parts(getattr(torch, dtype), bucket, bucket) if kernel == "dkdv" else (0,)
+        jobs += [(kernel, dtype, bucket, config, fclass, arch, part) for part in parts]
+    for bucket in (64, 128, 256):
+        config = (max(16, 8192 // bucket), 0, 4, 1)
+        jobs.append(("pre", "float16", bucket, config, "base", arch, 0))  # no features
+    return jobs
+
+
+def hopper_compile_report(workers: int = 2, arch: int = 90) -> list[dict]:
+    """Compile every sm_90 config (see compile_jobs) without a GPU: ptxas registers, spills,
+    smem and whether wgmma was used, one dict per compiled kernel. Needs TRITON_INTERPRET unset
+    and ptxas (PTXAS or /usr/local/cuda/bin/ptxas)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = compile_jobs(arch)
+    if workers <= 1:
+        return [_compile_job(job) for job in jobs]
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(_compile_job, jobs))
+
+
+def check_compile_report(report: list[dict], max_shared: int = 227 * 1024) -> list[str]:
+    """Problems in a compile report: spills, smem over `max_shared`, fp16/bf16 without wgmma."""
+    problems = []
+    for r in report:
+        name = f"{r['kernel']} {r['dtype']} d{r['head_dim']} {r['config']} {r['variant']}"
+        if r["spill_stores"] != 0 or r["spill_loads"] != 0:
+            problems.append(f"{name}: spills {r['spill_stores']}/{r['spill_loads']} bytes")
+        if r["shared"] > max_shared:
+            problems.append(f"{name}: {r['shared']} bytes of shared memory")
+        if r["dtype"] != "float32" and r["kernel"] != "pre" and not r["wgmma"]:
+            problems.append(f"{name}: no wgmma in the PTX")
+    return problems
+
+
+def main() -> None:
+    """`python -m fastformer.kernels.attention [arch]`: print the compile report as JSON lines."""
+    import json
+    import sys
+
+    arch = int(sys.argv[1]) if len(sys.argv) > 1 else 90
+    for row in hopper_compile_report(arch=arch):
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,696 @@
+"""Tests of fastformer.ops.attention and the Triton kernels of fastformer.kernels.attention.
+
+Without a GPU the Triton kernels run through the interpreter (TRITON_INTERPRET=1, set by
+conftest.py) on CPU tensors in float32 and float16; with a GPU the same tests run the compiled
+kernels on CUDA, plus the `cuda`-marked ones (bfloat16, long sequences, determinism). Outputs and
+gradients are held to the parity rule of DESIGN.md against fastformer.reference; dropout is
+checked against the reference fed with the keep-mask regenerated from the seed the op drew
+(`torch.manual_seed` + `draw_seed` predict it). `test_hopper_compile` compiles every sm_90
+config for Hopper without a GPU and checks wgmma, spills and shared memory.
+"""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+
+from fastformer import reference as ref
+from fastformer.ops import _dispatch, rng
+from fastformer.ops import attention as attn
+from fastformer.testing import assert_parity, compare_with_reference, max_abs_diff
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+F16, F32 = torch.float16, torch.float32
+
+
+@pytest.fixture(autouse=True)
+def _default_backend(monkeypatch):
+    # A developer's FASTFORMER_BACKEND_ATTENTION must not change what these tests check.
+    monkeypatch.delenv("FASTFORMER_BACKEND_ATTENTION", raising=False)
+
+
+def _randn(shape, dtype=F32, seed=0, grad=False, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(shape, generator=g, dtype=torch.float32)
+    return t.to(device=device, dtype=dtype).requires_grad_(grad)
+
+
+# --------------------------------------------------------------------------- cases
+
+
+@dataclass(frozen=True)
+class Case:
+    """One parity case: shapes, masks, dtype and layout of q/k/v."""
+
+    b: int = 2
+    h: int = 2
+    hkv: int = 0  # 0: same as h
+    lq: int = 64
+    lk: int = 64
+    d: int = 64
+    dv: int = 0  # 0: same as d
+    causal: bool = False
+    mask: str = ""  # "", "bool", "float" (a float mask gets a gradient)
+    # Which of (B, H, Lq, Lk) the mask has: "bhqk", "b1qk", "11qk", "b11k", "qk".
+    mask_shape: str = "bhqk"
+    mask_dtype: torch.dtype | None = None  # a float mask's dtype; None: the q/k/v dtype
+    kpm: str = ""  # "", "random", "edges" (leading and trailing padding)
+    dtype: torch.dtype = F32
+    layout: str = "contiguous"  # "blhd": (B, L, H, D) storage seen as (B, H, L, D); "strided_d"
+    scale: float | None = None
+    grad: bool = True
+
+
+def _qkv(c: Case) -> list[torch.Tensor]:
+    hkv, dv = c.hkv or c.h, c.dv or c.d
+    shapes = [(c.b, c.h, c.lq, c.d), (c.b, hkv, c.lk, c.d), (c.b, hkv, c.lk, dv)]
+    out = []
+    for seed, (b, h, seq, d) in enumerate(shapes):
+        if c.layout == "blhd":  # a transposed view: strides passed to the kernel, no copy
+            t = _randn((b, seq, h, d), c.dtype, seed).transpose(1, 2)
+        elif c.layout == "strided_d":  # last stride 2: the op must copy
+            t = _randn((b, h, seq, 2 * d), c.dtype, seed)[..., ::2]
+        else:
+            t = _randn((b, h, seq, d), c.dtype, seed)
+        out.append(t.requires_grad_(c.grad))
+    return out
+
+
+def _attn_mask(c: Case) -> torch.Tensor | None:
+    if not c.mask:
+        return None
+    full = {"b": c.b, "h": c.h, "q": c.lq, "k": c.lk, "1": 1}
+    shape = [full[ch] for ch in c.mask_shape]
+    if c.mask == "bool":
+        g = torch.Generator().manual_seed(7)
+        return (torch.rand(shape, generator=g) > 0.3).to(DEVICE)
+    return _randn(shape, c.mask_dtype or c.dtype, seed=8, grad=c.grad)
+
+
+def _key_padding(c: Case) -> torch.Tensor | None:
+    if not c.kpm:
+        return None
+    if c.kpm == "random":
+        g = torch.Generator().manual_seed(9)
+        return (torch.rand(c.b, c.lk, generator=g) > 0.7).to(DEVICE)
+    kpm = torch.zeros(c.b, c.lk, dtype=torch.bool)
+    kpm[0, : c.lk // 3] = True  # leading padding: whole key tiles skipped before the loop
+    kpm[-1, c.lk // 2 :] = True  # trailing padding
+    return kpm.to(DEVICE)
+
+
+def _parity(c: Case, with_lse: bool = False) -> None:
+    q, k, v = _qkv(c)
+    mask, kpm = _attn_mask(c), _key_padding(c)
+    gqa = (c.hkv or c.h) != c.h
+    kw = dict(is_causal=c.causal, scale=c.scale, enable_gqa=gqa, key_padding_mask=kpm)
+    fast_fn = (
+        attn.scaled_dot_product_attention_with_lse
+        if with_lse
+        else attn.scaled_dot_product_attention
+    )
+    inputs, names = [q, k, v], ["q", "k", "v"]
+    if mask is not None and mask.is_floating_point() and c.grad:
+        inputs.append(mask)
+        names.append("attn_mask")
+
+    def fast(q, k, v, m=mask):
+        return fast_fn(q, k, v, m, **kw)
+
+    def reference(q, k, v, m=mask):
+        return ref.scaled_dot_product_attention(q, k, v, m, return_lse=with_lse, **kw)
+
+    results = compare_with_reference(fast, reference, inputs, names=names)
+    assert_parity(results)
+
+
+CASES = {
+    "plain_d64": Case(),
+    "causal_l97_d40": Case(lq=97, lk=97, d=40, causal=True),
+    "causal_lq129_gt_lk97_d16": Case(lq=129, lk=97, d=16, causal=True),
+    "causal_lq7_lt_lk129_d80": Case(lq=7, lk=129, d=80, causal=True),
+    "l1": Case(lq=1, lk=1, d=16),
+    "l7_causal": Case(lq=7, lk=7, d=16, causal=True),
+    "kpm_random_l129": Case(lq=33, lk=129, kpm="random"),
+    "kpm_edges_causal": Case(lq=97, lk=97, d=16, kpm="edges", causal=True),
+    "bool_mask_b1qk_d96": Case(lq=33, lk=65, d=96, mask="bool", mask_shape="b1qk"),
+    "float_mask_11qk": Case(lq=33, lk=47, d=32, mask="float", mask_shape="11qk"),
+    "float_mask_b11k": Case(lq=33, lk=47, d=32, mask="float", mask_shape="b11k"),
+    "float_mask_qk": Case(lq=33, lk=47, d=32, mask="float", mask_shape="qk"),
+    "all_masks_d128": Case(lq=65, lk=97, d=128, causal=True, mask="float", kpm="random"),
+    "bool_mask_causal_kpm": Case(lq=65, lk=33, d=16, causal=True, mask="bool", kpm="edges"),
+    "gqa": Case(h=4, hkv=2, lq=33, lk=65, d=32, causal=True),
+    "mqa": Case(h=4, hkv=1, lq=33, lk=33, d=32, kpm="random"),
+    "batch1": Case(b=1, h=3, lq=65, lk=65, d=64),
+    "blhd_views": Case(lq=47, lk=65, d=40, layout="blhd", causal=True),
+    "strided_head_dim": Case(lq=33, lk=33, d=16, layout="strided_d", mask="float"),
+    "dv_ne_d": Case(lq=33, lk=47, d=40, dv=24),
+    "scale": Case(lq=33, lk=33, d=16, scale=0.3, causal=True),
+    "d160_split_dkdv": Case(b=1, lq=33, lk=40, d=160, dv=136, causal=True, kpm="random"),
+    "fp16_causal_kpm": Case(lq=97, lk=97, d=64, causal=True, kpm="random", dtype=F16),
+    "fp16_fp32_mask_gqa": Case(
+        h=4, hkv=2, lq=33, lk=65, d=64, mask="float", mask_dtype=F32, dtype=F16
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_parity(name):
+    _parity(CASES[name])
+
+
+def test_parity_head_dim_256_forward():
+    _parity(Case(b=1, lq=33, lk=47, d=256, causal=True, grad=False))
+
+
+def test_parity_with_lse():
+    # The lse output is differentiable too: its cotangent enters the backward through delta.
+    _parity(Case(lq=33, lk=65, d=32, causal=True, mask="float", kpm="random"), with_lse=True)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter tile config is a CPU-test knob")
+@pytest.mark.parametrize("blocks", [(16, 32), (64, 16)])
+def test_parity_other_tile_shapes(monkeypatch, blocks):
+    # GPU configs have BLOCK_M != BLOCK_N: the causal / padding loop bounds must hold for them.
+    from fastformer.kernels import attention as kernels
+
+    monkeypatch.setattr(kernels, "INTERPRET_CONFIG", kernels.Config(*blocks, 4, 1))
+    _parity(Case(lq=97, lk=81, d=16, causal=True, kpm="edges", mask="bool", mask_shape="qk"))
+
+
+def test_lse_matches_reference_and_is_float32():
+    c = Case(lq=33, lk=47, d=32, causal=True, dtype=F16, grad=False)
+    q, k, v = _qkv(c)
+    out, lse = attn.scaled_dot_product_attention_with_lse(q, k, v, is_causal=True)
+    assert out.dtype == F16 and lse.dtype == F32 and lse.shape == (2, 2, 33)
+    _, lse64 = ref.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), is_causal=True, return_lse=True
+    )
+    assert max_abs_diff(lse, lse64) < 1e-4
+
+
+@pytest.mark.parametrize("lq, lk", [(0, 5), (5, 0)])
+def test_empty_sequences(lq, lk):
+    q = _randn((2, 2, lq, 16), grad=True)
+    k, v = _randn((2, 2, lk, 16), seed=1, grad=True), _randn((2, 2, lk, 8), seed=2, grad=True)
+    out, lse = attn.scaled_dot_product_attention_with_lse(q, k, v, dropout_p=0.1)
+    assert out.shape == (2, 2, lq, 8) and torch.all(out == 0) and torch.all(torch.isneginf(lse))
+    out.sum().backward()
+    assert all(torch.all(t.grad == 0) for t in (q, k, v))
+
+
+def test_strided_slices_past_int32_are_copied():
+    from fastformer.kernels import attention as kernels
+
+    # (B, L, H, D) storage seen as (B, H, L, D): a slice spans L*H*D elements (meta: no memory).
+    x = torch.empty(1, 2**22, 64, 16, device="meta").transpose(1, 2)
+    assert kernels.slice_extent(x) >= kernels.INT32_LIMIT
+    assert kernels._kernel_layout(x).is_contiguous()
+    small = torch.empty(1, 64, 8, 16, device="meta").transpose(1, 2)
+    assert kernels._kernel_layout(small) is small  # a view that fits is used as is
+
+
+# --------------------------------------------------------------------------- fully masked rows
+
+
+def test_fully_masked_rows_are_zero_with_zero_gradients():
+    b, h, lq, lk, d = 2, 2, 33, 40, 16
+    q, k, v = (
+        _randn(s, seed=i, grad=True)
+        for i, s in enumerate([(b, h, lq, d), (b, h, lk, d), (b, h, lk, d)])
+    )
+    kpm = torch.zeros(b, lk, dtype=torch.bool, device=DEVICE)
+    kpm[1] = True  # batch 1: every key is padding
+    mask = torch.ones(lq, lk, dtype=torch.bool, device=DEVICE)
+    mask[5] = False  # row 5 of batch 0 sees nothing either
+    out, lse = attn.scaled_dot_product_attention_with_lse(q, k, v, mask, key_padding_mask=kpm)
+    (out.sum() + lse.masked_fill(torch.isinf(lse), 0).sum()).backward()
+    assert torch.all(out[1] == 0) and torch.all(out[0, :, 5] == 0)
+    assert torch.all(torch.isneginf(lse[1])) and torch.all(torch.isneginf(lse[0, :, 5]))
+    assert torch.isfinite(lse[0, :, :5]).all()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert torch.all(q.grad[1] == 0) and torch.all(q.grad[0, :, 5] == 0)
+    assert torch.all(k.grad[1] == 0) and torch.all(v.grad[1] == 0)
+
+
+def test_fully_masked_rows_parity_float_mask():
+    # A float mask of -inf on whole rows (and causal with Lq > Lk leaves no row empty: mix both).
+    c = Case(lq=33, lk=40, d=16, mask="float", mask_shape="b1qk", causal=True, kpm="edges")
+    q, k, v = _qkv(c)
+    mask = _attn_mask(c).detach().clone()
+    mask[0, 0, 3] = float("-inf")
+    mask.requires_grad_(True)
+    kw = dict(is_causal=True, key_padding_mask=_key_padding(c))
+    results = compare_with_reference(
+        lambda q, k, v, m: attn.scaled_dot_product_attention(q, k, v, m, **kw),
+        lambda q, k, v, m: ref.scaled_dot_product_attention(q, k, v, m, **kw),
+        [q, k, v, mask],
+        names=["q", "k", "v", "attn_mask"],
+    )
+    assert_parity(results)
+
+
+# --------------------------------------------------------------------------- dropout
+
+
+def _predicted_seed(manual_seed: int, device=DEVICE) -> int:
+    torch.manual_seed(manual_seed)
+    return rng.draw_seed(device)
+
+
+@pytest.mark.parametrize(
+    "c",
+    [
+        Case(lq=33, lk=47, d=32, causal=True, kpm="random"),
+        Case(h=4, hkv=2, lq=47, lk=33, d=16, mask="float", dtype=F16),
+    ],
+    ids=["fp32_causal_kpm", "fp16_gqa_float_mask"],
+)
+def test_dropout_parity_with_regenerated_mask(c):
+    p = 0.3
+    q, k, v = _qkv(c)
+    mask, kpm = _attn_mask(c), _key_padding(c)
+    keep = attn.dropout_keep_mask(_predicted_seed(11), c.b, c.h, c.lq, c.lk, p, device=DEVICE)
+    gqa = (c.hkv or c.h) != c.h
+    kw = dict(is_causal=c.causal, enable_gqa=gqa, key_padding_mask=kpm)
+    inputs = [q, k, v] + ([mask] if mask is not None else [])
+
+    def fast(q, k, v, m=None):
+        torch.manual_seed(11)
+        return attn.scaled_dot_product_attention(q, k, v, m, p, **kw)
+
+    def reference(q, k, v, m=None):
+        return ref.scaled_dot_product_attention(q, k, v, m, p, dropout_mask=keep, **kw)
+
+    assert_parity(compare_with_reference(fast, reference, inputs))
+
+
+def test_dropout_mask_read_back_from_the_kernel():
+    # q = k = 0 gives uniform probabilities 1/Lk and v = identity reads them back: out * Lk *
+    # (1 - p) is exactly the kernel's keep-mask, which must be dropout_keep_mask(seed).
+    b, h, lq, lk, p = 2, 2, 64, 64, 0.25
+    q = torch.zeros(b, h, lq, 16, device=DEVICE)
+    k = torch.zeros(b, h, lk, 16, device=DEVICE)
+    v = torch.eye(lk, device=DEVICE).expand(b, h, lk, lk)
+    seed = _predicted_seed(3)
+    torch.manual_seed(3)
+    out = attn.scaled_dot_product_attention(q, k, v, dropout_p=p)
+    kept = out * lk * (1 - p)
+    assert torch.allclose(kept, kept.round(), atol=1e-4)
+    expected = attn.dropout_keep_mask(seed, b, h, lq, lk, p, device=DEVICE)
+    assert torch.equal(kept.round().bool(), expected)
+    n = expected.numel()
+    rate = expected.float().mean().item()
+    assert abs(rate - (1 - p)) <= 5 * math.sqrt(p * (1 - p) / n)
+
+
+def test_dropout_keep_mask_offsets():
+    # An independent spelling of the documented scheme, element by element.
+    seed, b, h, lq, lk, p = 1234, 2, 3, 5, 7, 0.4
+    keep = attn.dropout_keep_mask(seed, b, h, lq, lk, p)
+    for bb, hh, i, j in [(0, 0, 0, 0), (1, 2, 4, 6), (1, 0, 3, 2), (0, 2, 1, 5)]:
+        offset = torch.tensor([((bb * h + hh) << 32) + i * lk + j], dtype=torch.int64)
+        assert keep[bb, hh, i, j].item() == bool(rng.philox_uniform(seed, offset)[0] >= p)
+    assert attn.dropout_keep_mask(seed, b, h, lq, lk, 0.0).all()
+
+
+def test_dropout_same_seed_identical_and_calls_differ():
+    q, k, v = _qkv(Case(lq=33, lk=33, d=16, grad=False))
+    torch.manual_seed(5)
+    first = attn.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    second = attn.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    torch.manual_seed(5)
+    again = attn.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, second)
+
+
+def test_dropout_output_linear_in_value():
+    q, k, v = _qkv(Case(lq=33, lk=47, d=16, causal=True, grad=False))
+    v2 = _randn(v.shape, seed=5)
+
+    def run(value):
+        torch.manual_seed(21)
+        return attn.scaled_dot_product_attention(q, k, value, dropout_p=0.3, is_causal=True)
+
+    torch.testing.assert_close(run(v + 2 * v2), run(v) + 2 * run(v2), atol=1e-5, rtol=1e-5)
+
+
+def test_torch_backend_matches_triton_for_the_same_seed(monkeypatch):
+    c = Case(lq=33, lk=47, d=32, causal=True, mask="bool", kpm="random", grad=True)
+
+    def run():
+        q, k, v = _qkv(c)
+        torch.manual_seed(17)
+        out = attn.scaled_dot_product_attention(
+            q, k, v, _attn_mask(c), 0.2, True, key_padding_mask=_key_padding(c)
+        )
+        out.backward(torch.ones_like(out))
+        return out, q.grad, k.grad, v.grad
+
+    assert attn.backend_reasons(*_qkv(c))[0] == ("triton", [])
+    fused = run()
+    monkeypatch.setenv("FASTFORMER_BACKEND_ATTENTION", "torch")
+    eager = run()
+    for a, b in zip(fused, eager):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- memory, registration
+
+
+def test_saved_tensors_are_linear_in_sequence_length():
+    b, h, l, d = 2, 2, 128, 16
+    q, k, v = _qkv(Case(b=b, h=h, lq=l, lk=l, d=d))
+    kpm = _key_padding(Case(b=b, lk=l, kpm="random"))
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = attn.scaled_dot_product_attention(q, k, v, None, 0.1, True, key_padding_mask=kpm)
+    out.sum().backward()
+    assert sizes and max(sizes) <= b * h * l * d < b * h * l * l
+
+
+def test_opcheck():
+    c = Case(b=1, h=2, lq=9, lk=12, d=16, mask="float", kpm="random")
+    q, k, v = _qkv(c)
+    op = torch.ops.fastformer.attention.default
+    torch.library.opcheck(op, (q, k, v, _attn_mask(c), _key_padding(c), 0.0, True, 0.25))
+    torch.library.opcheck(op, (q, k, v, None, None, 0.0, False, 0.25))
+    q, k, v = (t.detach() for t in (q, k, v))  # the backward op itself has no autograd
+    out, lse, seed = op(q, k, v, None, None, 0.0, False, 0.25)
+    grads = (torch.randn_like(out), torch.randn_like(lse))
+    args = (*grads, q, k, v, out, lse, None, None, seed, 0.0, False, 0.25, False)
+    torch.library.opcheck(torch.ops.fastformer.attention_backward.default, args)
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    c = Case(lq=33, lk=47, d=16, mask="float", kpm="random")
+    kpm = _key_padding(c)
+
+    def fn(q, k, v, m):
+        out, lse = attn.scaled_dot_product_attention_with_lse(
+            q, k, v, m, 0.2, True, key_padding_mask=kpm
+        )
+        return out * 2, lse
+
+    def run(f):
+        q, k, v = _qkv(c)
+        m = _attn_mask(c)
+        torch.manual_seed(2)
+        out, lse = f(q, k, v, m)
+        (out.sum() + lse.sum()).backward()
+        return out, lse, q.grad, k.grad, v.grad, m.grad
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    for a, b in zip(run(compiled), run(fn)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    # The seed is drawn at run time, not baked into the graph: a second call differs.
+    q, k, v = _qkv(replace(c, grad=False))
+    torch.manual_seed(2)
+    first, _ = compiled(q, k, v, None)
+    second, _ = compiled(q, k, v, None)
+    assert not torch.equal(first, second)
+
+
+def test_backend_reasons():
+    q, k, v = _qkv(Case(lq=8, lk=8, d=16, grad=False))
+    rows = dict(attn.backend_reasons(q, k, v))
+    assert rows["torch"] == [] and rows["triton"] == []
+    assert _dispatch.select(attn.OP, attn.AttentionInputs(q, key=k, value=v)) == "triton"
+    if DEVICE == "cpu":
+        why = dict(_dispatch.explain(attn.OP, q.bfloat16()))["triton"]
+        assert any("bfloat16" in r for r in why)
+    wide_v = torch.zeros(1, 1, 1, 512, device=DEVICE).expand(2, 2, 8, 512)
+    for inputs in (attn.AttentionInputs(q, key=k, value=wide_v), attn.AttentionInputs(q, 512)):
+        why = dict(_dispatch.explain(attn.OP, inputs))["triton"]
+        assert any("value head dim must be <= 256, got 512" in r for r in why)
+    # Stride-0 views: shapes past the kernels' int32 offsets without memory.
+    long_k = torch.zeros(1, 1, 1, 16, device=DEVICE).expand(2, 2, 2**27, 16)
+    why = dict(_dispatch.explain(attn.OP, attn.AttentionInputs(q, key=long_k, value=long_k)))[
+        "triton"
+    ]
+    assert any("slice of key" in r and "int32" in r for r in why)
+    mask = torch.empty(2**16, 2**16, dtype=torch.bool, device="meta")  # shapes only
+    why = dict(_dispatch.explain(attn.OP, attn.AttentionInputs(q, key=k, value=v, attn_mask=mask)))[
+        "triton"
+    ]
+    assert any("attn_mask spans" in r for r in why)
+    assert isinstance(dict(_dispatch.explain(attn.OP, None))["triton"], list)
+
+
+def test_bfloat16_on_cpu_runs_the_torch_backend():
+    if DEVICE != "cpu":
+        pytest.skip("CPU-only routing")
+    q, k, v = (t.bfloat16() for t in _qkv(Case(lq=9, lk=9, d=16, grad=False)))
+    out = attn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    expected = ref.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert max_abs_diff(out, expected) < 2e-2
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _good():
+    q = torch.zeros(2, 4, 5, 8, device=DEVICE)
+    k = torch.zeros(2, 4, 6, 8, device=DEVICE)
+    v = torch.zeros(2, 4, 6, 8, device=DEVICE)
+    return q, k, v
+
+
+def _bad(**change):
+    q, k, v = _good()
+    args = dict(
+        query=q,
+        key=k,
+        value=v,
+        attn_mask=None,
+        dropout_p=0.0,
+        is_causal=False,
+        scale=None,
+        enable_gqa=False,
+        key_padding_mask=None,
+    )
+    args.update(change)
+    return args
+
+
+def _z(*shape, dtype=F32):
+    return torch.zeros(shape, dtype=dtype, device=DEVICE)
+
+
+def _huge(seq):
+    # Stride-0 views: shapes as large as we like without memory.
+    return torch.zeros(1, 1, 1, 8, device=DEVICE).expand(1, 1, seq, 8)
+
+
+ERRORS = {
+    "query_3d": (_bad(query=_z(2, 5, 8)), ValueError, "query must be 4-D"),
+    "key_not_tensor": (_bad(key=[1.0]), TypeError, "key must be a torch.Tensor"),
+    "int_dtype": (
+        _bad(value=_z(2, 4, 6, 8, dtype=torch.int32)),
+        TypeError,
+        "value must be float16",
+    ),
+    "mixed_dtypes": (
+        _bad(key=_z(2, 4, 6, 8, dtype=F16)),
+        TypeError,
+        "key has dtype torch.float16 but query",
+    ),
+    "batch_mismatch": (
+        _bad(key=_z(3, 4, 6, 8), value=_z(3, 4, 6, 8)),
+        ValueError,
+        "key has batch 3",
+    ),
+    "head_dim_mismatch": (_bad(key=_z(2, 4, 6, 4)), ValueError, "key head_dim 4"),
+    "kv_seq_mismatch": (_bad(value=_z(2, 4, 7, 8)), ValueError, "value"),
+    "heads_without_gqa": (
+        _bad(key=_z(2, 2, 6, 8), value=_z(2, 2, 6, 8)),
+        ValueError,
+        "enable_gqa=True",
+    ),
+    "gqa_not_divisible": (
+        _bad(key=_z(2, 3, 6, 8), value=_z(2, 3, 6, 8), enable_gqa=True),
+        ValueError,
+        "divisible",
+    ),
+    "head_dim_too_big": (
+        _bad(query=_z(2, 4, 5, 300), key=_z(2, 4, 6, 300)),
+        ValueError,
+        r"head_dim must be in \[1, 256\], got 300",
+    ),
+    "value_head_dim_zero": (
+        _bad(value=_z(2, 4, 6, 0)),
+        ValueError,
+        r"value head_dim must be in \[1, 256\], got 0",
+    ),
+    "mask_seq_k": (_bad(attn_mask=_z(5, 7)), ValueError, "seq_k dim has size 7"),
+    "mask_heads": (_bad(attn_mask=_z(2, 3, 5, 6)), ValueError, "heads dim has size 3"),
+    "mask_5d": (_bad(attn_mask=_z(1, 2, 4, 5, 6)), ValueError, "at most 4 dims"),
+    "mask_int": (
+        _bad(attn_mask=_z(5, 6, dtype=torch.int64)),
+        TypeError,
+        "attn_mask must be bool or float",
+    ),
+    "mask_f64": (
+        _bad(attn_mask=_z(5, 6, dtype=torch.float64)),
+        TypeError,
+        "attn_mask must be bool or float",
+    ),
+    "kpm_shape": (
+        _bad(key_padding_mask=_z(2, 5, dtype=torch.bool)),
+        ValueError,
+        r"key_padding_mask must have shape \(batch, seq_k\) = \(2, 6\)",
+    ),
+    "kpm_dtype": (_bad(key_padding_mask=_z(2, 6)), TypeError, "key_padding_mask must be bool"),
+    "dropout_one": (_bad(dropout_p=1.0), ValueError, r"dropout_p must be in \[0, 1\), got 1.0"),
+    "dropout_negative": (_bad(dropout_p=-0.1), ValueError, "dropout_p must be in"),
+    "dropout_str": (_bad(dropout_p="0.1"), TypeError, "dropout_p must be a float"),
+    "dropout_too_many_scores": (
+        _bad(query=_huge(2**17), key=_huge(2**16), value=_huge(2**16), dropout_p=0.1),
+        ValueError,
+        r"seq_q \* seq_k <= 2\*\*32",
+    ),
+    "scale_zero": (_bad(scale=0.0), ValueError, "scale must be a positive finite float, got 0.0"),
+    "scale_nan": (_bad(scale=float("nan")), ValueError, "scale must be a positive finite"),
+    "scale_str": (_bad(scale="1"), TypeError, "scale must be a float or None"),
+    "causal_int": (_bad(is_causal=1), TypeError, "is_causal must be a bool"),
+}
+
+
+@pytest.mark.parametrize("name", list(ERRORS))
+def test_bad_inputs_raise_before_launch(name):
+    kwargs, exc, pattern = ERRORS[name]
+    kpm = kwargs.pop("key_padding_mask")
+    with pytest.raises(exc, match=pattern):
+        attn.scaled_dot_product_attention(**kwargs, key_padding_mask=kpm)
+
+
+def test_mixed_devices_raise():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a second device type")
+    q, k, v = _good()
+    with pytest.raises(ValueError, match="key is on cpu"):
+        attn.scaled_dot_product_attention(q, k.cpu(), v)
+
+
+def test_dropout_keep_mask_errors():
+    with pytest.raises(ValueError, match=r"seq_q \* seq_k <= 2\*\*32"):
+        attn.dropout_keep_mask(1, 1, 1, 2**17, 2**16, 0.1)
+    with pytest.raises(ValueError, match="batch must be an int >= 0"):
+        attn.dropout_keep_mask(1, -1, 1, 4, 4, 0.1)
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
+        attn.dropout_keep_mask(1, 1, 1, 4, 4, 1.5)
+
+
+# --------------------------------------------------------------------------- Hopper compile
+
+
+_PTXAS = os.environ.get("PTXAS", "/usr/local/cuda/bin/ptxas")
+_HOPPER_JOB: dict = {}
+
+
+def _start_hopper_compile() -> None:
+    # One subprocess without TRITON_INTERPRET (the interpreter replaces the JIT), compiling on
+    # 2 processes; output to files so that a full pipe never stalls it.
+    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    cmd = [sys.executable, "-m", "fastformer.kernels.attention", "90"]
+    _HOPPER_JOB.update(
+        proc=subprocess.Popen(cmd, env=env, stdout=out, stderr=err), out=out, err=err
+    )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _hopper_compile_in_background(request):
+    # The compile check is this file's slowest test (about 80 s of CPU): when it is selected,
+    # start it with the module so that it overlaps the interpreter tests.
+    selected = any(item.name == "test_hopper_compile" for item in request.session.items)
+    if selected and shutil.which(_PTXAS) is not None:
+        _start_hopper_compile()
+    yield
+    proc = _HOPPER_JOB.pop("proc", None)
+    if proc is not None and proc.poll() is None:  # the test was not reached (-x, interrupt)
+        proc.kill()
+        proc.wait()
+    for name in ("out", "err"):
+        if name in _HOPPER_JOB:
+            _HOPPER_JOB.pop(name).close()
+
+
+def test_hopper_compile():
+    """Every sm_90 config compiles for Hopper without a GPU: wgmma in fp16/bf16, no spills,
+    shared memory <= 227 KB (ptxas -v on the PTX)."""
+    if shutil.which(_PTXAS) is None:
+        pytest.skip(f"ptxas not found at {_PTXAS}")
+    if "proc" not in _HOPPER_JOB:
+        _start_hopper_compile()
+    proc = _HOPPER_JOB.pop("proc")
+    returncode = proc.wait(timeout=600)
+    _HOPPER_JOB["out"].seek(0)
+    _HOPPER_JOB["err"].seek(0)
+    stdout, stderr = _HOPPER_JOB["out"].read(), _HOPPER_JOB["err"].read()
+    assert returncode == 0, stderr[-3000:]
+    from fastformer.kernels import attention as kernels
+
+    report = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    assert len(report) == len(kernels.compile_jobs(90))
+    assert kernels.check_compile_report(report) == []
+    assert any(r["dtype"] == "bfloat16" and r["wgmma"] for r in report)
+    kinds = {(r["kernel"], r["variant"]) for r in report}
+    assert {("fwd", "all"), ("dkdv", "all"), ("dq", "all"), ("fwd", "causal")} <= kinds
+
+
+# --------------------------------------------------------------------------- GPU only
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "c",
+    [
+        Case(lq=129, lk=97, d=64, causal=True, kpm="random", dtype=torch.bfloat16),
+        Case(h=4, hkv=2, lq=97, lk=129, d=128, mask="float", dtype=torch.bfloat16),
+        Case(lq=65, lk=65, d=256, dtype=torch.bfloat16),
+    ],
+    ids=["causal_kpm", "gqa_float_mask_d128", "d256"],
+)
+def test_cuda_bfloat16_parity(c):
+    _parity(c)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [F16, torch.bfloat16])
+def test_cuda_long_sequence_parity(dtype):
+    _parity(Case(b=1, h=2, lq=2048, lk=2048, d=64, causal=True, kpm="edges", dtype=dtype))
+
+
+@pytest.mark.cuda
+def test_cuda_backward_is_deterministic():
+    c = Case(
+        b=2, h=4, hkv=2, lq=1024, lk=1024, d=128, causal=True, mask="float", kpm="random", dtype=F16
+    )
+
+    def grads():
+        q, k, v = _qkv(c)
+        m = _attn_mask(c)
+        torch.manual_seed(1)
+        out = attn.scaled_dot_product_attention(
+            q, k, v, m, 0.1, True, enable_gqa=True, key_padding_mask=_key_padding(c)
+        )
+        out.backward(_randn(out.shape, F16, seed=4))
+        return q.grad, k.grad, v.grad, m.grad
+
+    for a, b in zip(grads(), grads()):
+        assert torch.equal(a, b)
