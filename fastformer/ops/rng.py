@@ -67,8 +67,21 @@ def _uint_to_uniform(word: torch.Tensor) -> torch.Tensor:
 
 
 def dropout_keep(seed: int, offsets: torch.Tensor, p: float) -> torch.Tensor:
-    """Bool keep-mask of dropout with drop probability `p`: True where `philox_uniform >= p`."""
-    return philox_uniform(seed, offsets) >= torch.tensor(p, dtype=torch.float32)
+    """Bool keep-mask of dropout with drop probability `p`: True where `philox_uniform >= p`.
+
+    Runs the compiled kernel when fastformer._C has one for the device (the same bits, tested
+    in tests/test_rng.py, ~10x faster than the int64 PyTorch arithmetic), else `philox_uniform`.
+    """
+    uniform = philox_uniform_cpp if _compiled_for(offsets.device, seed) else philox_uniform
+    return uniform(seed, offsets) >= torch.tensor(p, dtype=torch.float32)
+
+
+def _compiled_for(device: torch.device, seed: int) -> bool:
+    from fastformer._ext import cuda_kernels_compiled, extension_error
+
+    if extension_error() is not None or not 0 <= seed < 2**63:
+        return False
+    return device.type == "cpu" or (device.type == "cuda" and cuda_kernels_compiled())
 
 
 def _mix64(x: int) -> int:
@@ -106,3 +119,18 @@ def philox_uniform_cpp(seed: int, offsets: torch.Tensor) -> torch.Tensor:
     if seed >= 2**63:
         raise ValueError(f"the compiled op takes seeds in [0, 2**63), got {seed}")
     return torch.ops.fastformer.philox_uniform(seed, offsets)
+
+
+def _register_fake() -> None:
+    """Shape function of the compiled op, so traced code (torch.compile) can call it."""
+    from fastformer._ext import load_extension
+
+    if load_extension() is None:
+        return
+
+    @torch.library.register_fake("fastformer::philox_uniform")
+    def _(seed: int, offsets: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(offsets, dtype=torch.float32)
+
+
+_register_fake()
