@@ -24,3 +24,25 @@ def philox_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
     block = 1024
     philox_uniform_kernel[(triton.cdiv(n, block),)](seed, offsets, out, n, BLOCK=block)
     return out
+
+
+@triton.jit
+def philox4x32_kernel(seed, offsets_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = idx < n
+    offsets = tl.load(offsets_ptr + idx, mask=valid, other=0)
+    w0, w1, w2, w3 = tl.randint4x(seed, offsets)
+    # Each uint32 word widened to int64 without sign extension.
+    tl.store(out_ptr + idx, w0.to(tl.int64) & 0xFFFFFFFF, mask=valid)
+    tl.store(out_ptr + n + idx, w1.to(tl.int64) & 0xFFFFFFFF, mask=valid)
+    tl.store(out_ptr + 2 * n + idx, w2.to(tl.int64) & 0xFFFFFFFF, mask=valid)
+    tl.store(out_ptr + 3 * n + idx, w3.to(tl.int64) & 0xFFFFFFFF, mask=valid)
+
+
+def philox4x32(seed: int, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """tl.randint4x(seed, offsets) for a contiguous int64 `offsets`: four int64 tensors."""
+    n = offsets.numel()
+    out = torch.empty((4, n), dtype=torch.int64, device=offsets.device)
+    block = 1024
+    philox4x32_kernel[(max(triton.cdiv(n, block), 1),)](seed, offsets, out, n, BLOCK=block)
+    return tuple(w.view(offsets.shape) for w in out)

@@ -45,6 +45,19 @@ def test_python_matches_triton(triton_rand):
         assert torch.equal(got, expected), seed
 
 
+def test_four_words_match_triton_randint4x():
+    pytest.importorskip("triton")
+    from fastformer.kernels import rng as kernels_rng
+
+    gen = torch.Generator().manual_seed(3)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for seed in _random_seeds(4):
+        offsets = _offsets(2000, gen)
+        got = kernels_rng.philox4x32(seed, offsets.to(device))
+        for word, expected in zip(got, rng.philox4x32(seed, offsets)):
+            assert torch.equal(word.cpu(), expected), seed
+
+
 @pytest.mark.cuda
 def test_cuda_op_matches_python():
     gen = torch.Generator().manual_seed(2)

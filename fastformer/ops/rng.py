@@ -33,16 +33,16 @@ def _check_seed(seed: int) -> None:
         raise ValueError(f"seed must be in [0, 2**64), got {seed}")
 
 
-def philox_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
-    """Uniform floats in [0, 1) equal bit for bit to Triton's `tl.rand(seed, offsets)`.
+def philox4x32(seed: int, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The four output words of Philox4x32-10 as Triton's `tl.randint4x(seed, offsets)` gives.
 
     Args:
         seed: integer in [0, 2**64); its low and high 32 bits are the two Philox key words.
         offsets: int64 tensor of any shape (values >= 0); low and high 32 bits are the first two
-            counter words.
+            counter words, the other two are 0.
 
     Returns:
-        float32 tensor of the shape and device of `offsets`.
+        four int64 tensors of the shape of `offsets` holding uint32 values.
     """
     _check_seed(seed)
     if offsets.dtype != torch.int64:
@@ -57,7 +57,21 @@ def philox_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
         hi_a, lo_a = _mulhilo(_ROUND_A, c0)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0, k1 = (k0 + _KEY_A) & _MASK32, (k1 + _KEY_B) & _MASK32
-    return _uint_to_uniform(c0)
+    return c0, c1, c2, c3
+
+
+def philox_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
+    """Uniform floats in [0, 1) equal bit for bit to Triton's `tl.rand(seed, offsets)`.
+
+    Args:
+        seed: integer in [0, 2**64); its low and high 32 bits are the two Philox key words.
+        offsets: int64 tensor of any shape (values >= 0); low and high 32 bits are the first two
+            counter words.
+
+    Returns:
+        float32 tensor of the shape and device of `offsets`.
+    """
+    return _uint_to_uniform(philox4x32(seed, offsets)[0])
 
 
 def _uint_to_uniform(word: torch.Tensor) -> torch.Tensor:
