@@ -29,9 +29,19 @@ no work. (Not with a runtime `if` inside the key loop: on sm_90 that turns off T
 pipelining of the K/V loads, measured: 24 KB instead of 64 KB of pipelined shared memory.)
 A query row with every key masked gives O = 0, LSE = -inf and zero gradients.
 
-Dropout: element (b, h, i, j) is kept when `tl.rand(seed, ((b*H + h) << 32) + i*Lk + j)` >= p
+Dropout: one Philox4x32-10 call serves 8 consecutive key columns of a row, 16 bits each (8x less
+Philox work than a `tl.rand` per score, which by instruction count cost several times the
+attention math on sm_90; not measured on a GPU). With G = cdiv(Lk, 8) groups per row, score
+(b, h, i, j) is kept when
+    w0, w1, w2, w3 = tl.randint4x(seed, ((b*H + h) << 32) + i*G + j // 8)     (int64 offset)
+    u16 = (w[lane // 2] >> (16 * (lane % 2))) & 0xFFFF,   lane = j % 8  (w0.lo, w0.hi, ..., w3.hi)
+    u16 >= t,   t = round(p * 65536) (`dropout_threshold`, an int kernel argument)
 (fastformer.ops.attention.dropout_keep_mask regenerates it); kept probabilities are scaled by
-1/(1-p). The backward regenerates the same numbers; nothing of size Lq x Lk is stored.
+1/(1-p). `_dropout_keep`, shared by all three kernels, draws a [BLOCK_M, BLOCK_N // 8] tile of
+calls and interleaves the words and halves into column order; key tiles start at multiples of
+BLOCK_N, which every config keeps a multiple of 8, so a tile covers whole groups (the last
+group of a row is partial when Lk % 8 != 0; its extra columns are masked anyway). The backward
+regenerates the same numbers; nothing of size Lq x Lk is stored.
 
 Configs: small autotune lists per architecture (sm_80 and sm_90 tables keyed on kernel, dtype
 class, head-dim bucket and feature class; the autotune key adds head dims, causal, mask kind,
@@ -115,10 +125,23 @@ def _apply_attn_mask(s, mask_base, rows_rel, rows, cols, Lq, Lk, stride_mm, stri
 
 
 @triton.jit
-def _dropout_keep(seed, drop_base, rows_local, cols, Lk, dropout_p):
-    # offset = ((b*H + h) << 32) + i*Lk + j; drop_base already holds the (b, h, first row) part.
-    offsets = drop_base + rows_local[:, None].to(tl.int64) * Lk + cols[None, :]
-    return tl.rand(seed, offsets) >= dropout_p
+def _dropout_keep(seed, drop_base, rows, col0, offs_n, Lk, drop_t):
+    # Keep-mask of the (rows, col0 + offs_n) tile, offs_n = arange(BLOCK_N): score (b, h, i, j)
+    # takes 16-bit lane j % 8 of the Philox call at counter ((b*H + h) << 32) + i*G + j // 8,
+    # G = cdiv(Lk, 8), and is kept when that lane >= drop_t. drop_base holds the (b, h) part
+    # (plus, in fwd/dq, the block's first row * G: `rows` are then block-local). col0 is a
+    # multiple of BLOCK_N, itself a multiple of 8, so the tile covers BLOCK_N // 8 whole groups:
+    # one Philox call per 8 scores, the same helper in all three kernels so that they agree.
+    tl.static_assert(offs_n.shape[0] % 8 == 0, "dropout groups 8 key columns: BLOCK_N % 8 == 0")
+    groups = col0 // 8 + tl.arange(0, offs_n.shape[0] // 8)
+    offsets = drop_base + rows[:, None].to(tl.int64) * tl.cdiv(Lk, 8) + groups[None, :]
+    w0, w1, w2, w3 = tl.randint4x(seed, offsets)
+    # Words in column order (g, m) -> 4g + m: interleave(a, b) puts a at even, b at odd columns,
+    # so the outer interleave sets bit 0 of m and the inner ones bit 1.
+    words = tl.interleave(tl.interleave(w0, w2), tl.interleave(w1, w3))
+    # Lane 2m + 0 is the low half of word m, 2m + 1 the high half: column 8g + lane.
+    lanes = tl.interleave(words & 0xFFFF, words >> 16)
+    return lanes.to(tl.int32) >= drop_t
 
 
 @triton.jit
@@ -156,7 +179,7 @@ def _lse_log2(Lse, row_ptrs, rows, Lq):
 def _fwd_tile(
     acc, l_i, m_i, q, k_base, v_base, mask_base, kpm_base, start_n, row0, rows_local, offs_n,
     offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
-    seed, dropout_p, drop_base, qk_scale, Lq, Lk,
+    seed, drop_t, drop_base, qk_scale, Lq, Lk,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, EDGE: tl.constexpr,
@@ -182,7 +205,8 @@ def _fwd_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if HAS_DROPOUT:
-        p = tl.where(_dropout_keep(seed, drop_base, rows_local, cols, Lk, dropout_p), p, 0.0)
+        p = tl.where(_dropout_keep(seed, drop_base, rows_local, start_n, offs_n, Lk, drop_t), p,
+                     0.0)
     v = _load_rows(v_base, start_n, offs_n, Lk, stride_vn, offs_dv, HEAD_DV, BLOCK_DV)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
     return acc, l_i, m_new
@@ -192,7 +216,7 @@ def _fwd_tile(
 def _fwd_loop(
     acc, l_i, m_i, q, k_base, v_base, mask_base, kpm_base, lo, hi, row0, rows_local, offs_n,
     offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
-    seed, dropout_p, drop_base, qk_scale, Lq, Lk,
+    seed, drop_t, drop_base, qk_scale, Lq, Lk,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, EDGE: tl.constexpr,
@@ -203,7 +227,7 @@ def _fwd_loop(
         acc, l_i, m_i = _fwd_tile(
             acc, l_i, m_i, q, k_base, v_base, mask_base, kpm_base, start_n, row0, rows_local,
             offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
-            seed, dropout_p, drop_base, qk_scale, Lq, Lk,
+            seed, drop_t, drop_base, qk_scale, Lq, Lk,
             HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
             DOT_PREC, EDGE,
         )
@@ -213,7 +237,7 @@ def _fwd_loop(
 @triton.jit(do_not_specialize=["seed"])
 def attn_fwd(
     Q, K, V, Out, Lse, Mask, Kpm, KvRange,
-    seed, dropout_p, qk_scale, out_scale,
+    seed, drop_t, qk_scale, out_scale,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
     stride_mb, stride_mh, stride_mm, stride_mn, stride_pb, stride_pn,
@@ -241,7 +265,7 @@ def attn_fwd(
     v_base = V + off_b * stride_vb + off_hkv * stride_vh
     mask_base = Mask + off_b * stride_mb + off_h * stride_mh + row0.to(tl.int64) * stride_mm
     kpm_base = Kpm + off_b * stride_pb
-    drop_base = (off_bh.to(tl.int64) << 32) + row0.to(tl.int64) * Lk
+    drop_base = (off_bh.to(tl.int64) << 32) + row0.to(tl.int64) * tl.cdiv(Lk, 8)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -251,14 +275,14 @@ def attn_fwd(
     acc, l_i, m_i = _fwd_loop(
         acc, l_i, m_i, q, k_base, v_base, mask_base, kpm_base, lo, full_hi, row0, rows_local,
         offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
-        seed, dropout_p, drop_base, qk_scale, Lq, Lk,
+        seed, drop_t, drop_base, qk_scale, Lq, Lk,
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
         DOT_PREC, False, BLOCK_N,
     )
     acc, l_i, m_i = _fwd_loop(
         acc, l_i, m_i, q, k_base, v_base, mask_base, kpm_base, full_hi, hi, row0, rows_local,
         offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
-        seed, dropout_p, drop_base, qk_scale, Lq, Lk,
+        seed, drop_t, drop_base, qk_scale, Lq, Lk,
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
         DOT_PREC, True, BLOCK_N,
     )
@@ -306,7 +330,7 @@ def attn_bwd_preprocess(
 def _dkdv_tile_t(
     dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, start_m, col0, offs_m, offs_n, offs_d,
     offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
-    seed, dropout_p, out_scale, drop_base, qk_scale, Lq, Lk,
+    seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
     CAUSAL_TILE: tl.constexpr,
@@ -329,7 +353,7 @@ def _dkdv_tile_t(
         s_t = tl.where(cols[:, None] <= rows[None, :], s_t, float("-inf"))
     p_t = tl.math.exp2(s_t - lse[None, :])
     if HAS_DROPOUT:
-        keep_t = tl.trans(_dropout_keep(seed, drop_base, rows, cols, Lk, dropout_p))
+        keep_t = tl.trans(_dropout_keep(seed, drop_base, rows, col0, offs_n, Lk, drop_t))
     pd_t = p_t  # dV = (P * keep / (1 - p))^T dO
     if HAS_DROPOUT:
         pd_t = tl.where(keep_t, p_t * out_scale, 0.0)
@@ -347,7 +371,7 @@ def _dkdv_tile_t(
 def _dkdv_tile_n(
     dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, start_m, col0, offs_m, offs_n, offs_d,
     offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
-    seed, dropout_p, out_scale, drop_base, qk_scale, Lq, Lk,
+    seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
     CAUSAL_TILE: tl.constexpr, PART: tl.constexpr,
@@ -368,7 +392,7 @@ def _dkdv_tile_n(
         s = tl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
     p = tl.math.exp2(s - lse[:, None])
     if HAS_DROPOUT:
-        keep = _dropout_keep(seed, drop_base, rows, cols, Lk, dropout_p)
+        keep = _dropout_keep(seed, drop_base, rows, col0, offs_n, Lk, drop_t)
     if PART == 1:
         if HAS_DROPOUT:
             p = tl.where(keep, p * out_scale, 0.0)
@@ -387,7 +411,7 @@ def _dkdv_tile_n(
 def _dkdv_loop(
     dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, lo, hi, col0, offs_m, offs_n, offs_d,
     offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
-    seed, dropout_p, out_scale, drop_base, qk_scale, Lq, Lk,
+    seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
     CAUSAL_TILE: tl.constexpr, PART: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -397,7 +421,7 @@ def _dkdv_loop(
             dk, dv = _dkdv_tile_t(
                 dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, start_m, col0, offs_m,
                 offs_n, offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
-                seed, dropout_p, out_scale, drop_base, qk_scale, Lq, Lk,
+                seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
                 HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC,
                 CAUSAL_TILE,
             )
@@ -405,7 +429,7 @@ def _dkdv_loop(
             dk, dv = _dkdv_tile_n(
                 dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, start_m, col0, offs_m,
                 offs_n, offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
-                seed, dropout_p, out_scale, drop_base, qk_scale, Lq, Lk,
+                seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
                 HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC,
                 CAUSAL_TILE, PART,
             )
@@ -415,7 +439,7 @@ def _dkdv_loop(
 @triton.jit(do_not_specialize=["seed"])
 def attn_bwd_dkdv(
     Q, K, V, DO, Lse, Delta, DK, DV, Mask, Kpm,
-    seed, dropout_p, out_scale, qk_scale, sm_scale,
+    seed, drop_t, out_scale, qk_scale, sm_scale,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
@@ -472,13 +496,13 @@ def attn_bwd_dkdv(
     dk, dv = _dkdv_loop(
         dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, lo, diag_end, col0, offs_m, offs_n,
         offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
-        seed, dropout_p, out_scale, drop_base, qk_scale, Lq, Lk,
+        seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC, True, PART, BLOCK_M,
     )
     dk, dv = _dkdv_loop(
         dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, diag_end, hi, col0, offs_m, offs_n,
         offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
-        seed, dropout_p, out_scale, drop_base, qk_scale, Lq, Lk,
+        seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC, False, PART, BLOCK_M,
     )
     if HAS_KPM:
@@ -498,7 +522,7 @@ def attn_bwd_dkdv(
 def _dq_tile(
     dq, q, do, lse, delta, k_base, v_base, mask_base, ds_base, kpm_base, start_n, row0,
     rows_local, offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
-    seed, dropout_p, out_scale, drop_base, qk_scale, Lq, Lk,
+    seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -521,7 +545,7 @@ def _dq_tile(
     p = tl.math.exp2(s - lse[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
     if HAS_DROPOUT:
-        keep = _dropout_keep(seed, drop_base, rows_local, cols, Lk, dropout_p)
+        keep = _dropout_keep(seed, drop_base, rows_local, start_n, offs_n, Lk, drop_t)
         dp = tl.where(keep, dp * out_scale, 0.0)
     ds = p * (dp - delta[:, None])
     if WRITE_DS:  # ds_base: this block's first row in the (B, H, Lq, Lk) fp32 buffer
@@ -535,7 +559,7 @@ def _dq_tile(
 def _dq_loop(
     dq, q, do, lse, delta, k_base, v_base, mask_base, ds_base, kpm_base, lo, hi, row0,
     rows_local, offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
-    seed, dropout_p, out_scale, drop_base, qk_scale, Lq, Lk,
+    seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -545,7 +569,7 @@ def _dq_loop(
         dq = _dq_tile(
             dq, q, do, lse, delta, k_base, v_base, mask_base, ds_base, kpm_base, start_n, row0,
             rows_local, offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn,
-            stride_pn, seed, dropout_p, out_scale, drop_base, qk_scale, Lq, Lk,
+            stride_pn, seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
             HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
             WRITE_DS, DOT_PREC, EDGE,
         )
@@ -555,7 +579,7 @@ def _dq_loop(
 @triton.jit(do_not_specialize=["seed"])
 def attn_bwd_dq(
     Q, K, V, DO, Lse, Delta, DQ, Mask, Kpm, KvRange, DS,
-    seed, dropout_p, out_scale, qk_scale, sm_scale,
+    seed, drop_t, out_scale, qk_scale, sm_scale,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
     stride_dqb, stride_dqh, stride_dqm,
@@ -591,21 +615,21 @@ def attn_bwd_dq(
     mask_base = Mask + off_b * stride_mb + off_h * stride_mh + row0.to(tl.int64) * stride_mm
     ds_base = DS + (bh_row0 + row0) * Lk
     kpm_base = Kpm + off_b * stride_pb
-    drop_base = (off_bh.to(tl.int64) << 32) + row0.to(tl.int64) * Lk
+    drop_base = (off_bh.to(tl.int64) << 32) + row0.to(tl.int64) * tl.cdiv(Lk, 8)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, hi, full_hi = _key_range(KvRange, off_b, row0, Lk, IS_CAUSAL, HAS_KPM, BLOCK_M, BLOCK_N)
     dq = _dq_loop(
         dq, q, do, lse, delta, k_base, v_base, mask_base, ds_base, kpm_base, lo, full_hi, row0,
         rows_local, offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn,
-        stride_pn, seed, dropout_p, out_scale, drop_base, qk_scale, Lq, Lk,
+        stride_pn, seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
         WRITE_DS, DOT_PREC, False, BLOCK_N,
     )
     dq = _dq_loop(
         dq, q, do, lse, delta, k_base, v_base, mask_base, ds_base, kpm_base, full_hi, hi, row0,
         rows_local, offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn,
-        stride_pn, seed, dropout_p, out_scale, drop_base, qk_scale, Lq, Lk,
+        stride_pn, seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
         WRITE_DS, DOT_PREC, True, BLOCK_N,
     )
@@ -630,7 +654,7 @@ class Config(NamedTuple):
 
 # The interpreter runs one fixed small config (fast tests); GPUs autotune over small lists keyed
 # by (kernel, arch family, dtype class, head-dim bucket, feature class). The feature class
-# matters because dropout (Philox per score) and mask tiles cost registers: "base" = no
+# matters because dropout (a Philox call per 8 scores) and mask tiles cost registers: "base" = no
 # attn_mask / padding / dropout (causal allowed), "masked" = attn_mask and/or key padding,
 # "dropout" = dropout with anything. Every sm_90 entry is checked by hopper_compile_report()
 # (compiles for sm_90a, wgmma for fp16/bf16, 0 spill bytes, smem <= 227 KB).
@@ -650,8 +674,9 @@ _SM90 = {
                             [_C(128, 16, 8, 2)]),
     ("dkdv", "16bit", 64): ([_C(32, 128, 8, 3), _C(64, 128, 8, 2)], [_C(32, 128, 8, 3)],
                             [_C(32, 128, 8, 3)]),
+    # dropout: (16, 128, 8, 2) spilled 8 bytes with the 8-lane dropout tile; (32, 64) does not.
     ("dkdv", "16bit", 128): ([_C(32, 128, 8, 2), _C(32, 64, 8, 2)], [_C(32, 64, 8, 2)],
-                             [_C(16, 128, 8, 2)]),
+                             [_C(32, 64, 8, 2)]),
     ("dkdv", "16bit", 256): ([_C(32, 64, 8, 2)], [_C(16, 64, 8, 2)], [_C(16, 64, 8, 2)]),
     ("dq", "16bit", 64): ([_C(128, 32, 4, 3), _C(128, 64, 8, 2)], [_C(128, 32, 8, 3)],
                           [_C(128, 32, 8, 3)]),
@@ -659,9 +684,10 @@ _SM90 = {
                            [_C(128, 32, 8, 2)]),
     ("dq", "16bit", 256): ([_C(64, 32, 8, 2)], [_C(64, 16, 8, 2)], [_C(64, 16, 8, 2)]),
     # fp32 runs "ieee" dots on FMA units, whose operand layouts need many registers: small tiles.
-    ("fwd", "fp32", 64): ([_C(32, 16, 4, 2)],) * 3,
-    ("fwd", "fp32", 128): ([_C(32, 16, 4, 2)],) * 3,
-    ("fwd", "fp32", 256): ([_C(32, 16, 4, 2)],) * 3,
+    # (fwd with dropout: 8 warps; with 4 the dropout tile assembly spilled, up to 2.5 KB at D256.)
+    ("fwd", "fp32", 64): ([_C(32, 16, 4, 2)], [_C(32, 16, 4, 2)], [_C(32, 16, 8, 2)]),
+    ("fwd", "fp32", 128): ([_C(32, 16, 4, 2)], [_C(32, 16, 4, 2)], [_C(32, 16, 8, 2)]),
+    ("fwd", "fp32", 256): ([_C(32, 16, 4, 2)], [_C(32, 16, 4, 2)], [_C(32, 16, 8, 2)]),
     ("dkdv", "fp32", 64): ([_C(16, 32, 4, 2)],) * 3,
     ("dkdv", "fp32", 128): ([_C(16, 32, 8, 2)],) * 3,
     ("dkdv", "fp32", 256): ([_C(16, 16, 4, 2)],) * 3,
@@ -712,6 +738,11 @@ _TUNE_KEY = [
     "SEQ_K_BUCKET",
 ]
 INTERPRETED = not isinstance(attn_fwd, triton.runtime.JITFunction)
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """The kernels' integer dropout threshold: a score is kept when its 16-bit lane >= this."""
+    return round(dropout_p * 65536)
 
 
 def block_dim(d: int) -> int:
@@ -892,10 +923,10 @@ def attention_forward(
     pad = _padding(key_padding_mask, q)
     meta = _meta(q, k, v, mask, key_padding_mask, dropout_p, is_causal)
     args = (
-        q, k, v, out, lse, mask.tensor, pad.tensor, pad.kv_range, seed, dropout_p, scale * LOG2E,
-        1.0 / (1.0 - dropout_p), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *out.stride()[:3], *mask.strides, *pad.strides, h, h // hkv, lq, lk, _seq_bucket(lq),
-        _seq_bucket(lk),
+        q, k, v, out, lse, mask.tensor, pad.tensor, pad.kv_range, seed,
+        dropout_threshold(dropout_p), scale * LOG2E, 1.0 / (1.0 - dropout_p), *q.stride()[:3],
+        *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *mask.strides, *pad.strides, h,
+        h // hkv, lq, lk, _seq_bucket(lq), _seq_bucket(lk),
     )
     _launch("fwd", lambda c: (triton.cdiv(lq, c["BLOCK_M"]), b * h), args, meta, q, config)
     return out, lse
@@ -1002,8 +1033,8 @@ def _backward_kernels(
     pad = _padding(key_padding_mask, q)
     meta = _meta(q, k, v, mask, key_padding_mask, dropout_p, is_causal)
     common = (
-        seed, dropout_p, 1.0 / (1.0 - dropout_p), scale * LOG2E, scale, *q.stride()[:3],
-        *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
+        seed, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p), scale * LOG2E, scale,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
     )
     tail = (*mask.strides, *pad.strides, h, h // hkv, lq, lk, _seq_bucket(lq), _seq_bucket(lk))
     args = (
@@ -1025,7 +1056,7 @@ def _backward_kernels(
 # --------------------------------------------------------------------------- Hopper compile check
 
 _TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-_FLOAT_ARGS = {"dropout_p", "qk_scale", "out_scale", "sm_scale"}
+_FLOAT_ARGS = {"qk_scale", "out_scale", "sm_scale"}
 _FP32_POINTERS = {"Lse", "Delta", "DLse", "DS"}
 _POINTERS = {"Q", "K", "V", "Out", "DO", "DQ", "DK", "DV", "Mask", "Kpm", "KvRange"}
 _POINTERS |= _FP32_POINTERS

@@ -293,10 +293,12 @@ def test_dropout_parity_with_regenerated_mask(c):
     assert_parity(compare_with_reference(fast, reference, inputs))
 
 
-def test_dropout_mask_read_back_from_the_kernel():
+@pytest.mark.parametrize("lk", [64, 45], ids=["whole_groups", "partial_last_group"])
+def test_dropout_mask_read_back_from_the_kernel(lk):
     # q = k = 0 gives uniform probabilities 1/Lk and v = identity reads them back: out * Lk *
-    # (1 - p) is exactly the kernel's keep-mask, which must be dropout_keep_mask(seed).
-    b, h, lq, lk, p = 2, 2, 64, 64, 0.25
+    # (1 - p) is exactly the kernel's keep-mask, which must be dropout_keep_mask(seed) element
+    # for element (the kernel's 8-lane column order included).
+    b, h, lq, p = 2, 2, 64, 0.25
     q = torch.zeros(b, h, lq, 16, device=DEVICE)
     k = torch.zeros(b, h, lk, 16, device=DEVICE)
     v = torch.eye(lk, device=DEVICE).expand(b, h, lk, lk)
@@ -313,13 +315,28 @@ def test_dropout_mask_read_back_from_the_kernel():
 
 
 def test_dropout_keep_mask_offsets():
-    # An independent spelling of the documented scheme, element by element.
-    seed, b, h, lq, lk, p = 1234, 2, 3, 5, 7, 0.4
+    # An independent spelling of the documented scheme, element by element: one Philox call per
+    # 8 key columns of a row, 16-bit lanes w0.lo, w0.hi, w1.lo, ..., w3.hi, kept when >= t.
+    seed, b, h, lq, lk, p = 1234, 2, 3, 5, 21, 0.4  # lk % 8 != 0: a partial last group
+    groups, t = 3, round(p * 65536)
     keep = attn.dropout_keep_mask(seed, b, h, lq, lk, p)
-    for bb, hh, i, j in [(0, 0, 0, 0), (1, 2, 4, 6), (1, 0, 3, 2), (0, 2, 1, 5)]:
-        offset = torch.tensor([((bb * h + hh) << 32) + i * lk + j], dtype=torch.int64)
-        assert keep[bb, hh, i, j].item() == bool(rng.philox_uniform(seed, offset)[0] >= p)
+    assert keep.shape == (b, h, lq, lk)
+    for bb, hh, i in [(0, 0, 0), (1, 2, 4), (1, 0, 3), (0, 2, 1)]:
+        for j in range(lk):
+            offset = torch.tensor([((bb * h + hh) << 32) + i * groups + j // 8], dtype=torch.int64)
+            words = [int(w[0]) for w in rng.philox4x32(seed, offset)]
+            lane = j % 8
+            u16 = (words[lane // 2] >> (16 * (lane % 2))) & 0xFFFF
+            assert keep[bb, hh, i, j].item() == (u16 >= t), (bb, hh, i, j)
     assert attn.dropout_keep_mask(seed, b, h, lq, lk, 0.0).all()
+
+
+def test_dropout_groups_fit_every_tile_config():
+    # The kernels draw whole 8-column groups per key tile: every BLOCK_N is a multiple of 8.
+    from fastformer.kernels import attention as kernels
+
+    configs = [c for lists in kernels.CONFIGS.values() for c in lists]
+    assert all(c.block_n % 8 == 0 for c in configs + [kernels.INTERPRET_CONFIG])
 
 
 def test_dropout_same_seed_identical_and_calls_differ():
@@ -559,9 +576,9 @@ ERRORS = {
     "dropout_negative": (_bad(dropout_p=-0.1), ValueError, "dropout_p must be in"),
     "dropout_str": (_bad(dropout_p="0.1"), TypeError, "dropout_p must be a float"),
     "dropout_too_many_scores": (
-        _bad(query=_huge(2**17), key=_huge(2**16), value=_huge(2**16), dropout_p=0.1),
+        _bad(query=_huge(2**20), key=_huge(2**15), value=_huge(2**15), dropout_p=0.1),
         ValueError,
-        r"seq_q \* seq_k <= 2\*\*32",
+        r"seq_q \* ceil\(seq_k / 8\) < 2\*\*32",
     ),
     "scale_zero": (_bad(scale=0.0), ValueError, "scale must be a positive finite float, got 0.0"),
     "scale_nan": (_bad(scale=float("nan")), ValueError, "scale must be a positive finite"),
@@ -587,8 +604,10 @@ def test_mixed_devices_raise():
 
 
 def test_dropout_keep_mask_errors():
-    with pytest.raises(ValueError, match=r"seq_q \* seq_k <= 2\*\*32"):
-        attn.dropout_keep_mask(1, 1, 1, 2**17, 2**16, 0.1)
+    with pytest.raises(ValueError, match=r"seq_q \* ceil\(seq_k / 8\) < 2\*\*32"):
+        attn.dropout_keep_mask(1, 1, 1, 2**20, 2**15, 0.1)  # 2**20 rows * 2**12 groups
+    with pytest.raises(ValueError, match=r"seq_q \* ceil\(seq_k / 8\) < 2\*\*32"):
+        attn.dropout_keep_mask(1, 1, 1, 2**19, 2**16 - 7, 0.1)  # ceil: 2**13 groups
     with pytest.raises(ValueError, match="batch must be an int >= 0"):
         attn.dropout_keep_mask(1, -1, 1, 4, 4, 0.1)
     with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):

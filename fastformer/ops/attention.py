@@ -12,13 +12,17 @@ fused kernel of fastformer.kernels.attention (CUDA tensors, or CPU tensors under
 TRITON_INTERPRET=1), then `torch`, the eager reference fed with the same dropout mask.
 
 Dropout: each call draws a seed from the torch generator of the query's device (inside the
-custom op, so torch.compile never bakes it in) and keeps attention probability (b, h, i, j) when
+custom op, so torch.compile never bakes it in). One Philox4x32-10 call gives 16 random bits to
+each of 8 consecutive key columns of a row (8x less Philox work than a call per score): with
+G = ceil(Lk / 8) groups per row, attention probability (b, h, i, j) takes
 
-    tl.rand(seed, offset) >= dropout_p,   offset = ((b * H + h) << 32) + i * Lk + j   (int64)
+    w0, w1, w2, w3 = tl.randint4x(seed, ((b * H + h) << 32) + i * G + j // 8)   (int64 offset)
+    u16 = (w[lane // 2] >> (16 * (lane % 2))) & 0xFFFF,   lane = j % 8
 
-i.e. `fastformer.ops.rng.dropout_keep(seed, offset, dropout_p)`; kept probabilities are scaled by
-1 / (1 - dropout_p). The (b, h) pair owns the high 32 bits of the Philox counter and (i, j) the
-low 32, so the scheme holds for any B * H and for Lq * Lk <= 2**32 (a ValueError beyond).
+(lane order w0.lo, w0.hi, w1.lo, w1.hi, ..., w3.hi; `fastformer.ops.rng.philox4x32` gives the same
+words) and is kept when u16 >= t, t = round(dropout_p * 65536); kept probabilities are scaled by
+1 / (1 - dropout_p). The (b, h) pair owns the high 32 bits of the Philox counter and (i, j // 8)
+the low 32, so the scheme holds for any B * H and for Lq * G < 2**32 (a ValueError beyond).
 `dropout_keep_mask(seed, ...)` regenerates the mask a call used; the backward of both backends
 regenerates it too, so nothing of size Lq x Lk is stored.
 """
@@ -45,7 +49,8 @@ __all__ = [
 
 OP = "attention"
 MAX_HEAD_DIM = 256
-MAX_DROPOUT_SCORES = 2**32  # Lq * Lk: the low 32 bits of the Philox counter
+MAX_DROPOUT_GROUPS = 2**32  # Lq * ceil(Lk / 8) must stay below: the low 32 bits of the counter
+DROPOUT_LANES = 8  # key columns sharing one Philox call, 16 bits each
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MASK_DIMS = ("batch", "heads", "seq_q", "seq_k")
 
@@ -134,18 +139,28 @@ def dropout_keep_mask(
 ) -> Tensor:
     """The bool (batch, heads, seq_q, seq_k) keep-mask a call with this `seed` used.
 
-    keep[b, h, i, j] = philox_uniform(seed, ((b * heads + h) << 32) + i * seq_k + j) >= dropout_p
-    (see the module docstring), computed in plain PyTorch on `device`.
+    keep[b, h, i, j] = lane j % 8 of philox4x32(seed, ((b * heads + h) << 32) + i * G + j // 8)
+    >= round(dropout_p * 65536), G = ceil(seq_k / 8), lanes w0.lo, w0.hi, ..., w3.hi (see the
+    module docstring), computed in plain PyTorch on `device`.
     """
     for name, n in (("batch", batch), ("heads", heads), ("seq_q", seq_q), ("seq_k", seq_k)):
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"dropout_keep_mask: {name} must be an int >= 0, got {n!r}")
     _check_dropout_p("dropout_keep_mask", dropout_p)
     _check_dropout_size("dropout_keep_mask", seq_q, seq_k)
+    groups = -(-seq_k // DROPOUT_LANES)
     bh = torch.arange(batch * heads, dtype=torch.int64, device=device) << 32
-    ij = torch.arange(seq_q * seq_k, dtype=torch.int64, device=device)
-    offsets = (bh[:, None] + ij[None, :]).view(batch, heads, seq_q, seq_k)
-    return rng.dropout_keep(seed, offsets, dropout_p)
+    ig = torch.arange(seq_q * groups, dtype=torch.int64, device=device)
+    offsets = (bh[:, None] + ig[None, :]).view(batch, heads, seq_q, groups)
+    words = torch.stack(rng.philox4x32(seed, offsets), -1)  # (B, H, Lq, G, 4) uint32 values
+    lanes = torch.stack([words & 0xFFFF, words >> 16], -1)  # (B, H, Lq, G, 4, 2): lo, hi
+    lanes = lanes.view(batch, heads, seq_q, groups * DROPOUT_LANES)[..., :seq_k]
+    return lanes >= dropout_threshold(dropout_p)
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """The integer keep threshold t of the scheme: a score is kept when its 16-bit lane >= t."""
+    return round(dropout_p * 65536)
 
 
 # --------------------------------------------------------------------------- validation
@@ -266,10 +281,10 @@ def _check_dropout_p(fn: str, dropout_p) -> None:
 
 
 def _check_dropout_size(fn: str, seq_q: int, seq_k: int) -> None:
-    if seq_q * seq_k > MAX_DROPOUT_SCORES:
+    if seq_q * -(-seq_k // DROPOUT_LANES) >= MAX_DROPOUT_GROUPS:
         raise ValueError(
-            f"{fn}: dropout needs seq_q * seq_k <= 2**32 (the Philox offset of a score is "
-            f"((b*H + h) << 32) + i*seq_k + j), got seq_q={seq_q}, seq_k={seq_k}"
+            f"{fn}: dropout needs seq_q * ceil(seq_k / 8) < 2**32 (the Philox offset of a score is "
+            f"((b*H + h) << 32) + i*ceil(seq_k/8) + j//8), got seq_q={seq_q}, seq_k={seq_k}"
         )
 
 
