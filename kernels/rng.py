@@ -1,7 +1,8 @@
-"""Triton kernel that fills a buffer with `tl.rand(seed, offsets)`: the RNG parity probe.
+"""Triton kernels that expose `tl.rand` / `tl.randint4x` on int64 offsets: the RNG parity probes.
 
-Every Triton kernel of fastformer draws dropout with `tl.rand(seed, offset)` on int64 offsets;
-this kernel lets tests compare that stream with fastformer.ops.rng bit for bit.
+fastformer's Triton kernels draw dropout from Triton's Philox (`tl.randint4x`, see
+kernels/attention.py); these kernels let tests compare that stream with fastformer.ops.rng
+bit for bit.
 """
 
 import torch
