@@ -35,6 +35,28 @@ def test_python_matches_cpp():
         assert torch.equal(rng.philox_uniform_cpp(seed, offsets), expected), seed
 
 
+def test_element_scheme_python_matches_cpp():
+    gen = torch.Generator().manual_seed(4)
+    for seed in _random_seeds(10):
+        offsets = _offsets(5000, gen)
+        expected = rng.element_uniform(seed, offsets)
+        assert torch.equal(rng.element_uniform_cpp(seed, offsets), expected), seed
+
+
+def test_element_scheme_is_four_words_of_one_call():
+    offsets = torch.arange(4000, dtype=torch.int64)
+    words = torch.stack(rng.philox4x32(77, offsets // 4), -1)  # (n, 4)
+    lanes = words[torch.arange(4000), offsets % 4]
+    signed = torch.where(lanes >= 2**31, lanes - 2**32, lanes)
+    folded = torch.where(signed < 0, -signed - 1, signed).double()
+    expected = (folded.float() * torch.tensor(4.6566127342e-10)).float()
+    assert torch.equal(rng.element_uniform(77, offsets), expected)
+    # Word 0 of each call is tl.rand of the counter.
+    assert torch.equal(
+        rng.element_uniform(77, offsets[::4]), rng.philox_uniform(77, offsets[::4] // 4)
+    )
+
+
 def test_python_matches_triton(triton_rand):
     gen = torch.Generator().manual_seed(1)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -84,6 +106,15 @@ def test_shape_preserved_and_streams_differ():
     assert not torch.equal(a, rng.philox_uniform(8, offsets))
     # The high word of the offset is part of the counter: distinct streams, not a shift.
     assert not torch.equal(a, rng.philox_uniform(7, offsets + (1 << 32)))
+
+
+@pytest.mark.cuda
+def test_cuda_element_scheme_matches_python():
+    gen = torch.Generator().manual_seed(5)
+    for seed in _random_seeds(4):
+        offsets = _offsets(100_000, gen)
+        got = rng.element_uniform_cpp(seed, offsets.cuda()).cpu()
+        assert torch.equal(got, rng.element_uniform(seed, offsets))
 
 
 def test_dropout_keep_rate():

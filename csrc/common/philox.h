@@ -1,9 +1,11 @@
-// Counter-based Philox4x32-10, bit-identical to Triton's tl.rand(seed, offset) with int64 offsets.
+// Counter-based Philox4x32-10, bit-identical to Triton's tl.randint4x / tl.rand(seed, offset)
+// with int64 offsets.
 //
-// The one dropout RNG of fastformer: Triton kernels call tl.rand, C++/CUDA kernels call
-// philox_uniform, and fastformer/ops/rng.py reproduces both in plain PyTorch. The scheme:
-// key = (seed low 32 bits, seed high 32 bits), counter = (offset low, offset high, 0, 0),
-// first output word, converted to float exactly as Triton's uint_to_uniform_float.
+// The one dropout RNG of fastformer; fastformer/ops/rng.py is the same in plain PyTorch.
+// key = (seed low 32 bits, seed high 32 bits), counter = (offset low, offset high, 0, 0);
+// words become floats exactly as Triton's uint_to_uniform_float. philox_uniform is tl.rand (the
+// first word); element_uniform / dropout_keep, the scheme of the C++/CUDA ops, take all four
+// words of one call for four consecutive elements.
 #pragma once
 
 #include <cstdint>
@@ -24,8 +26,8 @@ FF_HOST_DEVICE uint32_t mulhi32(uint32_t a, uint32_t b) {
 #endif
 }
 
-// First output word of Philox4x32-10 for counter (lo, hi, 0, 0) and the seed's two key words.
-FF_HOST_DEVICE uint32_t philox_first_word(uint64_t seed, uint64_t offset) {
+// The four output words of Philox4x32-10 for counter (lo, hi, 0, 0): tl.randint4x(seed, offset).
+FF_HOST_DEVICE void philox4x32(uint64_t seed, uint64_t offset, uint32_t (&out)[4]) {
   constexpr uint32_t kKeyA = 0x9E3779B9u, kKeyB = 0xBB67AE85u;
   constexpr uint32_t kRoundA = 0xD2511F53u, kRoundB = 0xCD9E8D57u;
   uint32_t c0 = static_cast<uint32_t>(offset), c1 = static_cast<uint32_t>(offset >> 32);
@@ -41,7 +43,17 @@ FF_HOST_DEVICE uint32_t philox_first_word(uint64_t seed, uint64_t offset) {
     k0 += kKeyA;
     k1 += kKeyB;
   }
-  return c0;
+  out[0] = c0;
+  out[1] = c1;
+  out[2] = c2;
+  out[3] = c3;
+}
+
+// First output word of Philox4x32-10 for counter (lo, hi, 0, 0).
+FF_HOST_DEVICE uint32_t philox_first_word(uint64_t seed, uint64_t offset) {
+  uint32_t w[4];
+  philox4x32(seed, offset, w);
+  return w[0];
 }
 
 // Triton's uint_to_uniform_float for 32-bit words: fold the sign, scale below 1.0f.
@@ -56,9 +68,56 @@ FF_HOST_DEVICE float philox_uniform(uint64_t seed, uint64_t offset) {
   return uint_to_uniform(philox_first_word(seed, offset));
 }
 
-// Dropout keep decision shared by every op: keep when u >= p (probability 1 - p).
-FF_HOST_DEVICE bool dropout_keep(uint64_t seed, uint64_t offset, float p) {
-  return philox_uniform(seed, offset) >= p;
+// Word `lane` (0..3) with selects, not an indexed load: a dynamic index into a register array
+// would put it in local memory on the GPU.
+FF_HOST_DEVICE uint32_t select_word(const uint32_t (&w)[4], uint64_t lane) {
+  return (lane & 2) ? ((lane & 1) ? w[3] : w[2]) : ((lane & 1) ? w[1] : w[0]);
+}
+
+// The element scheme of layer_norm and ffn dropout: element i takes word i % 4 of the Philox
+// call for counter i / 4, so one call serves four elements. fastformer.ops.rng.element_uniform
+// is the same function in PyTorch.
+FF_HOST_DEVICE float element_uniform(uint64_t seed, uint64_t i) {
+  uint32_t w[4];
+  philox4x32(seed, i >> 2, w);
+  return uint_to_uniform(select_word(w, i & 3));
+}
+
+// Dropout keep decision of element i: kept when element_uniform >= p (probability 1 - p).
+FF_HOST_DEVICE bool dropout_keep(uint64_t seed, uint64_t i, float p) {
+  return element_uniform(seed, i) >= p;
+}
+
+// f(k, keep) for the N elements first .. first + N - 1 with one Philox call per four; N is a
+// multiple of 4 and callers pass `first` % 4 == 0 (vector paths), else each element draws alone.
+template <int N, typename F>
+FF_HOST_DEVICE void for_each_keep(uint64_t seed, uint64_t first, float p, F&& f) {
+  static_assert(N % 4 == 0, "for_each_keep takes whole groups of four");
+  if ((first & 3) != 0) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) f(k, dropout_keep(seed, first + k, p));
+    return;
+  }
+#pragma unroll
+  for (int g = 0; g < N / 4; ++g) {
+    uint32_t w[4];
+    philox4x32(seed, (first >> 2) + g, w);
+#pragma unroll
+    for (int lane = 0; lane < 4; ++lane) f(4 * g + lane, uint_to_uniform(w[lane]) >= p);
+  }
+}
+
+// f(k, keep) for the n elements first .. first + n - 1 (any n and alignment): one Philox call
+// per aligned group of four, the unaligned edges per element. The CPU kernels use it, which
+// also tests for_each_keep, the GPU vector paths' helper, on every CI run.
+template <typename F>
+FF_HOST_DEVICE void for_each_keep_run(uint64_t seed, uint64_t first, int64_t n, float p, F&& f) {
+  int64_t k = 0;
+  for (; k < n && ((first + k) & 3) != 0; ++k) f(k, dropout_keep(seed, first + k, p));
+  for (; k + 4 <= n; k += 4) {
+    for_each_keep<4>(seed, first + k, p, [&](int e, bool keep) { f(k + e, keep); });
+  }
+  for (; k < n; ++k) f(k, dropout_keep(seed, first + k, p));
 }
 
 }  // namespace fastformer

@@ -330,9 +330,8 @@ FF_ALWAYS_INLINE void backward_compute(FfnActivation act, Chunk<acc_t>& c, acc_t
 template <typename acc_t>
 FF_ALWAYS_INLINE void keep_multipliers(acc_t* m, int64_t n, uint64_t seed, int64_t offset,
                                        float p, acc_t scale) {
-  for (int64_t i = 0; i < n; ++i) {
-    m[i] = dropout_keep(seed, static_cast<uint64_t>(offset + i), p) ? scale : acc_t(0);
-  }
+  for_each_keep_run(seed, static_cast<uint64_t>(offset), n, p,
+                    [&](int64_t i, bool keep) { m[i] = keep ? scale : acc_t(0); });
 }
 
 // The float instances, built per instruction set (FF_CPU_CLONES); double stays generic.

@@ -7,7 +7,7 @@
 //   g      (rows, d_ff)   dropout(act(h)), the input of linear2
 //   dg     (rows, d_ff)   gradient of g
 //   dh     (rows, width)  gradient of h
-// Dropout keeps element (t, j) of g where philox_uniform(seed, t * d_ff + j) >= p and scales
+// Dropout keeps element (t, j) of g where element_uniform(seed, t * d_ff + j) >= p and scales
 // kept elements by 1 / (1 - p).
 #pragma once
 

@@ -89,13 +89,22 @@ __device__ __forceinline__ float act_grad(float x) {
 }
 
 // Dropout multipliers of VEC consecutive elements: 1/(1-p) where kept, 0 where dropped.
+// 16-bit vectors (8 elements) draw one Philox call per four elements (for_each_keep); fp32
+// vectors (4) draw per element: with four words live, the fp32 swiglu backward spills on sm_90.
 template <int VEC>
 __device__ __forceinline__ void dropout_multipliers(float (&m)[VEC], uint64_t seed,
                                                     int64_t offset, float p, float scale) {
+  if (p <= 0.f) {
 #pragma unroll
-  for (int k = 0; k < VEC; ++k) {
-    m[k] = p > 0.f ? (dropout_keep(seed, static_cast<uint64_t>(offset + k), p) ? scale : 0.f)
-                   : 1.f;
+    for (int k = 0; k < VEC; ++k) m[k] = 1.f;
+  } else if constexpr (VEC % 8 == 0) {
+    for_each_keep<VEC>(seed, static_cast<uint64_t>(offset), p,
+                       [&](int k, bool keep) { m[k] = keep ? scale : 0.f; });
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      m[k] = dropout_keep(seed, static_cast<uint64_t>(offset + k), p) ? scale : 0.f;
+    }
   }
 }
 

@@ -4,7 +4,7 @@
 // Both ops work on a contiguous (rows, cols) matrix (fastformer/ops/layer_norm.py flattens the
 // leading dims into rows and the normalized dims into cols) and keep their statistics in the
 // accumulation dtype: fp32, or fp64 for fp64 inputs (CPU only; it lets gradcheck test these
-// kernels). Dropout keeps element i = row * cols + col when philox_uniform(seed, i) >= p and
+// kernels). Dropout keeps element i = row * cols + col when element_uniform(seed, i) >= p and
 // scales it by 1 / (1 - p); the backward regenerates that mask from the seed. The seed is a
 // 0-dim int64 CPU tensor so that a traced backward can carry it without reading it.
 #include <ATen/ATen.h>
@@ -425,10 +425,8 @@ void load_row(const FwdCpu<T>& p, int64_t row, A* v) {
   if (!p.fused) return;
   if (p.dropout_p > 0) {
     const A scale = static_cast<A>(p.scale);
-    for (int64_t j = 0; j < p.cols; ++j) {
-      const bool keep = dropout_keep(p.seed, static_cast<uint64_t>(off + j), p.dropout_p);
-      v[j] = keep ? v[j] * scale : A(0);
-    }
+    for_each_keep_run(p.seed, static_cast<uint64_t>(off), p.cols, p.dropout_p,
+                      [&](int64_t j, bool keep) { v[j] = keep ? v[j] * scale : A(0); });
   }
   if (p.residual != nullptr) {
     for (int64_t j = 0; j < p.cols; ++j) v[j] += static_cast<A>(p.residual[off + j]);
@@ -514,10 +512,8 @@ void fused_tail(const BwdCpu<T>& p, int64_t off, A* g) {
   if (p.dres != nullptr) row_convert(g, p.dres + off, n);
   if (p.dropout_p > 0) {
     const A scale = static_cast<A>(p.scale);
-    for (int64_t j = 0; j < n; ++j) {
-      const bool keep = dropout_keep(p.seed, static_cast<uint64_t>(off + j), p.dropout_p);
-      g[j] = keep ? g[j] * scale : A(0);
-    }
+    for_each_keep_run(p.seed, static_cast<uint64_t>(off), n, p.dropout_p,
+                      [&](int64_t j, bool keep) { g[j] = keep ? g[j] * scale : A(0); });
   }
 }
 

@@ -4,7 +4,7 @@
 // Every tensor is a contiguous row-major (rows, cols) matrix: the caller flattens the leading
 // dims into rows and the normalized dims into cols. Statistics are fp32; mean is absent for
 // RMSNorm. The fused variant normalizes pre = residual + dropout(x) (dropout: keep element
-// i = row * cols + col when philox_uniform(seed, i) >= dropout_p, scale kept ones by
+// i = row * cols + col when element_uniform(seed, i) >= dropout_p, scale kept ones by
 // dropout_scale), and the backward regenerates the same keep-mask from the seed.
 #pragma once
 

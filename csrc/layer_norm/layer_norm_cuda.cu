@@ -148,10 +148,9 @@ __device__ __forceinline__ void load_input(const LnFwdArgs& a, int64_t row, int6
   load_vec<T, kE>(static_cast<const T*>(a.x) + idx, v);
   if (!kFused) return;
   if (a.dropout_p > 0.f) {
-#pragma unroll
-    for (int e = 0; e < kE; ++e) {
-      v[e] = dropout(v[e], a.seed, static_cast<uint64_t>(idx + e), a.dropout_p, a.dropout_scale);
-    }
+    for_each_keep<kE>(a.seed, static_cast<uint64_t>(idx), a.dropout_p, [&](int e, bool keep) {
+      v[e] = keep ? v[e] * a.dropout_scale : 0.f;
+    });
   }
   if (a.residual != nullptr) {
     float r[kE];
@@ -335,10 +334,9 @@ __device__ __forceinline__ void fused_dx_vec(const LnBwdArgs& a, int64_t idx, fl
   }
   if (a.dres != nullptr) store_vec<T, kE>(static_cast<T*>(a.dres) + idx, d);
   if (a.dropout_p > 0.f) {
-#pragma unroll
-    for (int e = 0; e < kE; ++e) {
-      d[e] = dropout(d[e], a.seed, static_cast<uint64_t>(idx + e), a.dropout_p, a.dropout_scale);
-    }
+    for_each_keep<kE>(a.seed, static_cast<uint64_t>(idx), a.dropout_p, [&](int e, bool keep) {
+      d[e] = keep ? d[e] * a.dropout_scale : 0.f;
+    });
   }
 }
 

@@ -1,4 +1,5 @@
-// torch.ops.fastformer.philox_uniform: CPU and CUDA kernels of the shared dropout RNG.
+// torch.ops.fastformer.philox_uniform / element_uniform: CPU and CUDA kernels of the shared
+// dropout RNG (csrc/common/philox.h), so Python can regenerate any kernel's mask quickly.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -21,28 +22,32 @@ void check_offsets(const at::Tensor& offsets) {
               "philox_uniform: offsets must be int64, got ", offsets.scalar_type());
 }
 
-at::Tensor philox_uniform_cpu(int64_t seed, const at::Tensor& offsets) {
+template <bool kElement>
+at::Tensor uniform_cpu(int64_t seed, const at::Tensor& offsets) {
   check_offsets(offsets);
   const at::Tensor off = offsets.contiguous();
   at::Tensor out = at::empty(off.sizes(), off.options().dtype(at::kFloat));
   const int64_t* src = off.data_ptr<int64_t>();
   float* dst = out.data_ptr<float>();
+  const auto key = static_cast<uint64_t>(seed);
   at::parallel_for(0, off.numel(), 4096, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      dst[i] = philox_uniform(static_cast<uint64_t>(seed), static_cast<uint64_t>(src[i]));
+      const auto offset = static_cast<uint64_t>(src[i]);
+      dst[i] = kElement ? element_uniform(key, offset) : philox_uniform(key, offset);
     }
   });
   return out;
 }
 
 #ifdef FASTFORMER_WITH_CUDA
-at::Tensor philox_uniform_cuda(int64_t seed, const at::Tensor& offsets) {
+template <bool kElement>
+at::Tensor uniform_cuda(int64_t seed, const at::Tensor& offsets) {
   check_offsets(offsets);
   const c10::cuda::CUDAGuard guard(offsets.device());
   const at::Tensor off = offsets.contiguous();
   at::Tensor out = at::empty(off.sizes(), off.options().dtype(at::kFloat));
   philox_uniform_cuda_launch(static_cast<uint64_t>(seed), off.data_ptr<int64_t>(),
-                             out.data_ptr<float>(), off.numel(),
+                             out.data_ptr<float>(), off.numel(), kElement,
                              at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
@@ -51,10 +56,16 @@ at::Tensor philox_uniform_cuda(int64_t seed, const at::Tensor& offsets) {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fastformer, CPU, m) { m.impl("philox_uniform", &philox_uniform_cpu); }
+TORCH_LIBRARY_IMPL(fastformer, CPU, m) {
+  m.impl("philox_uniform", &uniform_cpu<false>);
+  m.impl("element_uniform", &uniform_cpu<true>);
+}
 
 #ifdef FASTFORMER_WITH_CUDA
-TORCH_LIBRARY_IMPL(fastformer, CUDA, m) { m.impl("philox_uniform", &philox_uniform_cuda); }
+TORCH_LIBRARY_IMPL(fastformer, CUDA, m) {
+  m.impl("philox_uniform", &uniform_cuda<false>);
+  m.impl("element_uniform", &uniform_cuda<true>);
+}
 #endif
 
 }  // namespace fastformer

@@ -7,7 +7,8 @@
 
 namespace fastformer {
 
+// element_scheme false: philox_uniform (tl.rand); true: element_uniform (four per call).
 void philox_uniform_cuda_launch(uint64_t seed, const int64_t* offsets, float* out, int64_t n,
-                                cudaStream_t stream);
+                                bool element_scheme, cudaStream_t stream);
 
 }  // namespace fastformer

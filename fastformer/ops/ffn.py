@@ -12,7 +12,7 @@ approximation), ``silu``, and the gated ``swiglu`` / ``geglu``: ``h = linear1(x)
 ``act(gate) * up`` -- exactly ``fastformer.reference.ffn``.
 
 Dropout (``dropout_p`` in [0, 1)) acts on the ``(tokens, d_ff)`` activation with the shared
-Philox scheme: element ``(t, j)`` is kept where ``philox_uniform(seed, t * d_ff + j) >= p`` and
+Philox scheme: element ``(t, j)`` is kept where ``element_uniform(seed, t * d_ff + j) >= p`` and
 scaled by ``1 / (1 - p)``; ``ffn_keep_mask(seed, tokens, d_ff, p)`` regenerates that mask in
 plain PyTorch. The seed is drawn inside the op (``draw_seed``), so ``torch.manual_seed``
 reproduces a call and ``torch.compile`` never bakes it in.
@@ -78,7 +78,7 @@ def ffn_keep_mask(
     """The op's dropout keep-mask, regenerated in plain PyTorch (for tests and the reference).
 
     Returns a bool tensor ``(tokens, d_ff)``: True where
-    ``philox_uniform(seed, t * d_ff + j) >= dropout_p``. Feed it to
+    ``element_uniform(seed, t * d_ff + j) >= dropout_p``. Feed it to
     ``fastformer.reference.ffn(..., keep_mask=...)`` to reproduce a call that drew ``seed``.
     """
     offsets = torch.arange(tokens * d_ff, dtype=torch.int64, device=device).view(tokens, d_ff)

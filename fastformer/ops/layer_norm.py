@@ -22,7 +22,7 @@ float32 (float64 for float64 inputs).
 Dropout: one seed per call, drawn from the torch generator of the input's device inside the
 custom op (so ``torch.compile`` draws it at run time and ``torch.manual_seed`` reproduces a
 run). Element ``i`` of ``x.reshape(-1, N)`` in row-major order (int64 offset ``row * N + col``)
-is kept when ``philox_uniform(seed, i) >= dropout_p`` and scaled by ``1 / (1 - dropout_p)``.
+is kept when ``element_uniform(seed, i) >= dropout_p`` (fastformer.ops.rng) and scaled by ``1 / (1 - dropout_p)``.
 The backward regenerates the mask from the seed: no mask is stored. The normalized input
 ``pre`` is kept for the backward (and returned when ``prenorm``), rounded to the input dtype.
 """
@@ -374,7 +374,7 @@ def dropout_add_layer_norm_keep_mask(
     """The dropout keep-mask of a ``dropout_add_layer_norm`` call that drew ``seed``.
 
     Plain PyTorch (``fastformer.ops.rng``), bit-identical to the CPU and CUDA kernels: element
-    ``i`` in row-major order over ``shape`` is kept when ``philox_uniform(seed, i) >= p``.
+    ``i`` in row-major order over ``shape`` is kept when ``element_uniform(seed, i) >= p``.
 
     Returns:
         bool tensor of ``shape`` (True = keep) on ``device`` (default CPU).

@@ -1,10 +1,11 @@
 """The shared dropout RNG: counter-based Philox4x32-10, identical on every device.
 
-`philox_uniform(seed, offsets)` is Triton's `tl.rand(seed, offsets)` (int64 offsets) written in
-plain PyTorch, bit for bit; `csrc/common/philox.h` is the same function for C++ and CUDA and
-`torch.ops.fastformer.philox_uniform` exposes it. Dropout keeps element i when
-`philox_uniform(seed, i) >= p`, so any op's keep-mask can be regenerated here from its seed and
-the element offsets, which is how tests feed the exact mask to the eager reference.
+`philox4x32(seed, offsets)` is Triton's `tl.randint4x` and `philox_uniform(seed, offsets)` its
+`tl.rand` (int64 offsets), written in plain PyTorch, bit for bit; `csrc/common/philox.h` is the
+same for C++ and CUDA. The C++/CUDA ops keep element i when `element_uniform(seed, i) >= p`
+(word i % 4 of the call for counter i // 4); attention has its own layout of the same words
+(fastformer.ops.attention). Any op's keep-mask can therefore be regenerated here from its seed,
+which is how tests feed the exact mask to the eager reference.
 """
 
 from __future__ import annotations
@@ -74,6 +75,18 @@ def philox_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
     return _uint_to_uniform(philox4x32(seed, offsets)[0])
 
 
+def element_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
+    """The uniform of element i in the scheme of the C++/CUDA ops (layer_norm, ffn dropout).
+
+    Element i takes word `i % 4` of `philox4x32(seed, i // 4)`: one Philox call serves four
+    consecutive elements (a full call per element would make dropout compute-bound on a GPU).
+    Same arguments and result as `philox_uniform`; `csrc/common/philox.h` has the C++ twin.
+    """
+    words = torch.stack(philox4x32(seed, offsets >> 2), dim=-1)
+    lane = (offsets & 3).unsqueeze(-1)
+    return _uint_to_uniform(torch.gather(words, -1, lane).squeeze(-1))
+
+
 def _uint_to_uniform(word: torch.Tensor) -> torch.Tensor:
     signed = torch.where(word >= 2**31, word - 2**32, word)
     folded = torch.where(signed < 0, ~signed, signed)
@@ -81,12 +94,12 @@ def _uint_to_uniform(word: torch.Tensor) -> torch.Tensor:
 
 
 def dropout_keep(seed: int, offsets: torch.Tensor, p: float) -> torch.Tensor:
-    """Bool keep-mask of dropout with drop probability `p`: True where `philox_uniform >= p`.
+    """Bool keep-mask of dropout with drop probability `p`: True where `element_uniform >= p`.
 
     Runs the compiled kernel when fastformer._C has one for the device (the same bits, tested
-    in tests/test_rng.py, ~10x faster than the int64 PyTorch arithmetic), else `philox_uniform`.
+    in tests/test_rng.py, ~40x faster than the int64 PyTorch arithmetic), else `element_uniform`.
     """
-    uniform = philox_uniform_cpp if _compiled_for(offsets.device, seed) else philox_uniform
+    uniform = element_uniform_cpp if _compiled_for(offsets.device, seed) else element_uniform
     return uniform(seed, offsets) >= torch.tensor(p, dtype=torch.float32)
 
 
@@ -124,15 +137,24 @@ def draw_seed(device: torch.device | str | None = None) -> int:
     return ((int(draw[0]) << 1) ^ int(draw[1])) & (2**SEED_BITS - 1)
 
 
-def philox_uniform_cpp(seed: int, offsets: torch.Tensor) -> torch.Tensor:
-    """`philox_uniform` through the compiled kernel torch.ops.fastformer.philox_uniform."""
+def _compiled_op(name: str, seed: int, offsets: torch.Tensor) -> torch.Tensor:
     from fastformer._ext import require_extension
 
     require_extension()
     _check_seed(seed)
     if seed >= 2**63:
         raise ValueError(f"the compiled op takes seeds in [0, 2**63), got {seed}")
-    return torch.ops.fastformer.philox_uniform(seed, offsets)
+    return getattr(torch.ops.fastformer, name)(seed, offsets)
+
+
+def philox_uniform_cpp(seed: int, offsets: torch.Tensor) -> torch.Tensor:
+    """`philox_uniform` through the compiled kernel torch.ops.fastformer.philox_uniform."""
+    return _compiled_op("philox_uniform", seed, offsets)
+
+
+def element_uniform_cpp(seed: int, offsets: torch.Tensor) -> torch.Tensor:
+    """`element_uniform` through the compiled kernel torch.ops.fastformer.element_uniform."""
+    return _compiled_op("element_uniform", seed, offsets)
 
 
 def _register_fake() -> None:
@@ -142,9 +164,11 @@ def _register_fake() -> None:
     if load_extension() is None:
         return
 
-    @torch.library.register_fake("fastformer::philox_uniform")
-    def _(seed: int, offsets: torch.Tensor) -> torch.Tensor:
+    def fake(seed: int, offsets: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(offsets, dtype=torch.float32)
+
+    torch.library.register_fake("fastformer::philox_uniform", fake)
+    torch.library.register_fake("fastformer::element_uniform", fake)
 
 
 _register_fake()
