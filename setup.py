@@ -89,7 +89,8 @@ def _build_info(with_cuda: bool) -> dict:
 
 def _extension():
     with_cuda = _want_cuda()
-    cxx = ["-O3"]
+    # at::parallel_for is inline OpenMP in ATen's headers: without -fopenmp it runs serially.
+    cxx = ["-O3", "-fopenmp"]
     nvcc = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
     macros = [("FASTFORMER_WITH_CUDA", "1")] if with_cuda else []
     kwargs = dict(
@@ -98,6 +99,7 @@ def _extension():
         include_dirs=[str(ROOT / "csrc")] + (_wheel_cuda_includes() if with_cuda else []),
         define_macros=macros,
         extra_compile_args={"cxx": cxx, "nvcc": nvcc} if with_cuda else {"cxx": cxx},
+        extra_link_args=["-fopenmp"],
         py_limited_api=False,
     )
     if with_cuda:
