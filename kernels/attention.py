@@ -46,8 +46,8 @@ regenerates the same numbers; nothing of size Lq x Lk is stored.
 Configs: small autotune lists per architecture (sm_80 and sm_90 tables keyed on kernel, dtype
 class, head-dim bucket and feature class; the autotune key adds head dims, causal, mask kind,
 padding, dropout and power-of-two sequence buckets); under TRITON_INTERPRET=1 one fixed small
-config. `hopper_compile_report()` (or `python -m fastformer.kernels.attention`) compiles every
-sm_90 config for Hopper without a GPU and reports ptxas registers, spills and shared memory.
+config. `compile_report(arch)` (or `python -m fastformer.kernels.attention 90 80`) compiles every
+config of an arch table without a GPU and reports ptxas registers, spills and shared memory.
 """
 
 from __future__ import annotations
@@ -656,8 +656,8 @@ class Config(NamedTuple):
 # by (kernel, arch family, dtype class, head-dim bucket, feature class). The feature class
 # matters because dropout (a Philox call per 8 scores) and mask tiles cost registers: "base" = no
 # attn_mask / padding / dropout (causal allowed), "masked" = attn_mask and/or key padding,
-# "dropout" = dropout with anything. Every sm_90 entry is checked by hopper_compile_report()
-# (compiles for sm_90a, wgmma for fp16/bf16, 0 spill bytes, smem <= 227 KB).
+# "dropout" = dropout with anything. Every entry is checked by compile_report() in CI: 0 spill
+# bytes with Triton 3.6 and 3.8, smem within the arch's limit, wgmma for fp16/bf16 on sm_90.
 INTERPRET_CONFIG = Config(32, 32, 4, 1)
 FEATURE_CLASSES = ("base", "masked", "dropout")
 _C = Config
@@ -696,9 +696,11 @@ _SM90 = {
     ("dq", "fp32", 256): ([_C(16, 16, 4, 2)],) * 3,
 }
 # sm_80 (and the fallback for other archs): mma.sync, 164 KB smem on A100 (99 KB on sm_86/89;
-# the autotuner drops configs that do not fit). Compile-checked for sm_80 by hand only.
+# the autotuner drops configs that do not fit).
 _SM80 = {
-    ("fwd", "16bit", 64): ([_C(128, 64, 4, 3), _C(64, 64, 4, 3)], [_C(64, 64, 4, 3)],
+    # masked: (64, 64, 4, 3) spilled 8 bytes with Triton 3.6 (not 3.8); dq d128 dropout:
+    # (64, 16, 4, 2) spilled 16.
+    ("fwd", "16bit", 64): ([_C(128, 64, 4, 3), _C(64, 64, 4, 3)], [_C(64, 32, 4, 3)],
                            [_C(64, 32, 4, 2)]),
     ("fwd", "16bit", 128): ([_C(128, 64, 8, 2), _C(64, 64, 4, 2)], [_C(64, 32, 8, 2)],
                             [_C(64, 32, 8, 2)]),
@@ -711,9 +713,11 @@ _SM80 = {
     ("dq", "16bit", 64): ([_C(128, 32, 8, 2), _C(64, 64, 4, 2)], [_C(64, 32, 4, 2)],
                           [_C(64, 32, 4, 2)]),
     ("dq", "16bit", 128): ([_C(128, 32, 8, 2), _C(64, 32, 4, 2)], [_C(64, 32, 4, 2)],
-                           [_C(64, 16, 4, 2)]),
+                           [_C(32, 16, 4, 2)]),
     ("dq", "16bit", 256): ([_C(64, 32, 8, 2)], [_C(64, 16, 8, 2)], [_C(64, 16, 8, 2)]),
     **{key: lists for key, lists in _SM90.items() if key[1] == "fp32"},
+    # sm_80 with Triton 3.6 spilled 4 bytes at (16, 32, 4, 2).
+    ("dkdv", "fp32", 64): ([_C(16, 32, 8, 2)],) * 3,
 }
 CONFIGS: dict[tuple[str, int, str, int, str], list[Config]] = {
     (kernel, arch, dclass, bucket, fclass): configs
@@ -1053,7 +1057,7 @@ def _backward_kernels(
 # fmt: on
 
 
-# --------------------------------------------------------------------------- Hopper compile check
+# --------------------------------------------------------------------------- compile check (sm_90, sm_80)
 
 _TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _FLOAT_ARGS = {"qk_scale", "out_scale", "sm_scale"}
@@ -1243,10 +1247,10 @@ def compile_jobs(arch: int = 90) -> list[tuple]:
     return jobs
 
 
-def hopper_compile_report(workers: int = 2, arch: int = 90) -> list[dict]:
-    """Compile every sm_90 config (see compile_jobs) without a GPU: ptxas registers, spills,
-    smem and whether wgmma was used, one dict per compiled kernel. Needs TRITON_INTERPRET unset
-    and ptxas (PTXAS or /usr/local/cuda/bin/ptxas)."""
+def compile_report(arch: int = 90, workers: int = 2) -> list[dict]:
+    """Compile every config of the `arch` table (see compile_jobs) without a GPU: ptxas
+    registers, spills, smem and whether wgmma was used, one dict per compiled kernel. Needs
+    TRITON_INTERPRET unset and ptxas (PTXAS or /usr/local/cuda/bin/ptxas)."""
     from concurrent.futures import ProcessPoolExecutor
 
     jobs = compile_jobs(arch)
@@ -1256,28 +1260,36 @@ def hopper_compile_report(workers: int = 2, arch: int = 90) -> list[dict]:
         return list(pool.map(_compile_job, jobs))
 
 
-def check_compile_report(report: list[dict], max_shared: int = 227 * 1024) -> list[str]:
-    """Problems in a compile report: spills, smem over `max_shared`, fp16/bf16 without wgmma."""
+# Opt-in shared memory per block: A100 (sm_80) and H100/H200 (sm_90).
+MAX_SHARED = {80: 163 * 1024, 90: 227 * 1024}
+
+
+def check_compile_report(report: list[dict]) -> list[str]:
+    """Problems in a compile report: spills, smem over the arch's limit, and fp16/bf16 matrix
+    products without wgmma on sm_90."""
     problems = []
     for r in report:
-        name = f"{r['kernel']} {r['dtype']} d{r['head_dim']} {r['config']} {r['variant']}"
+        name = f"sm_{r['arch']} {r['kernel']} {r['dtype']} d{r['head_dim']} {r['config']} "
+        name += r["variant"]
         if r["spill_stores"] != 0 or r["spill_loads"] != 0:
             problems.append(f"{name}: spills {r['spill_stores']}/{r['spill_loads']} bytes")
-        if r["shared"] > max_shared:
+        if r["shared"] > MAX_SHARED[r["arch"]]:
             problems.append(f"{name}: {r['shared']} bytes of shared memory")
-        if r["dtype"] != "float32" and r["kernel"] != "pre" and not r["wgmma"]:
+        needs_wgmma = r["arch"] == 90 and r["dtype"] != "float32" and r["kernel"] != "pre"
+        if needs_wgmma and not r["wgmma"]:
             problems.append(f"{name}: no wgmma in the PTX")
     return problems
 
 
 def main() -> None:
-    """`python -m fastformer.kernels.attention [arch]`: print the compile report as JSON lines."""
+    """`python -m fastformer.kernels.attention [arch ...]` (default 90): print the compile
+    report of each arch table as JSON lines."""
     import json
     import sys
 
-    arch = int(sys.argv[1]) if len(sys.argv) > 1 else 90
-    for row in hopper_compile_report(arch=arch):
-        print(json.dumps(row), flush=True)
+    for arch in [int(a) for a in sys.argv[1:]] or [90]:
+        for row in compile_report(arch):
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

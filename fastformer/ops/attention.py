@@ -340,6 +340,26 @@ def _kernels():
     return kernels
 
 
+def _version(text: str) -> tuple[int, int]:
+    major, minor = text.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def _interpreter_reasons() -> list[str]:
+    # Triton < 3.7's interpreter calls int() on 1-element arrays (loop bounds loaded from
+    # memory), which NumPy 2.4 turned from a deprecation warning into a TypeError.
+    import numpy
+    import triton
+
+    if _version(triton.__version__) < (3, 7) and _version(numpy.__version__) >= (2, 4):
+        return [
+            f"the Triton {triton.__version__} interpreter cannot run with NumPy "
+            f"{numpy.__version__} (int() of a 1-element array is an error since NumPy 2.4; "
+            "fixed in Triton 3.7): install 'numpy<2.4' or 'triton>=3.7'"
+        ]
+    return []
+
+
 def _triton_reasons(inputs) -> list[str]:
     """Why the Triton kernel cannot run `inputs` (None: this environment)."""
     if find_spec("triton") is None:
@@ -349,7 +369,7 @@ def _triton_reasons(inputs) -> list[str]:
     if inputs is None:
         if not torch.cuda.is_available() and not interpreted:
             return ["no CUDA device (on CPU the Triton kernel runs only under TRITON_INTERPRET=1)"]
-        return []
+        return _interpreter_reasons() if interpreted else []
     q = inputs.query
     reasons = []
     if q.device.type == "cuda":
@@ -371,6 +391,8 @@ def _triton_reasons(inputs) -> list[str]:
                 "bfloat16 is not supported by the Triton interpreter (tl.dot on bf16 "
                 "is broken there)"
             )
+        else:
+            reasons += _interpreter_reasons()
     else:
         reasons.append(f"no Triton kernel for device type {q.device.type!r}")
     return reasons + _shape_reasons(inputs)
