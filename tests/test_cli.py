@@ -129,6 +129,22 @@ def test_check_rejects_an_unknown_op(capsys):
     assert "softmax" in capsys.readouterr().err
 
 
+def test_check_shards_split_the_grid(capsys):
+    def cases(*extra: str) -> list[tuple]:
+        assert main(["check", "--quick", "--ops", "layer_norm", "--json", *extra]) == 0
+        rows = json.loads(capsys.readouterr().out)["rows"]
+        return [
+            (r["op"], r["backend"], r["dtype"], r["case"]) for r in rows if r["status"] != "skip"
+        ]
+
+    whole = cases()
+    shards = [cases("--shard", f"{k}/3") for k in (1, 2, 3)]
+    assert all(shards) and sorted(sum(shards, [])) == sorted(whole)
+    for bad in ("0/3", "4/3", "x", "1/0"):
+        assert main(["check", "--shard", bad]) == 2
+        assert "--shard must be K/N" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- bench
 
 

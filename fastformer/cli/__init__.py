@@ -42,6 +42,11 @@ def _check_parser(sub) -> None:
         default=",".join(OPS),
         help="comma list of ops (layer_norm includes rms_norm and dropout_add_layer_norm)",
     )
+    p.add_argument(
+        "--shard",
+        metavar="K/N",
+        help="run only grid cases K, K+N, K+2N, ... (1 <= K <= N): N processes split the grid",
+    )
 
 
 def _bench_parser(sub) -> None:

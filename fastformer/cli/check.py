@@ -469,10 +469,30 @@ def backends_for(
     return chosen, skipped
 
 
-def iter_rows(ops: list[str], device_choice: str, quick: bool, interpret: bool) -> Iterator[Row]:
-    """Run the grid; yields each row as soon as it is known."""
+def parse_shard(text: str | None) -> tuple[int, int]:
+    """`--shard K/N` -> (K - 1, N): this process runs grid cases K, K + N, K + 2N, ..."""
+    if text is None:
+        return 0, 1
+    try:
+        k, n = (int(part) for part in text.split("/"))
+    except ValueError:
+        k = n = 0
+    if not 1 <= k <= n:
+        raise ValueError(f"--shard must be K/N with 1 <= K <= N, got {text!r}")
+    return k - 1, n
+
+
+def iter_rows(
+    ops: list[str],
+    device_choice: str,
+    quick: bool,
+    interpret: bool,
+    shard: tuple[int, int] = (0, 1),
+) -> Iterator[Row]:
+    """Run the grid (the cases of `shard`); yields each row as soon as it is known."""
     from fastformer.cli.impls import load_op
 
+    index = -1
     for op in ops:
         module, error = load_op(CHECK_OPS[op][0])
         if module is None:
@@ -484,7 +504,9 @@ def iter_rows(ops: list[str], device_choice: str, quick: bool, interpret: bool) 
             for backend in chosen:
                 for dtype in dtypes_for(device, backend, quick):
                     for case in CASE_BUILDERS[op](quick):
-                        yield run_case(case, module, device, dtype, backend)
+                        index += 1
+                        if index % shard[1] == shard[0]:
+                            yield run_case(case, module, device, dtype, backend)
 
 
 def _fmt(row: Row) -> str:
@@ -536,6 +558,7 @@ def parse_ops(text: str) -> list[str]:
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Run the grid, print one row per case (or JSON); 1 if any case fails or errors."""
     ops = parse_ops(args.ops)
+    shard = parse_shard(args.shard)
     device = args.device
     if args.interpret:
         if device == "cuda":
@@ -550,7 +573,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     rows = []
     if not args.json:
         print(HEADER)
-    for row in iter_rows(ops, device, args.quick, args.interpret):
+    for row in iter_rows(ops, device, args.quick, args.interpret, shard):
         rows.append(row)
         if not args.json:
             print(_fmt(row), flush=True)
