@@ -1,0 +1,78 @@
+"""The logic of benchmarks/run_gpu_suite.sh, with a stub Python that records its commands.
+
+A lent GPU session has one try at this script, so its stages, the parallel split of the tests
+and of the parity grid, the exit status and the in-place build fallback are checked here.
+"""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "run_gpu_suite.sh"
+
+# Logs each call; pip fails when STUB_PIP_RC=1; check shard 3 fails; check shards take 1 s.
+STUB = """#!/usr/bin/env bash
+echo "PYTHONPATH=${PYTHONPATH:-} $*" >> "$STUB_LOG"
+case "$*" in
+  "-m pip install"*) exit "${STUB_PIP_RC:-0}" ;;
+  *"--shard 3/"*) sleep 1; exit 1 ;;
+  *"fastformer check"*) sleep 1 ;;
+esac
+exit 0
+"""
+
+
+def _run_suite(tmp_path: Path, pip_rc: int) -> tuple[subprocess.CompletedProcess, list[str]]:
+    root = tmp_path / "repo"
+    (root / "benchmarks").mkdir(parents=True)
+    (root / "fastformer").mkdir()
+    (root / "kernels").mkdir()
+    shutil.copy(SCRIPT, root / "benchmarks")
+    stub = tmp_path / "python"
+    stub.write_text(STUB)
+    stub.chmod(0o755)
+    log = tmp_path / "calls.log"
+    env = {**os.environ, "PYTHON": str(stub), "STUB_LOG": str(log), "STUB_PIP_RC": str(pip_rc)}
+    env.update(CHECK_SHARDS="4", PYTHONPATH="")
+    done = subprocess.run(
+        ["bash", str(root / "benchmarks" / "run_gpu_suite.sh"), str(tmp_path / "out")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return done, log.read_text().splitlines()
+
+
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
+def test_suite_runs_every_stage_and_counts_failures(tmp_path):
+    done, calls = _run_suite(tmp_path, pip_rc=0)
+    assert done.returncode == 1, done.stdout + done.stderr  # check shard 3 of 4 failed
+    commands = [c.split(" ", 1)[1] for c in calls]
+    assert commands[0].startswith("-c import torch, triton")  # the versions, for machine.log
+    commands = commands[1:]
+    assert commands[0].startswith("-m pip install --no-build-isolation --no-deps --no-index")
+    assert "-m pytest -m cuda -q -p no:cacheprovider -ra tests/test_attention.py" in commands
+    assert any("tests --ignore=tests/test_attention.py" in c for c in commands)
+    shards = sorted(c for c in commands if "fastformer check" in c)
+    assert shards == [f"-m fastformer check --device cuda --shard {k}/4" for k in (1, 2, 3, 4)]
+    assert commands[-1] == f"-m fastformer bench --out {tmp_path / 'out' / 'bench'}"
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "verify-check3" in summary and "rc=1" in summary
+    # The four 1-second shards ran at once, not one after another.
+    verify = [line for line in summary.splitlines() if line.startswith("verify-")]
+    assert max(int(line.split()[-1].rstrip("s")) for line in verify) < 4
+
+
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
+def test_suite_falls_back_to_an_in_place_build(tmp_path):
+    done, calls = _run_suite(tmp_path, pip_rc=1)
+    assert done.returncode == 1, done.stdout + done.stderr  # only the failing shard counts
+    root = tmp_path / "repo"
+    assert any("setup.py build_ext --inplace" in c for c in calls)
+    assert (root / "fastformer" / "kernels").resolve() == (root / "kernels").resolve()
+    later = [c for c in calls if "fastformer check" in c or "fastformer bench" in c]
+    assert later and all(c.startswith(f"PYTHONPATH={root} ") for c in later)
