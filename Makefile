@@ -16,7 +16,7 @@ PY := $(PYTHON)
 OWN_ENV := 0
 endif
 
-.PHONY: install build test bench check info lint format clean
+.PHONY: install build test test-compat bench check info lint format clean
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -33,6 +33,10 @@ build:
 
 test: install
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# The same tests on the GPU machine's stack (torch 2.11 + triton 3.6) in .venv-compat (CI runs it).
+test-compat:
+	bash scripts/test_compat.sh $(PYTEST_ARGS)
 
 bench: install
 	$(PY) -m fastformer bench

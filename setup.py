@@ -2,7 +2,7 @@
 
 C++ sources are always built; CUDA sources (csrc/**/*.cu) when nvcc and a CUDA build of torch
 are present. FASTFORMER_CUDA=auto|0|1 (1: fail loudly when CUDA cannot be built),
-TORCH_CUDA_ARCH_LIST (default "8.0;9.0") and MAX_JOBS are respected.
+TORCH_CUDA_ARCH_LIST (default "8.0;9.0"), MAX_JOBS and NVCC_THREADS (default 2) are respected.
 """
 
 from __future__ import annotations
@@ -92,6 +92,9 @@ def _extension():
     # at::parallel_for is inline OpenMP in ATen's headers: without -fopenmp it runs serially.
     cxx = ["-O3", "-fopenmp"]
     nvcc = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
+    # One .cu file is compiled per arch of the list: let nvcc run those at once (the longest
+    # file is the build's critical path on a many-core machine).
+    nvcc += ["--threads", os.environ.get("NVCC_THREADS", "2")]
     macros = [("FASTFORMER_WITH_CUDA", "1")] if with_cuda else []
     kwargs = dict(
         name="fastformer._C",

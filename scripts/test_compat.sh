@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The test suite on the GPU machine's software stack (torch 2.11 + triton 3.6, see
+# ENVIRONMENT.md), on CPU: a second venv and a copy of the source tree, so that the main build
+# stays untouched. It catches what only those versions break (torch library APIs, Triton 3.6
+# codegen: the sm_80/sm_90 compile check, the interpreter) before a GPU session finds it.
+#
+#   scripts/test_compat.sh [pytest args...]      (or `make test-compat PYTEST_ARGS=...`)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV=$ROOT/${COMPAT_VENV:-.venv-compat}
+SRC=$ROOT/${COMPAT_DIR:-build/compat}
+TORCH_SPEC=${COMPAT_TORCH:-torch==2.11.0}
+
+if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+    # numpy<2.4: Triton 3.6's interpreter fails on NumPy 2.4 (fastformer refuses that pair).
+    "$VENV/bin/python" -m pip install -q "$TORCH_SPEC" "numpy<2.4" pytest pytest-xdist \
+        pytest-timeout pytest-benchmark matplotlib ninja setuptools wheel
+fi
+"$VENV/bin/python" -c 'import torch, triton; print("compat stack: torch", torch.__version__, "triton", triton.__version__)'
+
+# The tracked and untracked-but-not-ignored files, as `git status` sees the tree.
+rm -rf "$SRC"
+mkdir -p "$SRC"
+git ls-files -z -co --exclude-standard | tar --null -T - --ignore-failed-read -cf - | tar -xf - -C "$SRC"
+cd "$SRC"
+"$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps -e .
+"$VENV/bin/python" -m pytest tests "$@"
