@@ -340,3 +340,14 @@ def test_benchmark_suites_skip_cleanly_without_a_gpu():
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "skipped" in done.stdout and "passed" not in done.stdout
+
+
+def test_check_max_seconds_lists_the_cases_it_did_not_run(capsys):
+    assert main(["check", "--quick", "--ops", "layer_norm", "--max-seconds", "1e-9"]) == 1
+    text = capsys.readouterr()
+    assert "not run" in text.out and "no case ran" in text.err
+    assert main(["check", "--quick", "--ops", "ffn", "--json", "--max-seconds", "600"]) == 0
+    summary = json.loads(capsys.readouterr().out)["summary"]
+    assert summary["not_run"] == 0 and summary["passed"] == summary["cases"] > 0
+    assert main(["check", "--max-seconds", "0"]) == 2
+    assert "--max-seconds must be > 0" in capsys.readouterr().err

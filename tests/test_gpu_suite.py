@@ -58,7 +58,8 @@ def test_suite_runs_every_stage_and_counts_failures(tmp_path):
     assert "-m pytest -m cuda -q -p no:cacheprovider -ra tests/test_attention.py" in commands
     assert any("tests --ignore=tests/test_attention.py" in c for c in commands)
     shards = sorted(c for c in commands if "fastformer check" in c)
-    assert shards == [f"-m fastformer check --device cuda --shard {k}/4" for k in (1, 2, 3, 4)]
+    expected = "-m fastformer check --device cuda --shard {}/4 --max-seconds 135"
+    assert shards == [expected.format(k) for k in (1, 2, 3, 4)]
     assert commands[-1] == f"-m fastformer bench --out {tmp_path / 'out' / 'bench'}"
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert "verify-check3" in summary and "rc=1" in summary

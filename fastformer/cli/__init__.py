@@ -47,6 +47,12 @@ def _check_parser(sub) -> None:
         metavar="K/N",
         help="run only grid cases K, K+N, K+2N, ... (1 <= K <= N): N processes split the grid",
     )
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        metavar="S",
+        help="start no case after S seconds; the rest are listed as 'not run' (not passed)",
+    )
 
 
 def _bench_parser(sub) -> None:

@@ -58,7 +58,7 @@ class Row:
     device: str
     dtype: str
     case: str
-    status: str  # pass | FAIL | ERROR | skip
+    status: str  # pass | FAIL | ERROR | skip | not run (past --max-seconds)
     worst: str = ""
     error: float | None = None
     bound: float | None = None
@@ -438,8 +438,8 @@ def devices(choice: str) -> list[torch.device]:
 def dtypes_for(device: torch.device, backend: str | None, quick: bool) -> list[torch.dtype]:
     """fp32 (and fp16/bf16 in the full grid) on CPU; all three on CUDA. The Triton interpreter
     cannot run bf16 (ENVIRONMENT.md), so bf16 Triton is checked on a GPU only."""
-    if device.type == "cuda":
-        return [torch.bfloat16] if quick else [torch.float32, torch.float16, torch.bfloat16]
+    if device.type == "cuda":  # bf16 first: the interpreter cannot check it
+        return [torch.bfloat16] if quick else [torch.bfloat16, torch.float16, torch.float32]
     if quick:
         return [torch.float32]
     if backend is not None and "triton" in backend:
@@ -488,8 +488,10 @@ def iter_rows(
     quick: bool,
     interpret: bool,
     shard: tuple[int, int] = (0, 1),
+    deadline: float | None = None,
 ) -> Iterator[Row]:
-    """Run the grid (the cases of `shard`); yields each row as soon as it is known."""
+    """Run the grid (the cases of `shard`); yields each row as soon as it is known. Cases
+    reached after `deadline` (time.perf_counter()) are yielded as "not run"."""
     from fastformer.cli.impls import load_op
 
     index = -1
@@ -505,7 +507,12 @@ def iter_rows(
                 for dtype in dtypes_for(device, backend, quick):
                     for case in CASE_BUILDERS[op](quick):
                         index += 1
-                        if index % shard[1] == shard[0]:
+                        if index % shard[1] != shard[0]:
+                            continue
+                        if deadline is not None and time.perf_counter() > deadline:
+                            name = str(dtype).removeprefix("torch.")
+                            yield Row(op, backend or "-", str(device), name, case.name, "not run")
+                        else:
                             yield run_case(case, module, device, dtype, backend)
 
 
@@ -559,6 +566,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Run the grid, print one row per case (or JSON); 1 if any case fails or errors."""
     ops = parse_ops(args.ops)
     shard = parse_shard(args.shard)
+    if args.max_seconds is not None and not args.max_seconds > 0:
+        raise ValueError(f"--max-seconds must be > 0, got {args.max_seconds}")
     device = args.device
     if args.interpret:
         if device == "cuda":
@@ -573,17 +582,20 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     rows = []
     if not args.json:
         print(HEADER)
-    for row in iter_rows(ops, device, args.quick, args.interpret, shard):
+    deadline = None if args.max_seconds is None else start + args.max_seconds
+    for row in iter_rows(ops, device, args.quick, args.interpret, shard, deadline):
         rows.append(row)
         if not args.json:
             print(_fmt(row), flush=True)
-    ran = [r for r in rows if r.status != "skip"]
+    ran = [r for r in rows if r.status not in ("skip", "not run")]
     bad = [r for r in rows if r.status in ("FAIL", "ERROR")]
+    not_run = sum(r.status == "not run" for r in rows)
     summary = {
         "cases": len(ran),
         "passed": len(ran) - len(bad),
         "failed": len(bad),
-        "skipped": len(rows) - len(ran),
+        "skipped": len(rows) - len(ran) - not_run,
+        "not_run": not_run,
         "seconds": round(time.perf_counter() - start, 1),
     }
     if args.json:
@@ -595,6 +607,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         print(
             f"{summary['passed']}/{summary['cases']} cases passed, {summary['failed']} failed, "
             f"{summary['skipped']} skipped in {summary['seconds']} s"
+            + (f"; {not_run} not run (past --max-seconds)" if not_run else "")
         )
     if not ran:
         print("check: no case ran (see the skip reasons above)", file=sys.stderr)
