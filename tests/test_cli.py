@@ -351,3 +351,33 @@ def test_check_max_seconds_lists_the_cases_it_did_not_run(capsys):
     assert summary["not_run"] == 0 and summary["passed"] == summary["cases"] > 0
     assert main(["check", "--max-seconds", "0"]) == 2
     assert "--max-seconds must be > 0" in capsys.readouterr().err
+
+
+def test_gpu_peers_compute_the_same_function_on_cpu():
+    """The CUDA-only peers (torch.compile, SDPA backends, FlexAttention with the equivalent block
+    mask) built on CPU: each that CPU can run gives the reference's output, so on a GPU the
+    tables compare the same function. SDPA's efficient and cuDNN kernels exist on CUDA only."""
+    from fastformer.cli import impls as I
+
+    cpu = torch.device("cpu")
+    builds = [
+        I.attention_bench(
+            AttentionCase(2, 2, 40, 16, causal=True, padding=0.25), cpu, torch.float32, True
+        ),
+        I.attention_bench(AttentionCase(2, 2, 40, 16, padding=0.25), cpu, torch.float32, True),
+        I.layer_norm_bench(LayerNormCase(8, 32), cpu, torch.float32, True),
+        I.ffn_bench(FfnCase(8, 16, 24), cpu, torch.float32, True),
+    ]
+    for bench in builds:
+        args = [a.detach() for a in bench.args]  # FlexAttention on CPU refuses grad inputs
+        with torch.no_grad():
+            want = bench.impls["reference"](*args)
+            peers = {n: f for n, f in bench.impls.items() if n not in ("reference", "gemm-only")}
+            assert "torch.compile" in peers
+            for name, fn in peers.items():
+                assert callable(fn), f"{bench.case.name} {name}: {fn}"
+                if name in ("sdpa-efficient", "sdpa-cudnn"):
+                    with pytest.raises(RuntimeError):
+                        fn(*args)
+                    continue
+                torch.testing.assert_close(fn(*args), want, msg=f"{bench.case.name} {name}")

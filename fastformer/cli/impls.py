@@ -298,7 +298,7 @@ def ffn_bench(
         )
     # The floor: the two GEMMs alone, no bias, activation or dropout.
     impls["gemm-only"] = lambda x, w1, b1, w2, b2: (x @ w1.t()) @ w2.t()
-    if device.type == "cuda":
+    if _gpu_peers(device, gpu_peers):
         impls["torch.compile"] = _compiled(reference)
     elem = torch.finfo(dtype).bits // 8
     backend = which_backend(module, "ffn", x, w1, b1, w2, b2, act, p)
