@@ -636,6 +636,9 @@ Backward ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, cons
                              static_cast<float>(pr.scale),
                              pr.act,
                              cuda_dtype(x)};
+  // kIdentity (activation fused into the GEMM) is an inference-only forward: its backward
+  // kernel does not exist, and db1 would be summed from unwritten partials.
+  TORCH_INTERNAL_ASSERT(pr.act != FfnActivation::kIdentity, "ffn backward without an activation");
   ffn_backward_cuda_launch(args, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {at::mm(dh, w1), at::mm(dh.t(), x), db1, at::mm(grad_out.t(), g), grad_out.sum(0)};

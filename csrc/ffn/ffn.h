@@ -49,7 +49,8 @@ struct FfnForwardArgs {
   FfnDtype dtype;
 };
 
-// Backward elementwise stage with the bias-gradient column reduction.
+// Backward elementwise stage with the bias-gradient column reduction (any activation but
+// kIdentity, which is forward-only).
 //   relu:   saved = g (the forward's dropout(relu(h))); dh = (g > 0) * dg / (1 - p); no g_out.
 //   others: saved = h; the keep-mask is regenerated; dh = dg * keep / (1 - p) * act'(h) (gated:
 //           d gate = dg' * up * act'(gate), d up = dg' * act(gate)); g_out = dropout(act(h))

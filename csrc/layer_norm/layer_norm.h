@@ -68,10 +68,6 @@ struct LnBwdPlan {
   int64_t partial_rows;
 };
 
-// Which forward kernel runs: 0 = generic (any cols, any alignment), else the number of 16-byte
-// vectors each thread holds in registers. For tests and `explain`, not needed to launch.
-int layer_norm_fwd_vectors(const LnFwdArgs& a);
-
 void layer_norm_fwd_cuda_launch(const LnFwdArgs& a, cudaStream_t stream);
 
 LnBwdPlan layer_norm_bwd_plan(const LnBwdArgs& a, int num_sms);

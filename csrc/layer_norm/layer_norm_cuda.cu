@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -54,6 +55,28 @@ constexpr int64_t kMaxGrid = int64_t{1} << 30;
 
 // ------------------------------------------------------------------ 16-byte vector access
 
+// The elements of one 16-byte chunk. Copied with memcpy, never read through a T* into a uint4:
+// that breaks strict aliasing, and g++ -O2 did miscompile it (zeros) in the CPU emulator of
+// tests/cuda_emu. nvcc turns these copies into register moves (ptxas: same registers, no stack).
+template <typename T>
+struct Chunk {
+  T v[16 / sizeof(T)];
+};
+
+template <typename T>
+__device__ __forceinline__ Chunk<T> to_chunk(const uint4& raw) {
+  Chunk<T> c;
+  memcpy(&c, &raw, sizeof(raw));
+  return c;
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 to_raw(const Chunk<T>& c) {
+  uint4 raw;
+  memcpy(&raw, &c, sizeof(raw));
+  return raw;
+}
+
 // kN elements of T from 16-byte chunks (kN * sizeof(T) is a multiple of 16), as fp32.
 template <typename T, int kN>
 __device__ __forceinline__ void load_vec(const T* __restrict__ p, float (&out)[kN]) {
@@ -61,10 +84,9 @@ __device__ __forceinline__ void load_vec(const T* __restrict__ p, float (&out)[k
   static_assert(kN % kPer == 0, "load_vec reads whole 16-byte chunks");
 #pragma unroll
   for (int c = 0; c < kN / kPer; ++c) {
-    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p) + c);
-    const T* e = reinterpret_cast<const T*>(&raw);
+    const Chunk<T> e = to_chunk<T>(__ldg(reinterpret_cast<const uint4*>(p) + c));
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) out[c * kPer + i] = to_float(e[i]);
+    for (int i = 0; i < kPer; ++i) out[c * kPer + i] = to_float(e.v[i]);
   }
 }
 
@@ -74,20 +96,19 @@ __device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&in)[k
   static_assert(kN % kPer == 0, "store_vec writes whole 16-byte chunks");
 #pragma unroll
   for (int c = 0; c < kN / kPer; ++c) {
-    uint4 raw;
-    T* e = reinterpret_cast<T*>(&raw);
+    Chunk<T> e;
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) e[i] = from_float<T>(in[c * kPer + i]);
-    reinterpret_cast<uint4*>(p)[c] = raw;
+    for (int i = 0; i < kPer; ++i) e.v[i] = from_float<T>(in[c * kPer + i]);
+    reinterpret_cast<uint4*>(p)[c] = to_raw(e);
   }
 }
 
 // The 16/sizeof(T) elements of one raw 16-byte chunk, as fp32.
 template <typename T>
 __device__ __forceinline__ void unpack(const uint4& raw, float (&out)[16 / sizeof(T)]) {
-  const T* e = reinterpret_cast<const T*>(&raw);
+  const Chunk<T> e = to_chunk<T>(raw);
 #pragma unroll
-  for (int i = 0; i < static_cast<int>(16 / sizeof(T)); ++i) out[i] = to_float(e[i]);
+  for (int i = 0; i < static_cast<int>(16 / sizeof(T)); ++i) out[i] = to_float(e.v[i]);
 }
 
 // ------------------------------------------------------------------ row reductions
