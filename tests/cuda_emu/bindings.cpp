@@ -1,0 +1,389 @@
+// torch.ops.fastformer_emu: the project's CUDA launchers (csrc/**/*.cu, compiled for the CPU
+// emulator) on CPU tensors. Each op fills the launcher's Args exactly as the CUDA glue of
+// csrc/layer_norm/layer_norm.cpp and csrc/ffn/ffn.cpp does (same outputs, workspace sizes,
+// dropout_scale, LnBwdPlan), except for memory: every buffer a kernel sees lives between red
+// zones of NaN bytes, outputs and workspaces start as NaN bytes (at::empty leaves garbage on the
+// GPU), inputs keep their address modulo 16 (a misaligned view stays misaligned), and after the
+// launch the red zones and the inputs must be untouched.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "emu_api.h"
+#include "ffn/ffn.h"
+#include "layer_norm/layer_norm.h"
+#include "rng/rng.h"
+#include "selftest.h"
+
+namespace {
+
+using Tensors4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using fastformer::FfnActivation;
+using fastformer::FfnDtype;
+using fastformer::LnType;
+
+constexpr int64_t kRedZone = 1024;  // bytes of NaN before and after every buffer
+constexpr uint8_t kPoison = 0xFF;
+
+// Buffers of one op: each a NaN-filled byte tensor [red zone | data | red zone].
+class Arena {
+ public:
+  // A fresh output: contents and red zones all NaN bytes; 64-byte aligned data, as at::empty's.
+  at::Tensor empty(at::IntArrayRef shape, at::ScalarType dtype, const std::string& name) {
+    return make(shape, dtype, 0, name, nullptr, false);
+  }
+
+  // A copy of `t` (contiguous) at the same address modulo 64; checked unchanged afterwards
+  // unless `writable` (the in-place FFN forward).
+  at::Tensor input(const at::Tensor& t, const std::string& name, bool writable = false) {
+    const at::Tensor c = t.contiguous();
+    const int64_t misalign =
+        c.numel() > 0 ? static_cast<int64_t>(reinterpret_cast<uintptr_t>(c.data_ptr()) % 64) : 0;
+    return make(c.sizes(), c.scalar_type(), misalign, name, &c, !writable);
+  }
+
+  c10::optional<at::Tensor> input(const c10::optional<at::Tensor>& t, const std::string& name) {
+    return t.has_value() ? c10::optional<at::Tensor>(input(*t, name)) : c10::nullopt;
+  }
+
+  // No undefined behaviour reported, red zones intact, read-only inputs unchanged.
+  void check() const {
+    emu::check_no_pending_error();
+    for (const Buffer& b : buffers_) {
+      const int64_t total = b.storage.numel();
+      const at::Tensor front = b.storage.narrow(0, 0, b.front);
+      const at::Tensor back = b.storage.narrow(0, b.front + b.bytes, total - b.front - b.bytes);
+      TORCH_CHECK(front.eq(kPoison).all().item<bool>() && back.eq(kPoison).all().item<bool>(),
+                  "cuda_emu: a kernel wrote outside the buffer '", b.name, "' (its red zone)");
+      if (b.original.defined()) {  // compared as bytes: NaN inputs compare equal too
+        TORCH_CHECK(at::equal(b.view.reshape(-1).view(at::kByte),
+                              b.original.reshape(-1).view(at::kByte)),
+                    "cuda_emu: a kernel wrote into the read-only input '", b.name, "'");
+      }
+    }
+  }
+
+ private:
+  struct Buffer {
+    at::Tensor storage;
+    at::Tensor view;
+    at::Tensor original;
+    int64_t front;
+    int64_t bytes;
+    std::string name;
+  };
+
+  // A guarded buffer holding a copy of `source` (if given); `read_only`: checked unchanged.
+  at::Tensor make(at::IntArrayRef shape, at::ScalarType dtype, int64_t misalign,
+                  const std::string& name, const at::Tensor* source, bool read_only) {
+    const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
+    TORCH_CHECK(misalign % elem == 0, "cuda_emu: misaligned by part of an element");
+    const int64_t bytes = c10::multiply_integers(shape) * elem;
+    const int64_t front = kRedZone + misalign;
+    at::Tensor storage = at::empty({front + bytes + kRedZone}, at::kByte);
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(storage.data_ptr()) % 64 == 0,
+                "cuda_emu: the CPU allocator is expected to align to 64 bytes");
+    storage.fill_(kPoison);
+    at::Tensor view = storage.narrow(0, front, bytes).view(dtype).view(shape);
+    at::Tensor kept;
+    if (source != nullptr) view.copy_(*source);
+    if (source != nullptr && read_only) kept = source->clone();
+    buffers_.push_back({storage, view, kept, front, bytes, name});
+    return view;
+  }
+
+  std::vector<Buffer> buffers_;
+};
+
+LnType ln_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return LnType::kFloat32;
+    case at::kHalf:
+      return LnType::kFloat16;
+    case at::kBFloat16:
+      return LnType::kBFloat16;
+    default:
+      TORCH_CHECK(false, "cuda_emu layer_norm: float32, float16 or bfloat16, got ", t);
+  }
+  return LnType::kFloat32;
+}
+
+// The same helpers as layer_norm.cpp's CUDA glue.
+at::ScalarType param_dtype(const c10::optional<at::Tensor>& weight,
+                           const c10::optional<at::Tensor>& bias, const at::Tensor& x) {
+  if (weight.has_value()) return weight->scalar_type();
+  if (bias.has_value()) return bias->scalar_type();
+  return x.scalar_type();
+}
+
+const void* ptr_or_null(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? t->data_ptr() : nullptr;
+}
+
+void* ptr_or_null(const at::Tensor& t) { return t.numel() > 0 ? t.data_ptr() : nullptr; }
+
+double dropout_scale(double p) { return 1.0 / (1.0 - p); }
+
+Tensors4 layer_norm_fwd(const at::Tensor& x_in, const c10::optional<at::Tensor>& weight_in,
+                        const c10::optional<at::Tensor>& bias_in,
+                        const c10::optional<at::Tensor>& residual_in, int64_t seed, double eps,
+                        double dropout_p, bool rms, bool store_pre) {
+  TORCH_CHECK(x_in.dim() == 2, "cuda_emu layer_norm_fwd: x must be 2-D");
+  TORCH_CHECK(seed >= 0, "cuda_emu: seed must be >= 0");
+  const bool fused = residual_in.has_value() || dropout_p > 0 || store_pre;
+  Arena arena;
+  const at::Tensor x = arena.input(x_in, "x");
+  const auto weight = arena.input(weight_in, "weight");
+  const auto bias = arena.input(bias_in, "bias");
+  const auto residual = arena.input(residual_in, "residual");
+  const int64_t rows = x.size(0);
+  at::Tensor out = arena.empty(x.sizes(), x.scalar_type(), "out");
+  at::Tensor pre = store_pre ? arena.empty(x.sizes(), x.scalar_type(), "pre")
+                             : at::empty({0}, x.options());
+  at::Tensor mean = rms ? at::empty({0}, at::kFloat) : arena.empty({rows}, at::kFloat, "mean");
+  at::Tensor rstd = arena.empty({rows}, at::kFloat, "rstd");
+  fastformer::LnFwdArgs a{};
+  a.x = x.data_ptr();
+  a.residual = ptr_or_null(residual);
+  a.weight = ptr_or_null(weight);
+  a.bias = ptr_or_null(bias);
+  a.out = out.data_ptr();
+  a.pre = ptr_or_null(pre);
+  a.mean = rms ? nullptr : mean.data_ptr<float>();
+  a.rstd = rstd.data_ptr<float>();
+  a.rows = rows;
+  a.cols = x.size(1);
+  a.eps = static_cast<float>(eps);
+  a.dropout_p = static_cast<float>(dropout_p);
+  a.dropout_scale = static_cast<float>(dropout_scale(dropout_p));
+  a.seed = static_cast<uint64_t>(seed);
+  a.dtype = ln_type(x.scalar_type());
+  a.wtype = ln_type(param_dtype(weight, bias, x));
+  a.rms = rms;
+  a.fused = fused;
+  fastformer::layer_norm_fwd_cuda_launch(a, nullptr);
+  arena.check();
+  return {out, pre, mean, rstd};
+}
+
+Tensors4 layer_norm_bwd(const at::Tensor& dy_in, const c10::optional<at::Tensor>& dpre_in,
+                        const at::Tensor& x_in, const c10::optional<at::Tensor>& weight_in,
+                        const c10::optional<at::Tensor>& bias_in, const at::Tensor& mean_in,
+                        const at::Tensor& rstd_in, int64_t seed, double dropout_p, bool rms,
+                        bool fused, bool has_residual, bool need_dweight, bool need_dbias) {
+  TORCH_CHECK(x_in.dim() == 2 && dy_in.sizes() == x_in.sizes(), "cuda_emu layer_norm_bwd: shapes");
+  TORCH_CHECK(!need_dweight || weight_in.has_value(), "need_dweight without weight");
+  TORCH_CHECK(!need_dbias || bias_in.has_value(), "need_dbias without bias");
+  Arena arena;
+  const at::Tensor x = arena.input(x_in, "x"), dy = arena.input(dy_in, "dy");
+  const auto dpre = arena.input(dpre_in, "dpre");
+  const at::Tensor mean = rms ? mean_in : arena.input(mean_in, "mean");
+  const at::Tensor rstd = arena.input(rstd_in, "rstd");
+  const auto weight = arena.input(weight_in, "weight");
+  const auto& bias = bias_in;  // only its dtype matters (never read by the kernels)
+  const at::Tensor none = at::empty({0}, x.options());
+  at::Tensor dx = arena.empty(x.sizes(), x.scalar_type(), "dx");
+  at::Tensor dres = has_residual ? arena.empty(x.sizes(), x.scalar_type(), "dres") : none;
+  at::Tensor dweight = need_dweight ? arena.empty({x.size(1)}, weight->scalar_type(), "dweight")
+                                    : none;
+  at::Tensor dbias = need_dbias ? arena.empty({x.size(1)}, bias->scalar_type(), "dbias") : none;
+  fastformer::LnBwdArgs a{};
+  a.dy = dy.data_ptr();
+  a.dpre = dpre.has_value() ? dpre->data_ptr() : nullptr;
+  a.x = x.data_ptr();
+  a.weight = ptr_or_null(weight);
+  a.mean = rms ? nullptr : mean.data_ptr<float>();
+  a.rstd = rstd.data_ptr<float>();
+  a.dx = dx.data_ptr();
+  a.dres = has_residual ? dres.data_ptr() : nullptr;
+  a.dweight = need_dweight ? dweight.data_ptr() : nullptr;
+  a.dbias = need_dbias ? dbias.data_ptr() : nullptr;
+  a.rows = x.size(0);
+  a.cols = x.size(1);
+  a.dropout_p = static_cast<float>(dropout_p);
+  a.dropout_scale = static_cast<float>(dropout_scale(dropout_p));
+  a.seed = static_cast<uint64_t>(seed);
+  a.dtype = ln_type(x.scalar_type());
+  a.wtype = ln_type(param_dtype(weight, bias, x));
+  a.rms = rms;
+  a.fused = fused;
+  const int num_sms = emu::config().sms;  // multiProcessorCount of the emulated device
+  const fastformer::LnBwdPlan plan = fastformer::layer_norm_bwd_plan(a, num_sms);
+  const int64_t partial_floats = std::max<int64_t>(1, 2 * plan.partial_rows * a.cols);
+  at::Tensor partial = arena.empty({partial_floats}, at::kFloat, "partial");
+  a.partial = partial.data_ptr<float>();
+  fastformer::layer_norm_bwd_cuda_launch(a, plan, nullptr);
+  arena.check();
+  return {dx, dres, dweight, dbias};
+}
+
+FfnActivation parse_activation(c10::string_view name) {
+  if (name == "identity") return FfnActivation::kIdentity;  // the fused-epilogue forward
+  if (name == "relu") return FfnActivation::kRelu;
+  if (name == "gelu") return FfnActivation::kGelu;
+  if (name == "gelu_tanh") return FfnActivation::kGeluTanh;
+  if (name == "silu") return FfnActivation::kSilu;
+  if (name == "swiglu") return FfnActivation::kSwiglu;
+  if (name == "geglu") return FfnActivation::kGeglu;
+  TORCH_CHECK(false, "cuda_emu ffn: unknown activation '", std::string(name), "'");
+}
+
+FfnDtype ffn_dtype(const at::Tensor& x) {
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      return FfnDtype::kFloat32;
+    case at::kHalf:
+      return FfnDtype::kFloat16;
+    case at::kBFloat16:
+      return FfnDtype::kBFloat16;
+    default:
+      TORCH_CHECK(false, "cuda_emu ffn: float32, float16 or bfloat16, got ", x.scalar_type());
+  }
+}
+
+// The kernel part of ffn.cpp's ffn_forward_cuda: g = dropout(act(h)), in place (g is h) for
+// relu and for the fused-epilogue call (activation "identity"), as there.
+at::Tensor ffn_forward(const at::Tensor& h_in, c10::string_view activation, double dropout_p,
+                       int64_t seed) {
+  const FfnActivation act = parse_activation(activation);
+  TORCH_CHECK(h_in.dim() == 2, "cuda_emu ffn_forward: h must be (tokens, width)");
+  const bool gated = fastformer::ffn_is_gated(act);
+  TORCH_CHECK(!gated || h_in.size(1) % 2 == 0, "gated h needs an even width");
+  const bool in_place = act == FfnActivation::kRelu || act == FfnActivation::kIdentity;
+  Arena arena;
+  at::Tensor h = arena.input(h_in, "h", /*writable=*/in_place);
+  const int64_t tokens = h.size(0), d_ff = gated ? h.size(1) / 2 : h.size(1);
+  at::Tensor g = in_place ? h : arena.empty({tokens, d_ff}, h.scalar_type(), "g");
+  const float p = static_cast<float>(dropout_p);
+  const fastformer::FfnForwardArgs args{h.const_data_ptr(),
+                                        g.data_ptr(),
+                                        tokens,
+                                        d_ff,
+                                        static_cast<uint64_t>(seed),
+                                        p,
+                                        static_cast<float>(1.0 / (1.0 - dropout_p)),
+                                        act,
+                                        ffn_dtype(h)};
+  fastformer::ffn_forward_cuda_launch(args, nullptr);
+  arena.check();
+  return g;
+}
+
+// The kernel part of ffn.cpp's ffn_backward_cuda (dg = grad_out @ w2 is an input here):
+// returns dh, g (recomputed; the saved g for relu) and db1.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ffn_backward(const at::Tensor& dg_in,
+                                                            const at::Tensor& saved_in,
+                                                            c10::string_view activation,
+                                                            double dropout_p, int64_t seed) {
+  const FfnActivation act = parse_activation(activation);
+  TORCH_CHECK(act != FfnActivation::kIdentity, "the backward always knows the activation");
+  TORCH_CHECK(dg_in.dim() == 2 && saved_in.dim() == 2, "cuda_emu ffn_backward: 2-D inputs");
+  const bool relu = act == FfnActivation::kRelu;
+  const int64_t tokens = dg_in.size(0), d_ff = dg_in.size(1);
+  const int64_t width = fastformer::ffn_is_gated(act) ? 2 * d_ff : d_ff;
+  TORCH_CHECK(saved_in.size(0) == tokens && saved_in.size(1) == width, "saved must be (tokens, ",
+              width, ")");
+  Arena arena;
+  const at::Tensor dg = arena.input(dg_in, "dg");
+  const at::Tensor saved = arena.input(saved_in, "saved");
+  at::Tensor g = relu ? saved : arena.empty({tokens, d_ff}, dg.scalar_type(), "g");
+  at::Tensor dh = arena.empty({tokens, width}, dg.scalar_type(), "dh");
+  at::Tensor db1 = arena.empty({width}, dg.scalar_type(), "db1");
+  at::Tensor partials = arena.empty({fastformer::ffn_bias_grad_row_blocks(tokens), width},
+                                    at::kFloat, "partials");
+  const float p = static_cast<float>(dropout_p);
+  const fastformer::FfnBackwardArgs args{dg.const_data_ptr(),
+                                         saved.const_data_ptr(),
+                                         dh.data_ptr(),
+                                         relu ? nullptr : g.data_ptr(),
+                                         partials.data_ptr<float>(),
+                                         db1.data_ptr(),
+                                         tokens,
+                                         d_ff,
+                                         static_cast<uint64_t>(seed),
+                                         p,
+                                         static_cast<float>(1.0 / (1.0 - dropout_p)),
+                                         act,
+                                         ffn_dtype(dg)};
+  fastformer::ffn_backward_cuda_launch(args, nullptr);
+  arena.check();
+  return {dh, g, db1};
+}
+
+// rng.cpp's uniform_cuda: philox_uniform (element false) or element_uniform of int64 offsets.
+at::Tensor uniform(int64_t seed, const at::Tensor& offsets, bool element) {
+  TORCH_CHECK(offsets.scalar_type() == at::kLong, "offsets must be int64");
+  Arena arena;
+  const at::Tensor off = arena.input(offsets, "offsets");
+  at::Tensor out = arena.empty(off.sizes(), at::kFloat, "out");
+  fastformer::philox_uniform_cuda_launch(static_cast<uint64_t>(seed), off.data_ptr<int64_t>(),
+                                         out.data_ptr<float>(), off.numel(), element, nullptr);
+  arena.check();
+  return out;
+}
+
+// One of selftest.cu's kernels on `in`; returns its output (threads * blocks * 6 floats).
+at::Tensor selftest(c10::string_view name, const at::Tensor& in, int64_t blocks, int64_t threads,
+                    int64_t smem) {
+  TORCH_CHECK(in.scalar_type() == at::kFloat, "selftest takes float32");
+  Arena arena;
+  const at::Tensor x = arena.input(in, "in");
+  at::Tensor out = arena.empty({std::max<int64_t>(blocks * threads * 6, 64)}, at::kFloat, "out");
+  emu_selftest::run(std::string(name), x.data_ptr<float>(), out.data_ptr<float>(),
+                    static_cast<int>(blocks), static_cast<int>(threads), static_cast<int>(smem));
+  arena.check();
+  return out;
+}
+
+void configure(int64_t device, int64_t sms, int64_t blocks_per_sm, int64_t order,
+               int64_t shuffle_seed) {
+  TORCH_CHECK(sms >= 1 && blocks_per_sm >= 0 && order >= 0 && order <= 2, "bad emulator config");
+  emu::Config& c = emu::config();
+  c.device = static_cast<int>(device);
+  c.sms = static_cast<int>(sms);
+  c.blocks_per_sm = static_cast<int>(blocks_per_sm);
+  c.order = static_cast<emu::Order>(order);
+  c.shuffle_seed = static_cast<uint64_t>(shuffle_seed);
+}
+
+std::string launch_log() { return emu::launch_log(); }
+
+void clear_launch_log() { emu::clear_launch_log(); }
+
+}  // namespace
+
+TORCH_LIBRARY(fastformer_emu, m) {
+  m.def(
+      "layer_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, int seed, "
+      "float eps, float dropout_p, bool rms, bool store_pre) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "layer_norm_bwd(Tensor dy, Tensor? dpre, Tensor x, Tensor? weight, Tensor? bias, "
+      "Tensor mean, Tensor rstd, int seed, float dropout_p, bool rms, bool fused, "
+      "bool has_residual, bool need_dweight, bool need_dbias) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("ffn_forward(Tensor h, str activation, float dropout_p, int seed) -> Tensor");
+  m.def(
+      "ffn_backward(Tensor dg, Tensor saved, str activation, float dropout_p, int seed) "
+      "-> (Tensor, Tensor, Tensor)");
+  m.def("uniform(int seed, Tensor offsets, bool element) -> Tensor");
+  m.def("selftest(str name, Tensor x, int blocks, int threads, int smem) -> Tensor");
+  // No tensor arguments: catch-all kernels.
+  m.def("configure(int device, int sms, int blocks_per_sm, int order, int shuffle_seed) -> ()",
+        &configure);
+  m.def("launch_log() -> str", &launch_log);
+  m.def("clear_launch_log() -> ()", &clear_launch_log);
+}
+
+TORCH_LIBRARY_IMPL(fastformer_emu, CPU, m) {
+  m.impl("layer_norm_fwd", &layer_norm_fwd);
+  m.impl("layer_norm_bwd", &layer_norm_bwd);
+  m.impl("ffn_forward", &ffn_forward);
+  m.impl("ffn_backward", &ffn_backward);
+  m.impl("uniform", &uniform);
+  m.impl("selftest", &selftest);
+}

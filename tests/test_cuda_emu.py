@@ -1,0 +1,590 @@
+"""The CUDA kernels of csrc/ (LayerNorm, FFN elementwise stages, RNG) run on the CPU by the
+emulator of tests/cuda_emu, against the eager reference with the parity rule.
+
+The emulator compiles the real .cu sources for the host and runs every block as cooperative
+fibers, one per CUDA thread (tests/cuda_emu/emu.h). So on a machine without a GPU these tests
+execute the kernels' indexing, vector paths, shuffles, shared-memory reductions, persistent
+grids and dropout masks. Kernels with shared memory run in forward and reverse order (of the
+warps, lanes and blocks) and must give the same bits in both: a missing barrier shows up as a
+difference, a parity failure or NaN (the value shared memory starts with). What the emulator cannot see: timing races it does not
+schedule, register and occupancy limits, the GPU's approximate math (rsqrtf is exact here).
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda_emu as ce
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastformer import reference as ref
+from fastformer.ops import rng
+from fastformer.testing import ATOL_FLOOR, assert_parity, compare_with_reference, parity
+
+REASON = ce.unavailable_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"CUDA emulator: {REASON}")
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+ORDERS = ("forward", "reverse")
+SEED = 2**40 + 12345  # dropout seed: both Philox key words non-zero
+
+
+@pytest.fixture(scope="module", autouse=True)
+def emulator():
+    """Builds (first run) or loads the emulated kernels once for the module."""
+    return ce.load()
+
+
+def _make(shape, dtype=F32, seed=0, scale=1.0, shift=0.0, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(shape, generator=g, dtype=torch.float32) * scale + shift
+    return t.to(dtype).requires_grad_(grad)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    bytes_a = a.detach().contiguous().view(-1).view(torch.uint8)
+    return torch.equal(bytes_a, b.detach().contiguous().view(-1).view(torch.uint8))
+
+
+def _keep(seed: int, shape: tuple[int, ...], p: float) -> torch.Tensor:
+    """The keep-mask of element i = row-major index: element_uniform(seed, i) >= p."""
+    offsets = torch.arange(math.prod(shape), dtype=torch.int64).view(shape)
+    return rng.element_uniform(seed, offsets) >= torch.tensor(p, dtype=torch.float32)
+
+
+def _parity_in_orders(fast, reference, inputs, names, floor, orders=ORDERS, **device):
+    """compare_with_reference once per fiber order, on one emulated device; the emulated
+    outputs and gradients must also be bit-identical across the orders. Returns the launches
+    of the last order."""
+    snapshots = []
+    for order in orders:
+        record: list[torch.Tensor] = []
+        ce.clear_launches()
+        with ce.device(order=order, **device):
+            results = compare_with_reference(
+                lambda *a, rec=record: fast(*a, record=rec),
+                reference,
+                inputs,
+                names=names,
+                atol_floor=floor,
+            )
+        assert_parity(results)
+        snapshots.append(record)
+    for order, record in zip(orders[1:], snapshots[1:]):
+        assert len(record) == len(snapshots[0])
+        for i, (a, b) in enumerate(zip(snapshots[0], record)):
+            assert _same_bits(a, b), f"result {i} differs between {orders[0]} and {order} order"
+    return ce.launches()
+
+
+def _path(launch: ce.Launch) -> tuple[str, int, tuple[int, int, int]]:
+    kind = "vec" if "vec" in launch.kernel else "any"
+    return kind, int(launch.params.get("kVecs", 0)), launch.block
+
+
+# --------------------------------------------------------------------------- the emulator
+
+
+def test_transform_rewrites_launches_and_shared_declarations():
+    src = (
+        "template <typename T, int N>\n"
+        "__global__ void __launch_bounds__(256, 1) k(const T* x) {\n"
+        "  __shared__ float2 red[32][kWarp + 1];\n"
+        "  extern __shared__ float dyn[];\n"
+        '  // k<<<1, 2>>>(x) in a comment, "__shared__" in a string\n'
+        "}\n"
+        "void go(cudaStream_t s) {\n"
+        "  ns::k<float, 4><<<dim3(a, b), 64, smem, s>>>(\n      x);\n"
+        "  kernel<<<grid < 4 ? grid : 4, threads>>>();\n"
+        "}\n"
+    )
+    out = ce.transform(src, "k.cu")
+    assert out.count("\n") == src.count("\n") + 2  # #include and #line only: lines are kept
+    assert "::emu::launch(dim3(a, b), 64, smem, ns::k<float, 4>, \n      x)" in out
+    assert "::emu::launch(grid < 4 ? grid : 4, threads, 0, kernel)" in out
+    assert "auto& red = ::emu::block_shared<float2[32][kWarp + 1]>(&red_emu_key)" in out
+    assert "float* dyn = ::emu::dynamic_shared<float>()" in out
+    assert "kernel_entry(__PRETTY_FUNCTION__, static_cast<int>(256));" in out
+    assert '"__shared__" in a string' in out and "k<<<1, 2>>>(x) in a comment" in out
+
+
+def test_correct_block_reduction_in_every_order(emulator):
+    x = torch.arange(256, dtype=F32)
+    expected = torch.cat([x[:128].sum().expand(128), x[128:].sum().expand(128)])
+    for order in ("forward", "reverse", "shuffled"):
+        with ce.device(order=order, seed=3):
+            out = emulator.ops.selftest("block_sum", x, 2, 128, 0)
+        assert torch.equal(out[:256], expected), order
+
+
+def test_missing_barrier_shows_in_the_result(emulator):
+    # The same reduction without its __syncthreads: another warp's slot is read before it
+    # is written, which gives NaN (the initial shared memory) in at least one order.
+    x = torch.arange(256, dtype=F32)
+    outs = []
+    for order in ORDERS:
+        with ce.device(order=order):
+            outs.append(emulator.ops.selftest("block_sum_racy", x, 2, 128, 0)[:256])
+    assert any(torch.isnan(o).any() for o in outs)
+    # Slots reused by a second reduction without a barrier: a fast warp overwrites a slot
+    # another warp has still to read (the result is 0 without the race).
+    outs = []
+    for order in ORDERS:
+        with ce.device(order=order):
+            outs.append(emulator.ops.selftest("two_sums_racy", x, 2, 128, 0)[:256])
+    assert any((o != 0).any() for o in outs)
+    with ce.device():
+        assert torch.isnan(emulator.ops.selftest("uninitialized_shared", x, 1, 32, 0)[:32]).all()
+
+
+def test_warp_intrinsics(emulator):
+    with ce.device():
+        out = emulator.ops.selftest("ballot_and_shuffles", torch.zeros(32), 1, 32, 0)
+    out = out[: 32 * 6].view(32, 6)
+    lane = torch.arange(32, dtype=F32)
+    assert torch.equal(out[:, 0], torch.ones(32))  # ballot of odd lanes
+    assert torch.equal(out[:, 1], torch.where(lane < 31, lane + 1, lane))  # shfl_down 1
+    assert torch.equal(out[:, 2], torch.where(lane >= 2, lane - 2, lane))  # shfl_up 2
+    assert torch.equal(out[:, 3], torch.full((32,), 3.0))
+    assert torch.equal(out[:, 4:], torch.ones(32, 2))
+
+
+@pytest.mark.parametrize(
+    ("case", "threads", "smem", "message"),
+    [
+        ("deadlock", 32, 0, "deadlock|wait for it"),
+        ("divergent_barriers", 32, 0, "divergent barriers"),
+        ("shuffle_exited_lane", 32, 0, "exited"),
+        ("shuffle_partial_warp", 32, 0, "do not exist"),
+        ("too_many_threads", 32, 0, "more than 1024 threads"),
+        ("launch_bounds", 32, 0, "__launch_bounds__ of 128"),
+        ("dynamic_smem", 64, 48 * 1024 + 4, None),  # allowed after cudaFuncSetAttribute
+        ("dynamic_smem", 64, 228 * 1024, "dynamic shared memory over"),
+        ("dynamic_smem_overflow", 64, 0, "dynamic shared memory written past"),
+        ("static_smem_overflow", 32, 0, "written past an array"),
+        ("misaligned_vector", 32, 0, "misaligned access .* uint4"),
+        ("index_out_of_bounds", 32, 0, "out of bounds of 'float \\[4\\]'"),
+    ],
+)
+def test_misuse_is_an_error(emulator, case, threads, smem, message):
+    x = torch.arange(256, dtype=F32)
+    for order in ORDERS:
+        with ce.device(order=order):
+            if message is None:
+                out = emulator.ops.selftest(case, x, 1, threads, smem)
+                assert torch.equal(out[:threads], torch.arange(threads - 1, -1, -1, dtype=F32))
+            else:
+                with pytest.raises(RuntimeError, match=message):
+                    emulator.ops.selftest(case, x, 1, threads, smem)
+
+
+# --------------------------------------------------------------------------- rng
+
+
+def test_rng_kernel_bit_identical_to_python(emulator):
+    gen = torch.Generator().manual_seed(0)
+    edges = torch.tensor([0, 1, 2, 3, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40 - 1])
+    offsets = torch.cat([edges, torch.randint(0, 2**40, (3000,), generator=gen)])
+    for seed in (0, 1, 2**31, 2**32 + 7, 2**62 + 12345, 2**63 - 1):
+        ce.clear_launches()
+        with ce.device():
+            element = emulator.ops.uniform(seed, offsets, True)
+            first = emulator.ops.uniform(seed, offsets, False)
+        assert torch.equal(element, rng.element_uniform(seed, offsets)), seed
+        assert torch.equal(first, rng.philox_uniform(seed, offsets)), seed
+        grids = [launch.grid for launch in ce.launches()]
+        assert grids == [(12, 1, 1)] * 2  # 3009 offsets, 256 threads a block
+
+
+# --------------------------------------------------------------------------- layer_norm
+
+
+def _ln_fast(x, w, b, *, record, **kw):
+    return ce.layer_norm(x, w, b, **kw, record=record)
+
+
+def _ln_ref(x, w, b, eps=1e-5):
+    return ref.layer_norm(x, x.shape[-1], w, b, eps).to(x.dtype)
+
+
+VEC, ANY = "vec", "any"
+# dtype, rows, cols; the forward kernel (kind, vectors a thread, block) and the backward's.
+LN_PATHS = [
+    (F32, 1, 1, (ANY, 0, (32, 4, 1)), (ANY, 0, (32, 8, 1))),
+    (F32, 3, 7, (ANY, 0, (32, 4, 1)), (ANY, 0, (32, 8, 1))),
+    (F32, 300, 64, (VEC, 1, (32, 4, 1)), (VEC, 1, (32, 8, 1))),  # warp per row
+    (F32, 37, 200, (VEC, 2, (32, 4, 1)), (VEC, 2, (32, 8, 1))),
+    (F32, 5, 512, (VEC, 4, (32, 4, 1)), (VEC, 4, (32, 8, 1))),
+    (F32, 9, 1024, (VEC, 4, (64, 2, 1)), (VEC, 4, (64, 4, 1))),  # block per row, 2-D blocks
+    (F32, 3, 1028, (VEC, 4, (96, 1, 1)), (VEC, 4, (96, 2, 1))),  # three warps a row
+    (F32, 2, 8192, (VEC, 4, (512, 1, 1)), (VEC, 4, (512, 1, 1))),
+    (F32, 3, 1023, (ANY, 0, (256, 1, 1)), (ANY, 0, (256, 1, 1))),
+    (F32, 2, 8196, (ANY, 0, (512, 1, 1)), (ANY, 0, (512, 1, 1))),
+    (BF16, 300, 256, (VEC, 1, (32, 4, 1)), (VEC, 1, (32, 8, 1))),
+    (BF16, 1, 512, (VEC, 2, (32, 4, 1)), (VEC, 2, (32, 8, 1))),  # one row, seven idle
+    (BF16, 9, 1024, (VEC, 4, (32, 4, 1)), (VEC, 2, (64, 4, 1))),
+    (F16, 3, 8192, (VEC, 4, (256, 1, 1)), (VEC, 2, (512, 1, 1))),
+    (BF16, 2, 16384, (VEC, 4, (512, 1, 1)), (ANY, 0, (512, 1, 1))),
+    (F16, 5, 1023, (ANY, 0, (256, 1, 1)), (ANY, 0, (256, 1, 1))),
+]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "rows", "cols", "fwd", "bwd"),
+    LN_PATHS,
+    ids=[f"{str(c[0])[6:]}-{c[1]}x{c[2]}-{c[3][0]}{c[3][1]}" for c in LN_PATHS],
+)
+def test_layer_norm_kernel_paths(dtype, rows, cols, fwd, bwd):
+    x = _make((rows, cols), dtype, scale=2.0, shift=1.0)  # an offset mean tests the centring
+    w, b = _make((cols,), seed=1), _make((cols,), seed=2)  # fp32 parameters
+    launches = _parity_in_orders(
+        _ln_fast, _ln_ref, [x, w, b], ["x", "weight", "bias"], ATOL_FLOOR[dtype]
+    )
+    assert [launch.kernel for launch in launches] == [
+        f"ln_fwd_{fwd[0]}_kernel",
+        f"ln_bwd_{bwd[0]}_kernel",
+        "ln_bwd_finalize_kernel",
+    ]
+    assert _path(launches[0]) == fwd and _path(launches[1]) == bwd
+    vecs, (tpr, rpb, _) = bwd[1], bwd[2]
+    smem = tpr * rpb * vecs * (16 // x.element_size()) * 4 if vecs and rpb > 1 else 0
+    assert launches[1].smem == smem  # the accumulators of a block's row groups
+    assert launches[2].grid == (math.ceil(cols / 32), 2, 1)
+
+
+@pytest.mark.parametrize("affine", ["none", "weight", "bias", "both"])
+@pytest.mark.parametrize(
+    ("dtype", "rows", "cols"), [(F16, 4, 1024), (BF16, 3, 1023), (F32, 37, 256)]
+)
+def test_layer_norm_weight_dtype_and_affine_variants(dtype, rows, cols, affine):
+    # Parameters in the input dtype (W = T in the kernels), or absent.
+    x = _make((rows, cols), dtype)
+    w = _make((cols,), dtype, seed=1) if affine in ("weight", "both") else None
+    b = _make((cols,), dtype, seed=2) if affine in ("bias", "both") else None
+    names = [n for n, t in zip(["x", "weight", "bias"], [x, w, b]) if t is not None]
+    _parity_in_orders(_ln_fast, _ln_ref, [x, w, b], names, ATOL_FLOOR[dtype])
+
+
+@pytest.mark.parametrize("frozen", ["weight", "bias"])
+@pytest.mark.parametrize(("dtype", "cols"), [(F32, 64), (BF16, 1024), (F16, 1023)])
+def test_layer_norm_one_parameter_gradient(dtype, cols, frozen):
+    # need_dweight xor need_dbias: one half of the partials and of the finalize grid idle.
+    x = _make((40, cols), dtype)
+    w = _make((cols,), seed=1, grad=frozen != "weight")
+    b = _make((cols,), seed=2, grad=frozen != "bias")
+    names = ["x", "bias"] if frozen == "weight" else ["x", "weight"]
+    _parity_in_orders(_ln_fast, _ln_ref, [x, w, b], names, ATOL_FLOOR[dtype])
+
+
+@pytest.mark.parametrize(("dtype", "cols"), [(F32, 1024), (BF16, 1024), (F16, 64)])
+@pytest.mark.parametrize("misaligned", ["x", "weight", "residual"])
+def test_layer_norm_misaligned_pointer_takes_the_generic_kernels(dtype, cols, misaligned):
+    # A view one element into its storage is not 16-byte aligned: the vector kernels would
+    # fault on the GPU (the emulator reports such an access as an error).
+    rows = 5
+    shifted = _make((rows * cols + 1,), dtype, seed=3, grad=False)[1:]
+    x = shifted.view(rows, cols) if misaligned == "x" else _make((rows, cols), dtype, grad=False)
+    w = shifted[:cols] if misaligned == "weight" else _make((cols,), dtype, seed=1, grad=False)
+    b = _make((cols,), dtype, seed=2)
+    x, w = x.requires_grad_(), w.requires_grad_()
+    if misaligned == "residual":  # the fused kernels; their backward reads pre, a new tensor
+        r = shifted.view(rows, cols).requires_grad_()
+
+        def fast(x, r, w, b, record):
+            return ce.layer_norm(x, w, b, r, prenorm=True, record=record)
+
+        def reference(x, r, w, b):
+            out, pre = ref.dropout_add_layer_norm(x, r, w, b, 1e-5, 0.0, True)
+            return out.to(x.dtype), pre
+
+        inputs, names = [x, r, w, b], ["x", "residual", "weight", "bias"]
+    else:
+        fast, reference, inputs, names = _ln_fast, _ln_ref, [x, w, b], ["x", "weight", "bias"]
+    launches = _parity_in_orders(fast, reference, inputs, names, ATOL_FLOOR[dtype])
+    backward = "ln_bwd_vec_kernel" if misaligned == "residual" else "ln_bwd_any_kernel"
+    assert [launch.kernel for launch in launches[:2]] == ["ln_fwd_any_kernel", backward]
+
+
+RMS_CASES = [
+    (F32, 3, 7, True),
+    (F32, 300, 64, True),
+    (F32, 4, 1024, False),
+    (BF16, 5, 1024, True),
+    (F16, 4, 4096, True),
+    (BF16, 2, 16384, False),
+    (F16, 3, 1023, True),
+]
+
+
+@pytest.mark.parametrize(("dtype", "rows", "cols", "weighted"), RMS_CASES)
+def test_rms_norm_parity(dtype, rows, cols, weighted):
+    x = _make((rows, cols), dtype, shift=0.5)
+    eps = torch.finfo(dtype).eps
+    inputs, names = [x], ["x"]
+    if weighted:
+        inputs, names = [x, _make((cols,), seed=3)], ["x", "weight"]
+
+    def fast(x, w=None, *, record):
+        return ce.layer_norm(x, w, None, rms=True, eps=eps, record=record)
+
+    def reference(x, w=None):
+        return ref.rms_norm(x, cols, w, eps).to(x.dtype)
+
+    launches = _parity_in_orders(fast, reference, inputs, names, ATOL_FLOOR[dtype])
+    assert all(launch.params.get("kRms") == "true" for launch in launches[:2])
+
+
+# dtype, rows, cols, dropout p, with a residual
+FUSED_CASES = [
+    (F32, 37, 129, 0.3, True),
+    (BF16, 64, 256, 0.1, True),
+    (F32, 4, 1024, 0.5, False),
+    (F16, 3, 8192, 0.2, True),
+    (BF16, 2, 16384, 0.25, True),
+    (F32, 5, 1023, 0.0, True),
+]
+
+
+@pytest.mark.parametrize(("dtype", "rows", "cols", "p", "with_residual"), FUSED_CASES)
+def test_dropout_add_layer_norm_prenorm_parity(dtype, rows, cols, p, with_residual):
+    x = _make((rows, cols), dtype, scale=1.5)
+    r = _make((rows, cols), dtype, seed=9) if with_residual else None
+    w, b = _make((cols,), seed=1), _make((cols,), seed=2)
+    keep = _keep(SEED, (rows, cols), p) if p > 0 else None
+
+    def fast(x, *rest, record):
+        r, w, b = rest if with_residual else (None, *rest)
+        return ce.layer_norm(x, w, b, r, dropout_p=p, prenorm=True, seed=SEED, record=record)
+
+    def reference(x, *rest):
+        r, w, b = rest if with_residual else (None, *rest)
+        out, pre = ref.dropout_add_layer_norm(x, r, w, b, 1e-5, p, True, keep_mask=keep)
+        return out.to(x.dtype), pre
+
+    inputs = [x, r, w, b] if with_residual else [x, w, b]
+    names = ["x", "residual", "weight", "bias"] if with_residual else ["x", "weight", "bias"]
+    launches = _parity_in_orders(fast, reference, inputs, names, ATOL_FLOOR[dtype])
+    assert launches[0].params["kFused"] == "true" and launches[1].params["kFused"] == "true"
+
+
+@pytest.mark.parametrize(("dtype", "cols"), [(F32, 129), (BF16, 1024), (F16, 8192), (F32, 16384)])
+def test_layer_norm_dropout_mask_is_the_regenerated_one(dtype, cols):
+    rows, p = 3, 0.4
+    keep = _keep(SEED, (rows, cols), p)
+    x = torch.ones(rows, cols, dtype=dtype, requires_grad=True)
+    with ce.device():
+        out, pre = ce.layer_norm(x, None, None, dropout_p=p, prenorm=True, seed=SEED)
+        assert torch.equal(pre != 0, keep)
+        assert torch.equal(pre[keep], torch.full_like(pre[keep], 1 / (1 - p)))
+        out.backward(_make((rows, cols), dtype, seed=5, grad=False))
+    assert torch.equal(x.grad != 0, keep)  # the backward regenerates the same mask
+
+
+@pytest.mark.parametrize(("dtype", "cols"), [(F32, 1024), (BF16, 1023)])
+def test_fused_forward_without_pre_recomputes_the_same_values(dtype, cols):
+    # Without a stored pre the kernels recompute residual + dropout(x) in each pass.
+    x, r = _make((7, cols), dtype, grad=False), _make((7, cols), dtype, seed=1, grad=False)
+    w, b = _make((cols,), seed=2, grad=False), _make((cols,), seed=3, grad=False)
+    with ce.device():
+        out = ce.layer_norm(x, w, b, r, dropout_p=0.2, seed=SEED)
+        out_pre, _ = ce.layer_norm(x, w, b, r, dropout_p=0.2, seed=SEED, prenorm=True)
+    assert _same_bits(out, out_pre)
+
+
+@pytest.mark.parametrize("sms", [1, 7])
+@pytest.mark.parametrize(
+    ("dtype", "rows", "cols", "rpb"),
+    [(F32, 200, 64, 8), (F32, 50, 1024, 4), (BF16, 40, 1023, 1), (BF16, 30, 16384, 1)],
+)
+def test_backward_persistent_grid_and_finalize(sms, dtype, rows, cols, rpb):
+    # One resident block an SM: `sms` blocks loop over all the rows and keep their partials.
+    x = _make((rows, cols), dtype, shift=2.0)
+    w, b = _make((cols,), seed=1), _make((cols,), seed=2)
+    names = ["x", "weight", "bias"]
+    device = {"sms": sms, "blocks_per_sm": 1}
+    launches = _parity_in_orders(_ln_fast, _ln_ref, [x, w, b], names, ATOL_FLOOR[dtype], **device)
+    grid = min(math.ceil(rows / rpb), sms)
+    assert launches[1].grid == (grid, 1, 1)
+    assert launches[2].kernel == "ln_bwd_finalize_kernel"
+
+
+def test_layer_norm_bit_identical_twice_in_any_order():
+    x, r = _make((37, 1024)), _make((37, 1024), seed=2)
+    w, b = _make((1024,), seed=3), _make((1024,), seed=4)
+    dy = _make((37, 1024), seed=5, grad=False)
+
+    def once(**device):
+        xs = [t.detach().clone().requires_grad_() for t in (x, r, w, b)]
+        with ce.device(**device):
+            x_, r_, w_, b_ = xs
+            out, pre = ce.layer_norm(x_, w_, b_, r_, dropout_p=0.1, prenorm=True, seed=SEED)
+            torch.autograd.backward([out, pre], [dy, dy * 0.5])
+        return [out, pre, *(t.grad for t in xs)]
+
+    first = once()
+    for device in ({}, {"order": "shuffled", "seed": 1}, {"order": "shuffled", "seed": 2}):
+        assert all(_same_bits(a, c) for a, c in zip(first, once(**device)))
+    # dx and dres are per row: the same for any grid; dweight and dbias are summed in an order
+    # that depends on the grid (the SM count), as documented.
+    other = once(sms=7, blocks_per_sm=1)
+    assert all(_same_bits(a, c) for a, c in zip(first[:4], other[:4]))
+
+
+def test_layer_norm_empty_batch_gives_zero_parameter_gradients(emulator):
+    x = torch.empty(0, 8)
+    w, b = torch.ones(8), torch.zeros(8)
+    with ce.device():
+        out, pre, mean, rstd = emulator.ops.layer_norm_fwd(
+            x, w, b, None, 0, 1e-5, 0.0, False, False
+        )
+        dx, _, dw, db = emulator.ops.layer_norm_bwd(
+            x, None, x, w, b, mean, rstd, 0, 0.0, False, False, False, True, True
+        )
+    assert out.shape == (0, 8) and dx.shape == (0, 8)
+    assert torch.equal(dw, torch.zeros(8)) and torch.equal(db, torch.zeros(8))
+
+
+# --------------------------------------------------------------------------- ffn
+
+
+GATED = ("swiglu", "geglu")
+ACT_FN = {
+    "identity": lambda h: h,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
+    "silu": F.silu,
+    "swiglu": F.silu,
+    "geglu": F.gelu,
+}
+
+
+def _stage_ref(h: torch.Tensor, act: str, keep: torch.Tensor | None, p: float) -> torch.Tensor:
+    """g = dropout(act(h)) eagerly, in h's dtype (the gated variants: act(gate) * up)."""
+    if act in GATED:
+        gate, up = h.chunk(2, dim=-1)
+        y = ACT_FN[act](gate) * up
+    else:
+        y = ACT_FN[act](h)
+    return y * keep.to(y.dtype) * (1.0 / (1.0 - p)) if p > 0 else y
+
+
+def _stage_ref_grads(h, dg, act, keep, p):
+    """(g, dh, db1) of the eager stage, in h's dtype."""
+    h = h.detach().requires_grad_()
+    g = _stage_ref(h, act, keep, p)
+    (dh,) = torch.autograd.grad(g, h, dg)
+    return g.detach(), dh, dh.sum(0)
+
+
+def _ffn_inputs(rows, d_ff, act, dtype, seed=0):
+    width = 2 * d_ff if act in GATED else d_ff
+    h = _make((rows, width), dtype, seed=seed, scale=2.0, grad=False)
+    dg = _make((rows, d_ff), dtype, seed=seed + 1, grad=False)
+    return h, dg
+
+
+def _check_ffn_stages(emulator, h, dg, act, p, dtype, seed=SEED):
+    rows, d_ff = dg.shape
+    keep = _keep(seed, (rows, d_ff), p) if p > 0 else None
+    floor = ATOL_FLOOR[dtype]
+    with ce.device():
+        g = emulator.ops.ffn_forward(h, act, p, seed)
+    g64, g_lp = _stage_ref(h.double(), act, keep, p), _stage_ref(h, act, keep, p)
+    assert_parity([parity("g", g, g64, g_lp, floor)])
+    if act == "identity":
+        return []
+    # The backward reads h, or for relu the forward's output g.
+    saved = g if act == "relu" else h
+    results = []
+    for order in ORDERS:
+        ce.clear_launches()
+        with ce.device(order=order):
+            results.append(emulator.ops.ffn_backward(dg, saved, act, p, seed))
+    assert all(_same_bits(a, c) for a, c in zip(*results)), "fiber orders disagree"
+    dh, g_out, db1 = results[0]
+    ref64 = _stage_ref_grads(h.double(), dg.double(), act, keep, p)
+    ref_lp = _stage_ref_grads(h, dg, act, keep, p)
+    checks = [parity("dh", dh, ref64[1], ref_lp[1], floor)]
+    checks.append(parity("db1", db1, ref64[2], ref_lp[2], floor))
+    if act != "relu":
+        checks.append(parity("g_out", g_out, ref64[0], ref_lp[0], floor))
+    assert_parity(checks)
+    return ce.launches()
+
+
+FFN_SHAPES = [(1, 13), (70, 40), (33, 36), (257, 37)]  # 40: vectors of any dtype, 36: fp32 only
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("shape", FFN_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu"])
+def test_ffn_stages_parity(emulator, act, dtype, shape, p):
+    rows, d_ff = shape
+    h, dg = _ffn_inputs(rows, d_ff, act, dtype)
+    launches = _check_ffn_stages(emulator, h, dg, act, p, dtype)
+    vec = 16 // h.element_size() if d_ff % (16 // h.element_size()) == 0 else 1
+    backward, finalize = launches
+    assert backward.kernel == "ffn_backward_kernel" and int(backward.params["VEC"]) == vec
+    assert backward.grid == (math.ceil(math.ceil(d_ff / vec) / 32), math.ceil(rows / 32), 1)
+    assert finalize.kernel == "ffn_bias_grad_finalize_kernel"
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("p", [0.0, 0.25])
+def test_ffn_identity_forward_is_dropout_in_place(emulator, dtype, p):
+    # The forward after a fused cuBLASLt epilogue: only dropout is left, in place on h.
+    h, dg = _ffn_inputs(70, 40, "identity", dtype)
+    _check_ffn_stages(emulator, h, dg, "identity", p, dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("d_ff", [40, 37])
+def test_ffn_dropout_mask_is_the_regenerated_one(emulator, dtype, d_ff):
+    rows, p = 9, 0.4
+    keep = _keep(SEED, (rows, d_ff), p)
+    ce.clear_launches()
+    with ce.device():
+        g = emulator.ops.ffn_forward(torch.ones(rows, d_ff, dtype=dtype), "relu", p, SEED)
+        dg = _make((rows, d_ff), dtype, grad=False)
+        dh, _, _ = emulator.ops.ffn_backward(dg, g, "relu", p, SEED)
+        h = torch.ones(rows, 2 * d_ff, dtype=dtype)
+        dh_gated, g_gated, _ = emulator.ops.ffn_backward(dg, h, "swiglu", p, SEED)
+    assert torch.equal(g != 0, keep) and torch.equal(dh != 0, keep)
+    assert torch.equal(g_gated != 0, keep)
+    assert torch.equal(dh_gated[:, :d_ff] != 0, keep) and torch.equal(dh_gated[:, d_ff:] != 0, keep)
+    vec = 16 // g.element_size() if d_ff % (16 // g.element_size()) == 0 else 1
+    assert int(ce.launches()[0].params["VEC"]) == vec
+
+
+def test_ffn_misaligned_h_takes_the_scalar_kernels(emulator):
+    base, dg = _ffn_inputs(70, 41, "gelu", BF16)
+    h = base.view(-1)[1 : 1 + 70 * 40].view(70, 40)  # contiguous, one element off
+    dg = dg[:, :40].contiguous()
+    assert h.data_ptr() % 16 != 0
+    ce.clear_launches()
+    with ce.device():
+        emulator.ops.ffn_forward(h, "gelu", 0.3, SEED)
+    assert ce.launches()[0].params["VEC"] == "1"  # 40 columns would take 8-wide vectors
+    launches = _check_ffn_stages(emulator, h, dg, "gelu", 0.3, BF16)
+    assert launches[0].params["VEC"] == "1"
+
+
+def test_ffn_bias_grad_with_the_most_row_blocks(emulator):
+    # 8300 rows: 256 row blocks (the cap), each looping over several block steps.
+    h, dg = _ffn_inputs(8300, 5, "gelu", F32)
+    launches = _check_ffn_stages(emulator, h, dg, "gelu", 0.1, F32)
+    assert launches[0].grid == (1, 256, 1)
+
+
+def test_ffn_empty_batch_gives_zero_bias_gradient(emulator):
+    with ce.device():
+        dh, _, db1 = emulator.ops.ffn_backward(
+            torch.empty(0, 6), torch.empty(0, 12), "geglu", 0.0, 0
+        )
+    assert dh.shape == (0, 12) and torch.equal(db1, torch.zeros(12))
