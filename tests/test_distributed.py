@@ -63,6 +63,7 @@ def _ddp_worker(rank, world, port, path):
         _loss(model, *_shard(_batch(), rank, world)).backward()
         grads = {n: p.grad for n, p in model.module.named_parameters()}
         torch.save(grads, f"{path}.{rank}")
+        dist.barrier()  # see _fsdp_worker
     finally:
         dist.destroy_process_group()
 
@@ -115,6 +116,9 @@ def _fsdp_worker(rank, world, port, path, device):
         grads = {n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()}
         if rank == 0:
             torch.save(grads, path)
+        # Without it a rank could tear gloo down while the other still talks to it: about 1 run
+        # in 12 aborted with "terminate called without an active exception".
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

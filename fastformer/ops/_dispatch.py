@@ -9,7 +9,6 @@ cannot run).
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,13 +33,8 @@ def register(op: str, backends: list[Backend]) -> None:
     REGISTRY[op] = backends
 
 
-@functools.cache
-def _env_key(op: str) -> str:
-    return f"FASTFORMER_BACKEND_{op.upper()}"
-
-
 def forced_backend(op: str) -> str | None:
-    return os.environ.get(_env_key(op)) or None
+    return os.environ.get(f"FASTFORMER_BACKEND_{op.upper()}") or None
 
 
 def explain(op: str, inputs: Any = None) -> list[tuple[str, list[str]]]:
