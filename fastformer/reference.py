@@ -853,7 +853,7 @@ class TransformerDecoder(nn.Module):
                 tgt_key_padding_mask=tgt_key_padding_mask,
                 memory_key_padding_mask=memory_key_padding_mask,
                 tgt_is_causal=bool(tgt_is_causal),
-                memory_is_causal=memory_is_causal,
+                memory_is_causal=bool(memory_is_causal),
             )
         return self.norm(output) if self.norm is not None else output
 

@@ -45,13 +45,24 @@ def _adopt_children(module: nn.Module) -> None:
             child.__class__ = LayerNorm
 
 
-def _use_activation(
+def _torch_activation(activation: Activation) -> Activation:
+    """What torch's layer __init__ gets: the activation, or "relu" for fastformer's extras."""
+    check_activation(activation)
+    return activation if callable(activation) or activation in _TORCH_ACTIVATIONS else "relu"
+
+
+def _finish_layer(
     layer: nn.Module, activation: Activation, d_model: int, dim_ff: int, bias: bool, kw: dict
-) -> None:
-    """Give a layer built by torch with "relu" one of fastformer's extra activations."""
+) -> bool:
+    """After torch's __init__: fastformer children, and one of fastformer's extra activations
+    when torch was given "relu" in its place (then True)."""
+    _adopt_children(layer)
+    if _torch_activation(activation) is activation:
+        return False
     layer.activation = activation
     if linear1_features(dim_ff, activation) != dim_ff:
         layer.linear1 = nn.Linear(d_model, linear1_features(dim_ff, activation), bias, **kw)
+    return True
 
 
 def _norm_reasons(norm: nn.Module, drop: nn.Module) -> list[str]:
@@ -152,16 +163,12 @@ class TransformerEncoderLayer(nn.TransformerEncoderLayer):
         device=None,
         dtype=None,
     ) -> None:
-        check_activation(activation)
-        torch_ok = callable(activation) or activation in _TORCH_ACTIVATIONS
         super().__init__(
-            d_model, nhead, dim_feedforward, dropout, activation if torch_ok else "relu",
+            d_model, nhead, dim_feedforward, dropout, _torch_activation(activation),
             layer_norm_eps, batch_first, norm_first, bias, device, dtype,
         )  # fmt: skip
-        _adopt_children(self)
-        if not torch_ok:
-            kw = {"device": device, "dtype": dtype}
-            _use_activation(self, activation, d_model, dim_feedforward, bias, kw)
+        kw = {"device": device, "dtype": dtype}
+        if _finish_layer(self, activation, d_model, dim_feedforward, bias, kw):
             self.activation_relu_or_gelu = 0  # keeps torch's own fused path away
 
     @property
@@ -220,16 +227,13 @@ class TransformerDecoderLayer(nn.TransformerDecoderLayer):
         device=None,
         dtype=None,
     ) -> None:
-        check_activation(activation)
-        torch_ok = callable(activation) or activation in _TORCH_ACTIVATIONS
         super().__init__(
-            d_model, nhead, dim_feedforward, dropout, activation if torch_ok else "relu",
+            d_model, nhead, dim_feedforward, dropout, _torch_activation(activation),
             layer_norm_eps, batch_first, norm_first, bias, device, dtype,
         )  # fmt: skip
-        _adopt_children(self)
-        if not torch_ok:
-            kw = {"device": device, "dtype": dtype}
-            _use_activation(self, activation, d_model, dim_feedforward, bias, kw)
+        _finish_layer(
+            self, activation, d_model, dim_feedforward, bias, {"device": device, "dtype": dtype}
+        )
 
     @property
     def fallback_reasons(self) -> list[str]:
@@ -320,15 +324,10 @@ class TransformerEncoder(nn.TransformerEncoder):
     ) -> Tensor:
         """src (S, B, E) ((B, S, E) if batch_first) -> same shape."""
         _causal_hint_note(self, "mask", mask, is_causal)
-        output = src
-        for layer in self.layers:
-            output = layer(
-                output,
-                src_mask=mask,
-                src_key_padding_mask=src_key_padding_mask,
-                is_causal=bool(is_causal),
-            )
-        return self.norm(output) if self.norm is not None else output
+        # The reference's layer loop: it only reads `layers` and `norm`, which torch's has too.
+        return reference.TransformerEncoder.forward(
+            self, src, mask, src_key_padding_mask, is_causal
+        )
 
 
 class TransformerDecoder(nn.TransformerDecoder):
@@ -349,19 +348,10 @@ class TransformerDecoder(nn.TransformerDecoder):
     ) -> Tensor:
         """tgt (T, B, E), memory (S, B, E) -> like tgt."""
         _causal_hint_note(self, "tgt_mask", tgt_mask, tgt_is_causal)
-        output = tgt
-        for layer in self.layers:
-            output = layer(
-                output,
-                memory,
-                tgt_mask=tgt_mask,
-                memory_mask=memory_mask,
-                tgt_key_padding_mask=tgt_key_padding_mask,
-                memory_key_padding_mask=memory_key_padding_mask,
-                tgt_is_causal=bool(tgt_is_causal),
-                memory_is_causal=bool(memory_is_causal),
-            )
-        return self.norm(output) if self.norm is not None else output
+        return reference.TransformerDecoder.forward(
+            self, tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
+            memory_key_padding_mask, tgt_is_causal, memory_is_causal,
+        )  # fmt: skip
 
 
 class Transformer(nn.Transformer):
