@@ -623,6 +623,22 @@ def _linear1_out(dim_feedforward: int, activation: str | Callable[[Tensor], Tens
 class _SublayerMixin:
     """Shared residual sub-layer code of the encoder and decoder layers."""
 
+    def _init_sublayers(
+        self, count: int, d_model: int, dim_feedforward: int, dropout: float, activation,
+        layer_norm_eps: float, norm_first: bool, bias: bool, kw: dict,
+    ) -> None:  # fmt: skip
+        """The FFN and `count` LayerNorm / Dropout pairs, registered (and initialised) in the
+        order of the torch.nn layers, after the attention modules."""
+        self.linear1 = nn.Linear(d_model, _linear1_out(dim_feedforward, activation), bias, **kw)
+        self.dropout = nn.Dropout(dropout)
+        self.linear2 = nn.Linear(dim_feedforward, d_model, bias, **kw)
+        self.norm_first = norm_first
+        for i in range(1, count + 1):
+            setattr(self, f"norm{i}", LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **kw))
+        for i in range(1, count + 1):
+            setattr(self, f"dropout{i}", nn.Dropout(dropout))
+        self.activation = activation
+
     def _ff_block(self, x: Tensor) -> Tensor:
         """``linear2(dropout(act(linear1(x))))`` via :func:`ffn` (without the outer dropout)."""
         p = self.dropout.p if self.training else 0.0
@@ -669,15 +685,9 @@ class TransformerEncoderLayer(_SublayerMixin, nn.Module):
         _check_layer_activation(activation)
         kw = {"device": device, "dtype": dtype}
         self.self_attn = MultiheadAttention(d_model, nhead, dropout, bias, batch_first, **kw)
-        self.linear1 = nn.Linear(d_model, _linear1_out(dim_feedforward, activation), bias, **kw)
-        self.dropout = nn.Dropout(dropout)
-        self.linear2 = nn.Linear(dim_feedforward, d_model, bias, **kw)
-        self.norm_first = norm_first
-        self.norm1 = LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **kw)
-        self.norm2 = LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **kw)
-        self.dropout1 = nn.Dropout(dropout)
-        self.dropout2 = nn.Dropout(dropout)
-        self.activation = activation
+        self._init_sublayers(
+            2, d_model, dim_feedforward, dropout, activation, layer_norm_eps, norm_first, bias, kw
+        )
 
     def forward(
         self,
@@ -727,17 +737,9 @@ class TransformerDecoderLayer(_SublayerMixin, nn.Module):
         kw = {"device": device, "dtype": dtype}
         self.self_attn = MultiheadAttention(d_model, nhead, dropout, bias, batch_first, **kw)
         self.multihead_attn = MultiheadAttention(d_model, nhead, dropout, bias, batch_first, **kw)
-        self.linear1 = nn.Linear(d_model, _linear1_out(dim_feedforward, activation), bias, **kw)
-        self.dropout = nn.Dropout(dropout)
-        self.linear2 = nn.Linear(dim_feedforward, d_model, bias, **kw)
-        self.norm_first = norm_first
-        self.norm1 = LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **kw)
-        self.norm2 = LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **kw)
-        self.norm3 = LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **kw)
-        self.dropout1 = nn.Dropout(dropout)
-        self.dropout2 = nn.Dropout(dropout)
-        self.dropout3 = nn.Dropout(dropout)
-        self.activation = activation
+        self._init_sublayers(
+            3, d_model, dim_feedforward, dropout, activation, layer_norm_eps, norm_first, bias, kw
+        )
 
     def forward(
         self,
