@@ -115,49 +115,46 @@ T* dynamic_shared() {
   return static_cast<T*>(detail::dynamic_shared(alignof(T) < 16 ? 16 : alignof(T)));
 }
 
+namespace detail {
+// Every lane of `mask` gets `var` of lane `src` (its own value when src is -1).
 template <typename T>
-T shfl_sync(unsigned mask, T var, int src_lane, int width = 32) {
-  detail::check_exchangeable<T>();
-  const int lane = detail::cur().lane;
-  const int base = lane & ~(width - 1);
+T shuffle(unsigned mask, const T& var, int src, const char* name) {
+  check_exchangeable<T>();
   T out;
-  detail::warp_exchange(mask, &var, &out, sizeof(T), base + (src_lane & (width - 1)),
-                        "__shfl_sync");
+  warp_exchange(mask, &var, &out, sizeof(T), src, name);
   return out;
 }
 
+// The first lane of the caller's group of `width` lanes.
+inline int group_base(int width) { return cur().lane & ~(width - 1); }
+}  // namespace detail
+
+template <typename T>
+T shfl_sync(unsigned mask, T var, int src_lane, int width = 32) {
+  const int src = detail::group_base(width) + (src_lane & (width - 1));
+  return detail::shuffle(mask, var, src, "__shfl_sync");
+}
+
+// For xor/down/up, a source outside the caller's group of `width` lanes gives its own value.
 template <typename T>
 T shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32) {
-  detail::check_exchangeable<T>();
-  const int lane = detail::cur().lane;
-  int src = lane ^ lane_mask;
-  // A source in a later group of `width` lanes gives the caller its own value.
-  if (src >= (lane & ~(width - 1)) + width) src = -1;
-  T out;
-  detail::warp_exchange(mask, &var, &out, sizeof(T), src, "__shfl_xor_sync");
-  return out;
+  const int src = detail::cur().lane ^ lane_mask;
+  const bool outside = src >= detail::group_base(width) + width;
+  return detail::shuffle(mask, var, outside ? -1 : src, "__shfl_xor_sync");
 }
 
 template <typename T>
 T shfl_down_sync(unsigned mask, T var, unsigned delta, int width = 32) {
-  detail::check_exchangeable<T>();
-  const int lane = detail::cur().lane;
-  int src = lane + static_cast<int>(delta);
-  if (src >= (lane & ~(width - 1)) + width) src = -1;
-  T out;
-  detail::warp_exchange(mask, &var, &out, sizeof(T), src, "__shfl_down_sync");
-  return out;
+  const int src = detail::cur().lane + static_cast<int>(delta);
+  const bool outside = src >= detail::group_base(width) + width;
+  return detail::shuffle(mask, var, outside ? -1 : src, "__shfl_down_sync");
 }
 
 template <typename T>
 T shfl_up_sync(unsigned mask, T var, unsigned delta, int width = 32) {
-  detail::check_exchangeable<T>();
-  const int lane = detail::cur().lane;
-  int src = lane - static_cast<int>(delta);
-  if (src < (lane & ~(width - 1))) src = -1;
-  T out;
-  detail::warp_exchange(mask, &var, &out, sizeof(T), src, "__shfl_up_sync");
-  return out;
+  const int src = detail::cur().lane - static_cast<int>(delta);
+  const bool outside = src < detail::group_base(width);
+  return detail::shuffle(mask, var, outside ? -1 : src, "__shfl_up_sync");
 }
 
 inline void syncwarp(unsigned mask = 0xffffffffu) {
