@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastformer.cli import bench as B
 from fastformer.cli import main
 from fastformer.cli import report as R
 from fastformer.cli.cases import AttentionCase, FfnCase, LayerNormCase, model_case
@@ -381,3 +382,22 @@ def test_gpu_peers_compute_the_same_function_on_cpu():
                         fn(*args)
                     continue
                 torch.testing.assert_close(fn(*args), want, msg=f"{bench.case.name} {name}")
+
+
+def test_bench_max_seconds_measures_nothing_new_after_the_limit(monkeypatch, tmp_path, capsys):
+    """A run past --max-seconds lists the rest as not run (never as a time), keeps what it
+    measured in results.json, and still writes the report."""
+    monkeypatch.setenv("FASTFORMER_BACKEND_ATTENTION", "torch")
+    argv = ["bench", "--quick", "--model", "tiny", "--device", "cpu", "--threads", "1"]
+    argv += ["--ops", "layer_norm", "--out", str(tmp_path), "--max-seconds", "1e-9"]
+    assert main(argv) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    variants = results["model"]["variants"]
+    assert variants["eager"] == variants["fastformer"] == {"skipped": B.NOT_RUN}, variants
+    impls = [res for row in results["ops"]["layer_norm"]["cases"] for res in row["impls"].values()]
+    assert impls and all(res == {"not_run": B.NOT_RUN} for res in impls), impls
+    assert any("nothing new was measured" in n for n in results["config"]["notes"])
+    assert "not run" in (tmp_path / "report.md").read_text()
+    capsys.readouterr()
+    assert main(["bench", "--device", "cpu", "--max-seconds", "0", "--out", str(tmp_path)]) == 2
+    assert "--max-seconds must be > 0" in capsys.readouterr().err

@@ -13,11 +13,13 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "run_gpu_suite.sh"
 
-# Logs each call; pip fails when STUB_PIP_RC=1; check shard 3 fails; check shards take 1 s.
+# Logs each call; pip fails when STUB_PIP_RC=1; the prebuilt check fails unless
+# STUB_PREBUILT_RC=0; check shard 3 fails; check shards take 1 s.
 STUB = """#!/usr/bin/env bash
 echo "PYTHONPATH=${PYTHONPATH:-} $*" >> "$STUB_LOG"
 case "$*" in
   "-m pip install"*) exit "${STUB_PIP_RC:-0}" ;;
+  "-c import torch, fastformer._ext"*) exit "${STUB_PREBUILT_RC:-1}" ;;
   *"--shard 3/"*) sleep 1; exit 1 ;;
   *"fastformer check"*) sleep 1 ;;
 esac
@@ -25,17 +27,24 @@ exit 0
 """
 
 
-def _run_suite(tmp_path: Path, pip_rc: int) -> tuple[subprocess.CompletedProcess, list[str]]:
+def _run_suite(
+    tmp_path: Path, pip_rc: int, prebuilt_rc: int | None = None
+) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run the suite with the stub; prebuilt_rc: None = no build in place, else the exit
+    status of the check of the build in place."""
     root = tmp_path / "repo"
     (root / "benchmarks").mkdir(parents=True)
     (root / "fastformer").mkdir()
     (root / "kernels").mkdir()
+    if prebuilt_rc is not None:
+        (root / "fastformer" / "_build_info.json").write_text("{}")
     shutil.copy(SCRIPT, root / "benchmarks")
     stub = tmp_path / "python"
     stub.write_text(STUB)
     stub.chmod(0o755)
     log = tmp_path / "calls.log"
     env = {**os.environ, "PYTHON": str(stub), "STUB_LOG": str(log), "STUB_PIP_RC": str(pip_rc)}
+    env["STUB_PREBUILT_RC"] = str(prebuilt_rc)
     env.update(CHECK_SHARDS="4", PYTHONPATH="")
     done = subprocess.run(
         ["bash", str(root / "benchmarks" / "run_gpu_suite.sh"), str(tmp_path / "out")],
@@ -55,12 +64,18 @@ def test_suite_runs_every_stage_and_counts_failures(tmp_path):
     assert commands[0].startswith("-c import torch, triton")  # the versions, for machine.log
     commands = commands[1:]
     assert commands[0].startswith("-m pip install --no-build-isolation --no-deps --no-index")
-    assert "-m pytest -m cuda -q -p no:cacheprovider -ra tests/test_attention.py" in commands
-    assert any("tests --ignore=tests/test_attention.py" in c for c in commands)
+    assert "-m pytest -m cuda -q -p no:cacheprovider -ra -n 4 tests/test_attention.py" in commands
+    assert any("-n 2 tests --ignore=tests/test_attention.py" in c for c in commands)
     shards = sorted(c for c in commands if "fastformer check" in c)
-    expected = "-m fastformer check --device cuda --shard {}/4 --max-seconds 135"
+    expected = "-m fastformer check --device cuda --shard {}/4 --max-seconds 105"
     assert shards == [expected.format(k) for k in (1, 2, 3, 4)]
-    assert commands[-1] == f"-m fastformer bench --out {tmp_path / 'out' / 'bench'}"
+    # The benchmark last, alone, in three processes that together cover the default run.
+    out = tmp_path / "out"
+    assert commands[-3:] == [
+        f"-m fastformer bench --no-model --ops layer_norm,ffn --max-seconds 60 --out {out}/bench-ops",
+        f"-m fastformer bench --no-model --ops attention --max-seconds 100 --out {out}/bench-attention",
+        f"-m fastformer bench --ops  --max-seconds 75 --out {out}/bench-model",
+    ]
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert "verify-check3" in summary and "rc=1" in summary
     # The four 1-second shards ran at once, not one after another.
@@ -77,3 +92,16 @@ def test_suite_falls_back_to_an_in_place_build(tmp_path):
     assert (root / "fastformer" / "kernels").resolve() == (root / "kernels").resolve()
     later = [c for c in calls if "fastformer check" in c or "fastformer bench" in c]
     assert later and all(c.startswith(f"PYTHONPATH={root} ") for c in later)
+
+
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
+@pytest.mark.parametrize("prebuilt_rc", [0, 1])
+def test_suite_uses_a_matching_build_in_place_and_rebuilds_a_stale_one(tmp_path, prebuilt_rc):
+    done, calls = _run_suite(tmp_path, pip_rc=0, prebuilt_rc=prebuilt_rc)
+    assert done.returncode == 1, done.stdout + done.stderr  # only the failing shard counts
+    root = tmp_path / "repo"
+    built = any("-m pip install" in c for c in calls)
+    assert built == bool(prebuilt_rc)
+    later = [c for c in calls if "fastformer check" in c or "fastformer bench" in c]
+    in_place = [c.startswith(f"PYTHONPATH={root} ") for c in later]
+    assert later and all(in_place) if prebuilt_rc == 0 else not any(in_place)

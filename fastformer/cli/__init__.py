@@ -78,6 +78,13 @@ def _bench_parser(sub) -> None:
         help="CPU threads for torch (default: torch's own choice); recorded in the manifest",
     )
     p.add_argument("--no-model", action="store_true", help="skip the whole-model stage")
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        metavar="S",
+        help="measure nothing new after S seconds (listed as 'not run'); repetitions are cut "
+        "to one after 70%% of S",
+    )
     p.add_argument("--out", help="output folder (default bench-results/<timestamp>)")
     p.add_argument("--compare", metavar="OLD/results.json", help="print the change of every figure")
     p.add_argument(

@@ -232,8 +232,12 @@ def _measure_variant(name, model, loss_fn, forward_fn, src, tgt, device, pacer) 
     }
 
 
-def bench_model(case: C.ModelCase, device, dtype, pacer, progress_stream=None) -> dict:
-    """Stage 1: eager reference vs fastformer.swap (vs torch.compile on CUDA)."""
+NOT_RUN = "not run (past --max-seconds)"
+
+
+def bench_model(case: C.ModelCase, device, dtype, pacer, save, progress_stream=None) -> dict:
+    """Stage 1: eager reference vs fastformer.swap (vs torch.compile on CUDA). `save(out)` is
+    called after every variant, so a run killed mid-stage keeps what it measured."""
     src, tgt = synthetic_batch(case, device)
     eager = build_model(case, device, dtype, case.dropout)
     fast, swap_info = swapped(eager)
@@ -260,6 +264,8 @@ def bench_model(case: C.ModelCase, device, dtype, pacer, progress_stream=None) -
     for name, model in variants.items():
         if isinstance(model, str):
             out["variants"][name] = {"skipped": model}
+        elif pacer.expired():
+            out["variants"][name] = {"skipped": NOT_RUN}
         else:
             loss_fn, fwd_fn = model.loss, model
             if name == "torch.compile":
@@ -270,6 +276,7 @@ def bench_model(case: C.ModelCase, device, dtype, pacer, progress_stream=None) -
                 )
             except Exception as exc:  # report the failure, keep benchmarking the rest
                 out["variants"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+        save(out)
         bar.step(name)
     bar.close()
     return out
@@ -287,6 +294,8 @@ def _measure_impl(name, fn, bench, mode, device, pacer) -> dict[str, Any]:
     """Time one implementation: {"ms", "first_call_s"}, or why it was not measured."""
     if isinstance(fn, str):
         return {"unsupported": fn}
+    if pacer.expired():
+        return {"not_run": NOT_RUN}
     call = runner(fn, bench.args, mode)
     try:
         start = time.perf_counter()
@@ -335,11 +344,13 @@ def _derive(row: dict[str, Any], bench, mode: str, roof: dict[str, float]) -> No
         row["fraction_of_copy_bandwidth"] = fast["gbps"] / roof["copy_gbps"]
 
 
-def bench_op(op, device, dtype, quick, pacer, roof, progress_stream=None) -> dict[str, Any]:
-    """Stage 2: every case of `op`, forward and forward + backward, every implementation."""
+def bench_op(op, device, dtype, quick, pacer, roof, save, progress_stream=None) -> dict[str, Any]:
+    """Stage 2: every case of `op`, forward and forward + backward, every implementation;
+    `save(out)` after every case."""
     op_cases = C.OP_CASES[op](device.type, quick)
     bar = Progress(op, len(op_cases) * len(C.MODES), progress_stream)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    out = {"cases": rows}
     for case in op_cases:
         bench = BUILDERS[op](case, device, dtype)
         for mode in C.MODES:
@@ -356,8 +367,9 @@ def bench_op(op, device, dtype, quick, pacer, roof, progress_stream=None) -> dic
         del bench
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        save(out)
     bar.close()
-    return {"cases": rows}
+    return out
 
 
 def op_backends() -> dict[str, Any]:
@@ -368,6 +380,20 @@ def op_backends() -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- command
+
+
+def _pacer(budget, device, args, start: float) -> tuple[timing.Pacer, float | None]:
+    """The run's pacer and its soft limit in seconds: repetitions are cut after DEADLINE_S (or
+    70% of --max-seconds, if sooner); nothing new is measured after --max-seconds."""
+    if args.max_seconds is not None and not args.max_seconds > 0:
+        raise ValueError(f"--max-seconds must be > 0, got {args.max_seconds}")
+    limit = DEADLINE_S.get(device.type)
+    if args.max_seconds is not None:
+        limit = 0.7 * args.max_seconds if limit is None else min(limit, 0.7 * args.max_seconds)
+    if args.quick:
+        limit = None
+    stop = None if args.max_seconds is None else start + args.max_seconds
+    return timing.Pacer(budget, None if limit is None else start + limit, stop), limit
 
 
 def measure(
@@ -401,17 +427,27 @@ def measure(
         "ops": {},
     }
     start = time.perf_counter()
-    limit = DEADLINE_S.get(device.type)
-    pacer = timing.Pacer(budget, None if args.quick or limit is None else start + limit)
+    pacer, limit = _pacer(budget, device, args, start)
     results["rooflines"] = rooflines(device, dtype, budget)
+
+    def saver(*keys: str):
+        def save(part: dict[str, Any]) -> None:
+            parent = results
+            for key in keys[:-1]:
+                parent = parent[key]
+            parent[keys[-1]] = part
+            report.write_json(out_dir, results)
+
+        return save
+
     if not args.no_model:
-        results["model"] = bench_model(case, device, dtype, pacer)
-        report.write_json(out_dir, results)
+        bench_model(case, device, dtype, pacer, saver("model"))
     for op in ops:
-        results["ops"][op] = bench_op(op, device, dtype, args.quick, pacer, results["rooflines"])
-        report.write_json(out_dir, results)
+        bench_op(op, device, dtype, args.quick, pacer, results["rooflines"], saver("ops", op))
     if pacer.cut:
-        notes.append(f"time limit: measurements after {limit} s were cut to one repetition")
+        notes.append(f"time limit: measurements after {limit:g} s were cut to one repetition")
+    if pacer.expired():
+        notes.append(f"time limit: nothing new was measured after {args.max_seconds:g} s")
     results["wall_s"] = time.perf_counter() - start
     return results
 

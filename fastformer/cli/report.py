@@ -120,6 +120,8 @@ def _num(x: float | None, digits: int = 3) -> str:
 def _impl_cell(res: dict[str, Any]) -> str:
     if "ms" in res:
         return _num(res["ms"])
+    if "not_run" in res:
+        return "not run"
     return "n/a" if "unsupported" in res else "err"
 
 
@@ -203,6 +205,9 @@ def op_lines(op: str, rows: list[dict[str, Any]]) -> list[str]:
     errors = {
         f"{p}: {res['error']}" for row in rows for p, res in row["impls"].items() if "error" in res
     }
+    not_run = sum("not_run" in res for row in rows for res in row["impls"].values())
+    if not_run:
+        reasons.add(f"{not_run} measurement(s) not run: past --max-seconds")
     if reasons or errors:
         lines += ["", "Not measured:"] + [f"- {r}" for r in sorted(reasons | errors)]
     return lines

@@ -34,11 +34,13 @@ GPU_DEFAULT = Budget(warmup=3, min_reps=10, max_reps=200, min_time_s=0.05)
 
 class Pacer:
     """Hands out the measurement budget, cut to MINIMAL once `deadline` (a perf_counter time)
-    has passed, so a run on a slow or busy machine still ends in time; `cut` records it."""
+    has passed, so a run on a slow or busy machine still ends in time; `cut` records it. Past
+    `stop` (bench --max-seconds) nothing new is measured at all: `expired()` says so."""
 
-    def __init__(self, budget: Budget, deadline: float | None = None):
+    def __init__(self, budget: Budget, deadline: float | None = None, stop: float | None = None):
         self.budget = budget
         self.deadline = deadline
+        self.stop = stop
         self.cut = False
 
     def current(self) -> Budget:
@@ -47,6 +49,10 @@ class Pacer:
             self.cut = True
             return MINIMAL
         return self.budget
+
+    def expired(self) -> bool:
+        """True past the hard stop: the caller records "not run" instead of measuring."""
+        return self.stop is not None and time.perf_counter() > self.stop
 
 
 def _synchronize(device: torch.device) -> None:
