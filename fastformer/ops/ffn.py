@@ -257,14 +257,25 @@ def ffn(
     _check_inputs(x, w1, b1, w2, b2, activation, dropout_p)
     params = (x, w1, b1, w2, b2)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)
-    x2d = x.reshape(-1, x.shape[-1])
-    out, _, _ = _ffn_op(x2d, w1, b1, w2, b2, activation, float(dropout_p), needs_grad)
+    args = (x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, activation, float(dropout_p))
+    if torch.compiler.is_compiling():
+        out = _ffn_op(*args, needs_grad)[0]
+    elif needs_grad:
+        out = _FfnFunction.apply(*args)
+    else:
+        out = _forward(*args, needs_grad=False)[0]
     return out.view(*x.shape[:-1], w2.shape[0])
 
 
 def _saved_shape(x: Tensor, w1: Tensor) -> tuple[int, int]:
     # (tokens, w1 rows): h, or for relu (never gated) dropout(relu(h)) of the same shape.
     return (x.shape[0], w1.shape[0])
+
+
+# torch.compile sees the custom op fastformer::ffn (one opaque op, seed drawn when the graph
+# runs). Eager calls skip the custom-op machinery (its dispatch cost ~60 us of host time a call
+# on the CI machine, as much as the GPU time of the paper's base FFN on an H200) and run the
+# same helpers through a plain autograd.Function, as layer_norm does.
 
 
 @torch.library.custom_op("fastformer::ffn", mutates_args=())
@@ -279,6 +290,10 @@ def _ffn_op(
     needs_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out, saved, seed) for a 2-D x; saved is empty when no gradient is needed."""
+    return _forward(x, w1, b1, w2, b2, activation, dropout_p, needs_grad)
+
+
+def _forward(x, w1, b1, w2, b2, activation, dropout_p, needs_grad) -> tuple[Tensor, Tensor, Tensor]:
     backend = select("ffn", FfnInputs(x.device, x.dtype))
     seed = rng.draw_seed(x.device) if dropout_p > 0 else 0
     if backend == "cpp":
@@ -314,6 +329,10 @@ def _ffn_grad_op(
     dropout_p: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, dw1, db1, dw2, db2) of `fastformer::ffn` from what its forward saved."""
+    return _grad(grad_out, x, w1, w2, saved, seed, activation, dropout_p)
+
+
+def _grad(grad_out, x, w1, w2, saved, seed, activation, dropout_p) -> tuple[Tensor, ...]:
     backend = select("ffn", FfnInputs(x.device, x.dtype))
     if backend == "cpp":
         return torch.ops.fastformer.ffn_backward(
@@ -333,35 +352,59 @@ def _ffn_grad_op_fake(grad_out, x, w1, w2, saved, seed, activation, dropout_p):
     )
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    x, w1, b1, w2, b2, activation, dropout_p, _ = inputs
+def _save(ctx, inputs, output) -> None:
+    x, w1, b1, w2, b2, activation, dropout_p = inputs[:7]
     _, saved, seed = output
     ctx.save_for_backward(x, w1, w2, saved, seed)
-    # saved and seed are bookkeeping outputs: no gradient flows into them, and autograd should
-    # not materialize a zero (tokens, width) tensor for them at every backward.
-    ctx.mark_non_differentiable(saved, seed)
     ctx.set_materialize_grads(False)
     ctx.activation, ctx.dropout_p = activation, dropout_p
     ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
 
 
-def _backward(ctx, grad_out, _grad_saved, _grad_seed):
+def _setup_context(ctx, inputs, output) -> None:
+    _save(ctx, inputs, output)
+    # saved and seed are bookkeeping outputs: no gradient flows into them, and autograd should
+    # not materialize a zero (tokens, width) tensor for them at every backward.
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _grads(ctx, grad_out, grad_fn) -> tuple:
+    """Gradients of the 7 inputs of ffn's helpers (None for the non-tensors)."""
     if grad_out is None:  # grads are not materialized: nothing flowed into `out`
-        return (None,) * 8
+        return (None,) * 7
     x, w1, w2, saved, seed = ctx.saved_tensors
     if saved.dim() != 2:
         raise RuntimeError(
             "fastformer::ffn ran with needs_grad=False, so it saved nothing to differentiate"
         )
-    dx, dw1, db1, dw2, db2 = _ffn_grad_op(
+    dx, dw1, db1, dw2, db2 = grad_fn(
         grad_out, x, w1, w2, saved, seed, ctx.activation, ctx.dropout_p
     )
     db1 = db1 if ctx.has_b1 else None
     db2 = db2 if ctx.has_b2 else None
-    return dx, dw1, db1, dw2, db2, None, None, None
+    return dx, dw1, db1, dw2, db2, None, None
+
+
+def _backward(ctx, grad_out, _grad_saved, _grad_seed):
+    return (*_grads(ctx, grad_out, _ffn_grad_op), None)  # needs_grad gets None too
 
 
 _ffn_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _FfnFunction(torch.autograd.Function):
+    """Eager autograd of fastformer::ffn: the same helpers, less the custom-op dispatch."""
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2, activation, dropout_p):
+        inputs = (x, w1, b1, w2, b2, activation, dropout_p)
+        output = _forward(*inputs, needs_grad=True)
+        _save(ctx, inputs, output)
+        return output[0]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _grads(ctx, grad_out, _grad)
 
 
 # --------------------------------------------------------------------------- torch backend
