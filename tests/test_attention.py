@@ -177,6 +177,25 @@ def test_parity_with_lse():
     _parity(Case(lq=33, lk=65, d=32, causal=True, mask="float", kpm="random"), with_lse=True)
 
 
+@pytest.mark.parametrize("use", ["out", "lse"])
+def test_gradient_of_one_output_alone(use):
+    """Eager autograd gets no cotangent for the unused output (out or lse): the gradients are
+    those of the used one alone, as the reference's autograd gives them."""
+    c = Case(lq=33, lk=47, d=32, causal=True)
+    q, k, v = _qkv(c)
+    grads = []
+    for fn in (attn.scaled_dot_product_attention_with_lse, ref.scaled_dot_product_attention):
+        leaves = [t.detach().double().requires_grad_() if fn is ref.scaled_dot_product_attention
+                  else t.detach().requires_grad_() for t in (q, k, v)]  # fmt: skip
+        kwargs = {"return_lse": True} if fn is ref.scaled_dot_product_attention else {}
+        out, lse = fn(*leaves, is_causal=True, **kwargs)
+        (out.square().sum() if use == "out" else lse.sum()).backward()
+        # lse does not depend on v: the reference leaves v.grad None, fastformer gives zeros.
+        grads.append([torch.zeros(t.shape) if t.grad is None else t.grad.float() for t in leaves])
+    for got, want in zip(*grads):
+        assert max_abs_diff(got, want) < 1e-4 * max(1.0, want.abs().max().item())
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter tile config is a CPU-test knob")
 @pytest.mark.parametrize("blocks", [(16, 32), (64, 16)])
 def test_parity_other_tile_shapes(monkeypatch, blocks):

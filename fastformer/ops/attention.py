@@ -122,10 +122,18 @@ def scaled_dot_product_attention_with_lse(
     scale = _check_inputs(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
     )
-    out, lse, _ = torch.ops.fastformer.attention(
-        query, key, value, attn_mask, key_padding_mask, float(dropout_p), bool(is_causal), scale
-    )
+    args = (query, key, value, attn_mask, key_padding_mask, float(dropout_p), bool(is_causal))
+    if torch.compiler.is_compiling():
+        out, lse, _ = torch.ops.fastformer.attention(*args, scale)
+    elif torch.is_grad_enabled() and _any_requires_grad(query, key, value, attn_mask):
+        out, lse = _AttentionFunction.apply(*args, scale)
+    else:
+        out, lse, _ = _forward(*args, scale)
     return out, lse
+
+
+def _any_requires_grad(*tensors: Tensor | None) -> bool:
+    return any(t is not None and t.requires_grad for t in tensors)
 
 
 def dropout_keep_mask(
@@ -500,6 +508,10 @@ def _attention_op(
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out, lse, seed): seed is a CPU int64 scalar, drawn here at run time when dropout_p > 0."""
+    return _forward(query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale)
+
+
+def _forward(query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale):
     seed = rng.draw_seed(query.device) if dropout_p > 0 else 0
     args = (query, key, value, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale)
     if _backend(query, key, value, attn_mask) == "triton":
@@ -535,6 +547,14 @@ def _attention_backward_op(
     mask_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dmask); dmask is empty unless mask_grad (float attn_mask needing grad)."""
+    return _backward_kernels(grad_out, grad_lse, query, key, value, out, lse, attn_mask,
+                             key_padding_mask, seed, dropout_p, is_causal, scale, mask_grad)  # fmt: skip
+
+
+def _backward_kernels(
+    grad_out, grad_lse, query, key, value, out, lse, attn_mask, key_padding_mask, seed,
+    dropout_p, is_causal, scale, mask_grad,
+):  # fmt: skip
     args = (grad_out, grad_lse, query, key, value, out, lse, attn_mask, key_padding_mask,
             int(seed), dropout_p, is_causal, scale, mask_grad)  # fmt: skip
     if _backend(query, key, value, attn_mask) == "triton":
@@ -566,9 +586,16 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad_out, grad_lse, _grad_seed):
+    return _grads(ctx, grad_out, grad_lse, torch.ops.fastformer.attention_backward)
+
+
+def _grads(ctx, grad_out, grad_lse, backward_fn) -> tuple:
+    """Gradients of the 8 inputs of the op (None for masks without grad and non-tensors)."""
     query, key, value, out, lse, attn_mask, key_padding_mask, seed = ctx.saved_tensors
     mask_grad = ctx.float_mask and ctx.needs_input_grad[3]
-    dq, dk, dv, dmask = torch.ops.fastformer.attention_backward(
+    if grad_out is None:  # only lse was used
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv, dmask = backward_fn(
         grad_out,
         grad_lse,
         query,
@@ -588,3 +615,20 @@ def _backward(ctx, grad_out, grad_lse, _grad_seed):
 
 
 torch.library.register_autograd("fastformer::attention", _backward, setup_context=_setup_context)
+
+
+class _AttentionFunction(torch.autograd.Function):
+    """Eager autograd of fastformer::attention: the same helpers without the custom-op dispatch
+    (torch.compile traces the custom op; eager calls save its host time, as layer_norm does)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale):
+        inputs = (query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale)
+        output = _forward(*inputs)
+        _setup_context(ctx, inputs, output)
+        ctx.set_materialize_grads(False)  # no zero LSE cotangent when only out is used
+        return output[0], output[1]
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        return _grads(ctx, grad_out, grad_lse, _backward_kernels)
