@@ -401,3 +401,12 @@ def test_bench_max_seconds_measures_nothing_new_after_the_limit(monkeypatch, tmp
     capsys.readouterr()
     assert main(["bench", "--device", "cpu", "--max-seconds", "0", "--out", str(tmp_path)]) == 2
     assert "--max-seconds must be > 0" in capsys.readouterr().err
+
+
+def test_bench_cases_selects_op_cases_by_name(monkeypatch, tmp_path):
+    argv = ["bench", "--quick", "--no-model", "--device", "cpu", "--threads", "1"]
+    argv += ["--ops", "layer_norm", "--cases", "add,nothing-matches", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["ops"]["layer_norm"]["cases"]
+    assert rows and all("add" in row["case"] for row in rows)
+    assert all("ms" in row["impls"]["fastformer"] for row in rows)

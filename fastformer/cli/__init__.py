@@ -79,6 +79,11 @@ def _bench_parser(sub) -> None:
     )
     p.add_argument("--no-model", action="store_true", help="skip the whole-model stage")
     p.add_argument(
+        "--cases",
+        metavar="TEXT,...",
+        help="measure only the op cases whose name contains one of these texts",
+    )
+    p.add_argument(
         "--max-seconds",
         type=float,
         metavar="S",

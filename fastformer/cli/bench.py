@@ -344,10 +344,14 @@ def _derive(row: dict[str, Any], bench, mode: str, roof: dict[str, float]) -> No
         row["fraction_of_copy_bandwidth"] = fast["gbps"] / roof["copy_gbps"]
 
 
-def bench_op(op, device, dtype, quick, pacer, roof, save, progress_stream=None) -> dict[str, Any]:
-    """Stage 2: every case of `op`, forward and forward + backward, every implementation;
-    `save(out)` after every case."""
+def bench_op(
+    op, device, dtype, quick, pacer, roof, save, progress_stream=None, only=None
+) -> dict[str, Any]:
+    """Stage 2: every case of `op` (or those whose name contains a text of `only`), forward and
+    forward + backward, every implementation; `save(out)` after every case."""
     op_cases = C.OP_CASES[op](device.type, quick)
+    if only:
+        op_cases = [c for c in op_cases if any(text in c.name for text in only)]
     bar = Progress(op, len(op_cases) * len(C.MODES), progress_stream)
     rows: list[dict[str, Any]] = []
     out = {"cases": rows}
@@ -443,7 +447,10 @@ def measure(
     if not args.no_model:
         bench_model(case, device, dtype, pacer, saver("model"))
     for op in ops:
-        bench_op(op, device, dtype, args.quick, pacer, results["rooflines"], saver("ops", op))
+        only = [t.strip() for t in args.cases.split(",") if t.strip()] if args.cases else None
+        bench_op(
+            op, device, dtype, args.quick, pacer, results["rooflines"], saver("ops", op), only=only
+        )
     if pacer.cut:
         notes.append(f"time limit: measurements after {limit:g} s were cut to one repetition")
     if pacer.expired():

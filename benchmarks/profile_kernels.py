@@ -1,0 +1,114 @@
+"""Where the time of one op call goes on a GPU: its kernels (torch.profiler) against the wall time.
+
+    python benchmarks/profile_kernels.py [--iters N] [--cases TEXT,...]
+
+For each case: the wall time of one forward + backward (synchronized, median of N), the GPU time
+of its kernels (their sum per call), and the kernels that take most of it. Wall time well above
+the kernel sum means the call is bound by host overhead or launch gaps; a kernel far above its
+share of the bytes or FLOPs is the one to look at. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from fastformer.cli.cases import AttentionCase, FfnCase, LayerNormCase
+from fastformer.cli.impls import BUILDERS, FAST, runner
+
+PEER = {"attention": "sdpa-flash", "layer_norm": "torch", "ffn": "torch"}  # profiled beside
+
+
+def _cases() -> dict[str, tuple[str, object]]:
+    cases: dict[str, tuple[str, object]] = {}
+    for causal in (False, True):
+        for seq, batch in ((512, 32), (2048, 8)):
+            c = AttentionCase(batch, 32, seq, 64, causal=causal)
+            cases[f"attention-{c.name}"] = ("attention", c)
+    c = AttentionCase(8, 32, 2048, 64, causal=True, padding=0.25, dropout_p=0.1)
+    cases[f"attention-{c.name}"] = ("attention", c)
+    for hidden in (2048, 16384):
+        c = LayerNormCase(16384, hidden)
+        cases[f"layer_norm-{c.name}"] = ("layer_norm", c)
+    for p in (0.0, 0.1):
+        c = FfnCase(16384, 512, 2048, dropout_p=p)
+        cases[f"ffn-{c.name}"] = ("ffn", c)
+    return cases
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _wall_ms(call: Callable[[], None], iters: int, device: torch.device) -> float:
+    samples = []
+    for _ in range(iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        call()
+        _sync(device)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def profile_case(op: str, case, impl: str, iters: int, top: int, device="cuda") -> list[str]:
+    """Report lines of one implementation of one case, forward + backward (bf16 on CUDA; on
+    CPU, in float32 with CPU ops as the "kernels", for a dry run)."""
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    bench = BUILDERS[op](case, device, dtype)
+    fn = bench.impls.get(impl, "no such implementation here")
+    if isinstance(fn, str):
+        return [f"  {impl}: not run ({fn})"]
+    call = runner(fn, bench.args, "fwd+bwd")
+    for _ in range(3):
+        call()
+    wall = _wall_ms(call, iters, device)
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            call()
+        _sync(device)
+
+    def us(e) -> float:
+        return e.device_time_total if cuda else e.self_cpu_time_total
+
+    kernels = sorted((e for e in prof.key_averages() if us(e) > 0), key=us, reverse=True)
+    total_us = sum(us(e) for e in kernels) / iters
+    lines = [f"  {impl}: wall {wall:.3f} ms, kernels {total_us / 1e3:.3f} ms per fwd+bwd"]
+    for e in kernels[:top]:
+        name = e.key if len(e.key) <= 90 else e.key[:87] + "..."
+        per_call = us(e) / iters
+        lines.append(f"    {per_call:9.1f} us  x{e.count // iters:<3} {name}")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--top", type=int, default=6)
+    parser.add_argument("--cases", help="only cases whose name contains one of these texts")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_kernels.py needs a CUDA GPU")
+    only = args.cases.split(",") if args.cases else None
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, fwd+bwd")
+    for name, (op, case) in _cases().items():
+        if only and not any(text in name for text in only):
+            continue
+        print(name)
+        for impl in (FAST, PEER[op]):
+            try:
+                print("\n".join(profile_case(op, case, impl, args.iters, args.top)), flush=True)
+            except Exception as exc:  # one failing case must not hide the others
+                print(f"  {impl}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
