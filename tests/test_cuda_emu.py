@@ -251,8 +251,12 @@ def test_layer_norm_kernel_paths(dtype, rows, cols, fwd, bwd):
     ]
     assert _path(launches[0]) == fwd and _path(launches[1]) == bwd
     vecs, (tpr, rpb, _) = bwd[1], bwd[2]
-    smem = tpr * rpb * vecs * (16 // x.element_size()) * 4 if vecs and rpb > 1 else 0
-    assert launches[1].smem == smem  # the accumulators of a block's row groups
+    if vecs:  # the accumulators of a block's row groups, summed at the end
+        smem = tpr * rpb * vecs * (16 // x.element_size()) * 4 if rpb > 1 else 0
+    else:  # a dweight and a dbias slice of cols floats a row group
+        smem = 2 * rpb * cols * 4
+        assert launches[1].params["kSmemAcc"] == "true"
+    assert launches[1].smem == smem
     assert launches[2].grid == (math.ceil(cols / 32), 2, 1)
 
 
@@ -307,6 +311,49 @@ def test_layer_norm_misaligned_pointer_takes_the_generic_kernels(dtype, cols, mi
     launches = _parity_in_orders(fast, reference, inputs, names, ATOL_FLOOR[dtype])
     backward = "ln_bwd_vec_kernel" if misaligned == "residual" else "ln_bwd_any_kernel"
     assert [launch.kernel for launch in launches[:2]] == ["ln_fwd_any_kernel", backward]
+
+
+def _resident(threads: int, smem: int) -> int:
+    """The emulator's blocks an SM (emu.cpp): 2048 threads and 228 KB of shared memory."""
+    return min(2048 // threads, 228 * 1024 // (smem + 1024) if smem else 32, 32)
+
+
+# dtype, rows, cols, rows a block, parameter gradients, accumulators in shared memory: while a
+# block's slices (cols floats a row group for each wanted gradient, plus 256 bytes of row_sum
+# slots) fit the 227 KB a block may opt in to; else in the partial rows in global memory.
+ANY_BWD_CASES = [
+    (F32, 400, 99, 8, "both", True),  # 8 row groups a block, 2 or 3 rows each on 3 SMs
+    (F32, 400, 99, 8, "weight", True),
+    (F32, 400, 99, 8, "bias", True),
+    (F32, 300, 130, 4, "both", True),  # two warps a row: row groups interleave at barriers
+    (BF16, 300, 130, 4, "bias", True),
+    (BF16, 7, 29024, 1, "both", True),  # exactly 227 KB
+    (BF16, 7, 29025, 1, "both", False),  # 8 bytes over
+    (F32, 5, 30001, 1, "both", False),
+    (F32, 5, 30001, 1, "weight", True),  # one slice
+    (F16, 3, 58048, 1, "bias", True),  # exactly 227 KB
+    (BF16, 3, 58049, 1, "weight", False),
+    (F32, 5, 30001, 1, "none", True),  # no slices
+]
+
+
+@pytest.mark.parametrize(("dtype", "rows", "cols", "rpb", "grads", "smem_acc"), ANY_BWD_CASES)
+def test_layer_norm_generic_backward_accumulators(dtype, rows, cols, rpb, grads, smem_acc):
+    x = _make((rows, cols), dtype, scale=2.0, shift=1.0)
+    w = _make((cols,), seed=1, grad=grads in ("both", "weight"))
+    b = _make((cols,), seed=2, grad=grads in ("both", "bias"))
+    names = {"both": ["x", "weight", "bias"], "none": ["x"]}.get(grads, ["x", grads])
+    launches = _parity_in_orders(_ln_fast, _ln_ref, [x, w, b], names, ATOL_FLOOR[dtype], sms=3)
+    bwd = launches[1]
+    tpr = 512 if rpb == 1 else 256 // rpb
+    assert bwd.kernel == "ln_bwd_any_kernel" and bwd.block == (tpr, rpb, 1)
+    assert bwd.params["kSmemAcc"] == ("true" if smem_acc else "false")
+    slices = {"both": 2, "none": 0}.get(grads, 1)
+    smem = slices * rpb * cols * 4 if smem_acc else 0
+    assert bwd.smem == smem
+    # One wave: the occupancy query sees the shared memory the launch asks for.
+    resident = _resident(tpr * rpb, smem)
+    assert bwd.grid == (min(math.ceil(rows / rpb), 3 * resident), 1, 1)
 
 
 RMS_CASES = [
