@@ -208,6 +208,7 @@ inline unsigned int __umulhi(unsigned int a, unsigned int b) {
   return static_cast<unsigned int>((static_cast<unsigned long long>(a) * b) >> 32);
 }
 inline float __fdividef(float a, float b) { return a / b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __expf(float x) { return std::exp(x); }
 
 // ------------------------------------------------------------------ the device dialect
