@@ -16,7 +16,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "run_gpu_suite.sh"
 # Logs each call; pip fails when STUB_PIP_RC=1; the prebuilt check fails unless
 # STUB_PREBUILT_RC=0; check shard 3 fails; check shards take 1 s.
 STUB = """#!/usr/bin/env bash
-echo "PYTHONPATH=${PYTHONPATH:-} $*" >> "$STUB_LOG"
+echo "OMP_NUM_THREADS=${OMP_NUM_THREADS:-} PYTHONPATH=${PYTHONPATH:-} $*" >> "$STUB_LOG"
 case "$*" in
   "-m pip install"*) exit "${STUB_PIP_RC:-0}" ;;
   "-c import torch, fastformer._ext"*) exit "${STUB_PREBUILT_RC:-1}" ;;
@@ -60,15 +60,20 @@ def _run_suite(
 def test_suite_runs_every_stage_and_counts_failures(tmp_path):
     done, calls = _run_suite(tmp_path, pip_rc=0)
     assert done.returncode == 1, done.stdout + done.stderr  # check shard 3 of 4 failed
-    commands = [c.split(" ", 1)[1] for c in calls]
+    commands = [c.split(" ", 2)[2] for c in calls]
     assert commands[0].startswith("-c import torch, triton")  # the versions, for machine.log
     commands = commands[1:]
     assert commands[0].startswith("-m pip install --no-build-isolation --no-deps --no-index")
-    assert "-m pytest -m cuda -q -p no:cacheprovider -ra -n 4 tests/test_attention.py" in commands
-    assert any("-n 2 tests --ignore=tests/test_attention.py" in c for c in commands)
-    shards = sorted(c for c in commands if "fastformer check" in c)
-    expected = "-m fastformer check --device cuda --shard {}/4 --max-seconds 105"
-    assert shards == [expected.format(k) for k in (1, 2, 3, 4)]
+    pytest = "-m pytest -m cuda -v -p no:cacheprovider -ra --timeout 80 --timeout-method thread"
+    assert f"{pytest} --durations 20 -n 4 tests/test_attention.py" in commands
+    assert any("-n 4 tests --ignore=tests/test_attention.py" in c for c in commands)
+    checks = sorted(c for c in commands if "fastformer check" in c)
+    check = "-m fastformer check --device cuda --max-seconds 105 --ops"
+    shards = [f"{check} attention --shard {k}/4" for k in (1, 2, 3, 4)]
+    assert checks == sorted([f"{check} layer_norm,ffn", *shards])
+    # One OpenMP thread pair a process: 16 processes share 16 cores.
+    threads = [c.split()[0] for c in calls if "-m pytest" in c or "fastformer check" in c]
+    assert threads and all(t == "OMP_NUM_THREADS=2" for t in threads), calls
     # The benchmark last, alone, in three processes that together cover the default run.
     out = tmp_path / "out"
     assert commands[-3:] == [
@@ -91,7 +96,7 @@ def test_suite_falls_back_to_an_in_place_build(tmp_path):
     assert any("setup.py build_ext --inplace" in c for c in calls)
     assert (root / "fastformer" / "kernels").resolve() == (root / "kernels").resolve()
     later = [c for c in calls if "fastformer check" in c or "fastformer bench" in c]
-    assert later and all(c.startswith(f"PYTHONPATH={root} ") for c in later)
+    assert later and all(c.split(" ")[1] == f"PYTHONPATH={root}" for c in later)
 
 
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
@@ -103,5 +108,5 @@ def test_suite_uses_a_matching_build_in_place_and_rebuilds_a_stale_one(tmp_path,
     built = any("-m pip install" in c for c in calls)
     assert built == bool(prebuilt_rc)
     later = [c for c in calls if "fastformer check" in c or "fastformer bench" in c]
-    in_place = [c.startswith(f"PYTHONPATH={root} ") for c in later]
+    in_place = [c.split(" ")[1] == f"PYTHONPATH={root}" for c in later]
     assert later and all(in_place) if prebuilt_rc == 0 else not any(in_place)
