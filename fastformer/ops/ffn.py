@@ -290,15 +290,28 @@ def _ffn_op(
     needs_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out, saved, seed) for a 2-D x; saved is empty when no gradient is needed."""
-    return _forward(x, w1, b1, w2, b2, activation, dropout_p, needs_grad)
+    out, saved, seed = _forward(x, w1, b1, w2, b2, activation, dropout_p, needs_grad)
+    return out, saved, torch.tensor(seed, dtype=torch.int64)
 
 
-def _forward(x, w1, b1, w2, b2, activation, dropout_p, needs_grad) -> tuple[Tensor, Tensor, Tensor]:
+_NO_SEED = torch.zeros((), dtype=torch.int64)  # eager calls without dropout (never written)
+_CAPABILITY: dict[int, tuple[int, int]] = {}  # CUDA device index -> compute capability
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index]
+
+
+def _forward(x, w1, b1, w2, b2, activation, dropout_p, needs_grad) -> tuple[Tensor, Tensor, int]:
+    """(out, saved, seed as an int) through the selected backend."""
     backend = select("ffn", FfnInputs(x.device, x.dtype))
     seed = rng.draw_seed(x.device) if dropout_p > 0 else 0
     if backend == "cpp":
         fused = x.is_cuda and use_fused_epilogue(
-            activation, torch.cuda.get_device_capability(x.device), needs_grad, epilogue_mode()
+            activation, _capability(x.device), needs_grad, epilogue_mode()
         )
         out, saved = torch.ops.fastformer.ffn_forward(
             x.contiguous(), w1, b1, w2, b2, activation, dropout_p, seed, fused
@@ -307,7 +320,7 @@ def _forward(x, w1, b1, w2, b2, activation, dropout_p, needs_grad) -> tuple[Tens
         out, saved = _torch_forward(x, w1, b1, w2, b2, activation, dropout_p, seed)
     if not needs_grad:
         saved = x.new_empty(0)
-    return out, saved, torch.tensor(seed, dtype=torch.int64)
+    return out, saved, seed
 
 
 @_ffn_op.register_fake
@@ -398,9 +411,10 @@ class _FfnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, activation, dropout_p):
         inputs = (x, w1, b1, w2, b2, activation, dropout_p)
-        output = _forward(*inputs, needs_grad=True)
-        _save(ctx, inputs, output)
-        return output[0]
+        out, saved, seed = _forward(*inputs, needs_grad=True)
+        seed = _NO_SEED if seed == 0 else torch.tensor(seed, dtype=torch.int64)
+        _save(ctx, inputs, (out, saved, seed))
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
