@@ -410,3 +410,12 @@ def test_bench_cases_selects_op_cases_by_name(monkeypatch, tmp_path):
     rows = json.loads((tmp_path / "results.json").read_text())["ops"]["layer_norm"]["cases"]
     assert rows and all("add" in row["case"] for row in rows)
     assert all("ms" in row["impls"]["fastformer"] for row in rows)
+
+
+def test_report_lists_peak_memory_where_measured():
+    row = {"case": "c", "mode": "fwd", "speedup": {}, "fraction_of_roofline": None}
+    row["impls"] = {"fastformer": {"ms": 1.0, "peak_memory_bytes": 3 * 2**20}, "peer": {"ms": 2.0}}
+    text = "\n".join(R.op_lines("attention", [row]))
+    assert "Peak memory beyond the inputs" in text and "| c | fwd | 3.0 | - |" in text
+    del row["impls"]["fastformer"]["peak_memory_bytes"]
+    assert "Peak memory" not in "\n".join(R.op_lines("attention", [row]))

@@ -304,6 +304,11 @@ def _measure_impl(name, fn, bench, mode, device, pacer) -> dict[str, Any]:
             torch.cuda.synchronize(device)
         first_s = time.perf_counter() - start
         ms = timing.time_op(call, device, pacer.current())
+        # One more call on CUDA (the allocator counts exactly; CPU would need the profiler):
+        # the memory each implementation needs beyond its inputs (saved tensors, scores, ...).
+        peak = (
+            timing.peak_memory(call, device, above_start=True)[0] if device.type == "cuda" else None
+        )
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         return {"error": "out of memory"}
@@ -311,7 +316,10 @@ def _measure_impl(name, fn, bench, mode, device, pacer) -> dict[str, Any]:
         kind = "unsupported" if name.startswith(MAY_REFUSE) else "error"
         first_line = (str(exc).splitlines() or [""])[0][:200]
         return {kind: f"{type(exc).__name__}: {first_line}"}
-    return {"ms": ms, "first_call_s": first_s}
+    result = {"ms": ms, "first_call_s": first_s}
+    if peak is not None:
+        result["peak_memory_bytes"] = peak
+    return result
 
 
 def _derive(row: dict[str, Any], bench, mode: str, roof: dict[str, float]) -> None:

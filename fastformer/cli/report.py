@@ -181,6 +181,23 @@ def model_lines(model: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _memory_lines(rows: list[dict[str, Any]], peers: list[str]) -> list[str]:
+    """Peak memory beyond the inputs (MiB) of each implementation, where it was measured (CUDA)."""
+    measured = [r for r in rows if any("peak_memory_bytes" in v for v in r["impls"].values())]
+    if not measured:
+        return []
+    head = ["case", "mode"] + [f"{p} MiB" for p in peers]
+    lines = ["", "Peak memory beyond the inputs:", "", "| " + " | ".join(head) + " |"]
+    lines.append("|" + "---|" * len(head))
+    for row in measured:
+        cells = [row["case"], row["mode"]]
+        for p in peers:
+            peak = row["impls"].get(p, {}).get("peak_memory_bytes")
+            cells.append("-" if peak is None else f"{peak / 2**20:.1f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def op_lines(op: str, rows: list[dict[str, Any]]) -> list[str]:
     """Markdown table of one op: ms per implementation, fastformer's rate and speedups."""
     peers = _peers(rows)
@@ -208,6 +225,7 @@ def op_lines(op: str, rows: list[dict[str, Any]]) -> list[str]:
     not_run = sum("not_run" in res for row in rows for res in row["impls"].values())
     if not_run:
         reasons.add(f"{not_run} measurement(s) not run: past --max-seconds")
+    lines += _memory_lines(rows, peers)
     if reasons or errors:
         lines += ["", "Not measured:"] + [f"- {r}" for r in sorted(reasons | errors)]
     return lines

@@ -128,19 +128,24 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def peak_memory(fn: Callable[[], object], device: torch.device) -> tuple[int, str]:
+def peak_memory(
+    fn: Callable[[], object], device: torch.device, above_start: bool = False
+) -> tuple[int, str]:
     """Peak bytes of tensor memory while `fn()` runs, and how it was measured.
 
-    CUDA: `torch.cuda.max_memory_allocated` (absolute, model and optimizer state included).
+    CUDA: `torch.cuda.max_memory_allocated`, absolute (model and optimizer state included) or,
+    with `above_start`, less what was allocated before the call (an op's inputs excluded).
     CPU has no allocator statistics: the autograd profiler's per-op allocation records are
     summed in time order and the peak above the level at the start is reported.
     """
     if device.type == "cuda":
         _synchronize(device)
+        start = torch.cuda.memory_allocated(device) if above_start else 0
         torch.cuda.reset_peak_memory_stats(device)
         fn()
         _synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device)), "cuda max_memory_allocated"
+        how = "cuda max_memory_allocated" + (" above the call's start" if above_start else "")
+        return int(torch.cuda.max_memory_allocated(device) - start), how
     from torch.autograd.profiler import profile
 
     with _quiet_stderr(), profile(profile_memory=True, use_kineto=False) as prof:
