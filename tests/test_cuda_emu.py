@@ -82,7 +82,7 @@ def _parity_in_orders(fast, reference, inputs, names, floor, orders=ORDERS, **de
 
 
 def _path(launch: ce.Launch) -> tuple[str, int, tuple[int, int, int]]:
-    kind = "vec" if "vec" in launch.kernel else "any"
+    kind = launch.kernel.split("_")[2]  # ln_bwd_<kind>_kernel
     return kind, int(launch.params.get("kVecs", 0)), launch.block
 
 
@@ -211,8 +211,10 @@ def _ln_ref(x, w, b, eps=1e-5):
     return ref.layer_norm(x, x.shape[-1], w, b, eps).to(x.dtype)
 
 
-VEC, ANY = "vec", "any"
-# dtype, rows, cols; the forward kernel (kind, vectors a thread, block) and the backward's.
+VEC, ANY, CHUNK = "vec", "any", "chunk"
+# dtype, rows, cols; the forward kernel (kind, vectors a thread, block) and the backward's. The
+# backward's rows too long for its registers take the generic kernel on 16-byte chunks when cols
+# is a multiple of the vector width (CHUNK), else the scalar one (ANY).
 LN_PATHS = [
     (F32, 1, 1, (ANY, 0, (32, 4, 1)), (ANY, 0, (32, 8, 1))),
     (F32, 3, 7, (ANY, 0, (32, 4, 1)), (ANY, 0, (32, 8, 1))),
@@ -223,12 +225,16 @@ LN_PATHS = [
     (F32, 3, 1028, (VEC, 4, (96, 1, 1)), (VEC, 4, (96, 2, 1))),  # three warps a row
     (F32, 2, 8192, (VEC, 4, (512, 1, 1)), (VEC, 4, (512, 1, 1))),
     (F32, 3, 1023, (ANY, 0, (256, 1, 1)), (ANY, 0, (256, 1, 1))),
-    (F32, 2, 8196, (ANY, 0, (512, 1, 1)), (ANY, 0, (512, 1, 1))),
+    (F32, 2, 8196, (ANY, 0, (512, 1, 1)), (CHUNK, 0, (512, 1, 1))),  # 2049 chunks: a tail
+    (F32, 2, 8194, (ANY, 0, (512, 1, 1)), (ANY, 0, (512, 1, 1))),  # not whole chunks
     (BF16, 300, 256, (VEC, 1, (32, 4, 1)), (VEC, 1, (32, 8, 1))),
     (BF16, 1, 512, (VEC, 2, (32, 4, 1)), (VEC, 2, (32, 8, 1))),  # one row, seven idle
     (BF16, 9, 1024, (VEC, 4, (32, 4, 1)), (VEC, 2, (64, 4, 1))),
     (F16, 3, 8192, (VEC, 4, (256, 1, 1)), (VEC, 2, (512, 1, 1))),
-    (BF16, 2, 16384, (VEC, 4, (512, 1, 1)), (ANY, 0, (512, 1, 1))),
+    (BF16, 2, 16384, (VEC, 4, (512, 1, 1)), (CHUNK, 0, (512, 1, 1))),
+    (BF16, 3, 8200, (VEC, 4, (288, 1, 1)), (CHUNK, 0, (512, 1, 1))),  # 1025 chunks: a tail
+    (F16, 2, 16384, (VEC, 4, (512, 1, 1)), (CHUNK, 0, (512, 1, 1))),
+    (F16, 2, 8201, (ANY, 0, (512, 1, 1)), (ANY, 0, (512, 1, 1))),  # odd cols
     (F16, 5, 1023, (ANY, 0, (256, 1, 1)), (ANY, 0, (256, 1, 1))),
 ]
 
@@ -260,9 +266,18 @@ def test_layer_norm_kernel_paths(dtype, rows, cols, fwd, bwd):
     assert launches[2].grid == (math.ceil(cols / 32), 2, 1)
 
 
+def _bwd_kernel(dtype: torch.dtype, cols: int) -> str:
+    """The backward kernel of aligned inputs: registers up to 8192 columns of whole 16-byte
+    chunks, then the generic kernel on chunks; the scalar generic kernel for other cols."""
+    if cols % (16 // dtype.itemsize) != 0:
+        return "ln_bwd_any_kernel"
+    return "ln_bwd_vec_kernel" if cols <= 8192 else "ln_bwd_chunk_kernel"
+
+
 @pytest.mark.parametrize("affine", ["none", "weight", "bias", "both"])
 @pytest.mark.parametrize(
-    ("dtype", "rows", "cols"), [(F16, 4, 1024), (BF16, 3, 1023), (F32, 37, 256)]
+    ("dtype", "rows", "cols"),
+    [(F16, 4, 1024), (BF16, 3, 1023), (F32, 37, 256), (BF16, 2, 8200), (F32, 2, 8196)],
 )
 def test_layer_norm_weight_dtype_and_affine_variants(dtype, rows, cols, affine):
     # Parameters in the input dtype (W = T in the kernels), or absent.
@@ -270,21 +285,27 @@ def test_layer_norm_weight_dtype_and_affine_variants(dtype, rows, cols, affine):
     w = _make((cols,), dtype, seed=1) if affine in ("weight", "both") else None
     b = _make((cols,), dtype, seed=2) if affine in ("bias", "both") else None
     names = [n for n, t in zip(["x", "weight", "bias"], [x, w, b]) if t is not None]
-    _parity_in_orders(_ln_fast, _ln_ref, [x, w, b], names, ATOL_FLOOR[dtype])
+    launches = _parity_in_orders(_ln_fast, _ln_ref, [x, w, b], names, ATOL_FLOOR[dtype])
+    assert launches[1].kernel == _bwd_kernel(dtype, cols)
 
 
 @pytest.mark.parametrize("frozen", ["weight", "bias"])
-@pytest.mark.parametrize(("dtype", "cols"), [(F32, 64), (BF16, 1024), (F16, 1023)])
+@pytest.mark.parametrize(
+    ("dtype", "cols"), [(F32, 64), (BF16, 1024), (F16, 1023), (F16, 16384), (F32, 8196)]
+)
 def test_layer_norm_one_parameter_gradient(dtype, cols, frozen):
     # need_dweight xor need_dbias: one half of the partials and of the finalize grid idle.
-    x = _make((40, cols), dtype)
+    x = _make((40 if cols <= 8192 else 3, cols), dtype)
     w = _make((cols,), seed=1, grad=frozen != "weight")
     b = _make((cols,), seed=2, grad=frozen != "bias")
     names = ["x", "bias"] if frozen == "weight" else ["x", "weight"]
-    _parity_in_orders(_ln_fast, _ln_ref, [x, w, b], names, ATOL_FLOOR[dtype])
+    launches = _parity_in_orders(_ln_fast, _ln_ref, [x, w, b], names, ATOL_FLOOR[dtype])
+    assert launches[1].kernel == _bwd_kernel(dtype, cols)
 
 
-@pytest.mark.parametrize(("dtype", "cols"), [(F32, 1024), (BF16, 1024), (F16, 64)])
+@pytest.mark.parametrize(
+    ("dtype", "cols"), [(F32, 1024), (BF16, 1024), (F16, 64), (BF16, 8200), (F32, 8196)]
+)
 @pytest.mark.parametrize("misaligned", ["x", "weight", "residual"])
 def test_layer_norm_misaligned_pointer_takes_the_generic_kernels(dtype, cols, misaligned):
     # A view one element into its storage is not 16-byte aligned: the vector kernels would
@@ -309,7 +330,8 @@ def test_layer_norm_misaligned_pointer_takes_the_generic_kernels(dtype, cols, mi
     else:
         fast, reference, inputs, names = _ln_fast, _ln_ref, [x, w, b], ["x", "weight", "bias"]
     launches = _parity_in_orders(fast, reference, inputs, names, ATOL_FLOOR[dtype])
-    backward = "ln_bwd_vec_kernel" if misaligned == "residual" else "ln_bwd_any_kernel"
+    # The backward of the fused kernels reads pre (aligned), not the residual.
+    backward = _bwd_kernel(dtype, cols) if misaligned == "residual" else "ln_bwd_any_kernel"
     assert [launch.kernel for launch in launches[:2]] == ["ln_fwd_any_kernel", backward]
 
 
@@ -320,7 +342,8 @@ def _resident(threads: int, smem: int) -> int:
 
 # dtype, rows, cols, rows a block, parameter gradients, accumulators in shared memory: while a
 # block's slices (cols floats a row group for each wanted gradient, plus 256 bytes of row_sum
-# slots) fit the 227 KB a block may opt in to; else in the partial rows in global memory.
+# slots) fit the 227 KB a block may opt in to; else in the partial rows in global memory. Cols
+# of whole 16-byte chunks take ln_bwd_chunk_kernel, the others ln_bwd_any_kernel.
 ANY_BWD_CASES = [
     (F32, 400, 99, 8, "both", True),  # 8 row groups a block, 2 or 3 rows each on 3 SMs
     (F32, 400, 99, 8, "weight", True),
@@ -329,11 +352,20 @@ ANY_BWD_CASES = [
     (BF16, 300, 130, 4, "bias", True),
     (BF16, 7, 29024, 1, "both", True),  # exactly 227 KB
     (BF16, 7, 29025, 1, "both", False),  # 8 bytes over
+    (BF16, 7, 29032, 1, "both", False),  # a chunk over
     (F32, 5, 30001, 1, "both", False),
+    (F32, 5, 30000, 1, "both", False),
     (F32, 5, 30001, 1, "weight", True),  # one slice
+    (F32, 5, 30000, 1, "weight", True),
+    (F32, 2, 58052, 1, "bias", False),  # 16 bytes over: dbias only, in global memory
     (F16, 3, 58048, 1, "bias", True),  # exactly 227 KB
+    (F16, 3, 58056, 1, "weight", False),
     (BF16, 3, 58049, 1, "weight", False),
     (F32, 5, 30001, 1, "none", True),  # no slices
+    (F32, 5, 30000, 1, "none", True),
+    (F16, 9, 8200, 1, "weight", True),
+    (BF16, 9, 8200, 1, "bias", True),
+    (F32, 9, 8196, 1, "both", True),
 ]
 
 
@@ -346,7 +378,7 @@ def test_layer_norm_generic_backward_accumulators(dtype, rows, cols, rpb, grads,
     launches = _parity_in_orders(_ln_fast, _ln_ref, [x, w, b], names, ATOL_FLOOR[dtype], sms=3)
     bwd = launches[1]
     tpr = 512 if rpb == 1 else 256 // rpb
-    assert bwd.kernel == "ln_bwd_any_kernel" and bwd.block == (tpr, rpb, 1)
+    assert bwd.kernel == _bwd_kernel(dtype, cols) and bwd.block == (tpr, rpb, 1)
     assert bwd.params["kSmemAcc"] == ("true" if smem_acc else "false")
     slices = {"both": 2, "none": 0}.get(grads, 1)
     smem = slices * rpb * cols * 4 if smem_acc else 0
@@ -363,6 +395,8 @@ RMS_CASES = [
     (BF16, 5, 1024, True),
     (F16, 4, 4096, True),
     (BF16, 2, 16384, False),
+    (F32, 2, 8196, True),
+    (F16, 3, 8200, True),
     (F16, 3, 1023, True),
 ]
 
@@ -383,6 +417,7 @@ def test_rms_norm_parity(dtype, rows, cols, weighted):
 
     launches = _parity_in_orders(fast, reference, inputs, names, ATOL_FLOOR[dtype])
     assert all(launch.params.get("kRms") == "true" for launch in launches[:2])
+    assert launches[1].kernel == _bwd_kernel(dtype, cols)
 
 
 # dtype, rows, cols, dropout p, with a residual
@@ -392,6 +427,9 @@ FUSED_CASES = [
     (F32, 4, 1024, 0.5, False),
     (F16, 3, 8192, 0.2, True),
     (BF16, 2, 16384, 0.25, True),
+    (F16, 3, 8200, 0.1, True),
+    (F32, 2, 8196, 0.3, False),
+    (BF16, 2, 8201, 0.2, True),
     (F32, 5, 1023, 0.0, True),
 ]
 
@@ -416,6 +454,7 @@ def test_dropout_add_layer_norm_prenorm_parity(dtype, rows, cols, p, with_residu
     names = ["x", "residual", "weight", "bias"] if with_residual else ["x", "weight", "bias"]
     launches = _parity_in_orders(fast, reference, inputs, names, ATOL_FLOOR[dtype])
     assert launches[0].params["kFused"] == "true" and launches[1].params["kFused"] == "true"
+    assert launches[1].kernel == _bwd_kernel(dtype, cols)
 
 
 @pytest.mark.parametrize(("dtype", "cols"), [(F32, 129), (BF16, 1024), (F16, 8192), (F32, 16384)])

@@ -15,12 +15,18 @@
 // the gradients are bit-identical from run to run on the same GPU (the grid, hence the order,
 // depends on the GPU's SM count). ln_bwd_vec_kernel holds x and dy in registers as the forward
 // does (a warp per row, 8 rows per block, then a block per row of up to 512 threads: 8192
-// elements of any dtype) on a persistent grid of one wave; ln_bwd_any_kernel (any cols and
-// alignment) keeps the sums of each row group in shared memory (cols floats for each of dweight
-// and dbias) and writes its partial rows once at the end: adding into the partial rows in global
-// memory for every row moved 8 bytes a column a row through L2 (~4 GB a call at 16384 x 16384:
-// 3x torch's time). Only rows too long for a block's shared memory (over ~29000 columns on sm_90,
-// ~20000 on sm_80, with both gradients) still add in global memory.
+// elements of any dtype) on a persistent grid of one wave. Longer rows take a generic kernel that
+// reads the row twice (from L1/L2 the second time) and keeps the sums of each row group in
+// shared memory (cols floats for each of dweight and dbias), writing its partial rows once at the
+// end: adding into the partial rows in global memory for every row moved 8 bytes a column a row
+// through L2 (~4 GB a call at 16384 x 16384: 3x torch's time). Only rows too long for a block's
+// shared memory (over ~29000 columns on sm_90, ~20000 on sm_80, with both gradients) still add
+// in global memory. Those sums cost the generic kernel its occupancy (one 512-thread block an SM
+// at 16384 columns), so its loads must keep enough bytes in flight by themselves: rows of whole
+// 16-byte chunks (aligned, the common case) take ln_bwd_chunk_kernel, which loads several chunks
+// a thread before using them (with scalar 2-byte loads, ln_bwd_any_kernel took 2.9 ms against
+// torch's 1.0 at bf16 16384 x 16384 on an H200: latency-bound); ln_bwd_any_kernel, any cols and
+// alignment, is the fallback.
 //
 // Every kernel has __launch_bounds__(threads, 1): without the 1, ptxas for sm_90 aims at a
 // higher occupancy and spills. All compile with 0 bytes of spills for sm_80 and sm_90.
@@ -57,7 +63,8 @@ constexpr int kFwdMaxVecs = 4;  // 16-byte vectors a forward thread holds, at mo
 constexpr int bwd_max_vecs(int elem_bytes) { return elem_bytes == 2 ? 2 : 4; }
 constexpr int kFinalizeRows = 8;  // row groups of the finalize kernel (each sums a strided slice)
 constexpr size_t kDefaultSmem = 48 * 1024;  // shared memory of a block without opting in
-constexpr size_t kAnyStaticSmem = sizeof(float2) * kWarp;  // ln_bwd_any_kernel's row_sum slots
+// The row_sum slots of ln_bwd_any_kernel and ln_bwd_chunk_kernel.
+constexpr size_t kAnyStaticSmem = sizeof(float2) * kWarp;
 constexpr int64_t kMaxGrid = int64_t{1} << 30;
 
 // ------------------------------------------------------------------ 16-byte vector access
@@ -563,6 +570,163 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_any_kernel(const LnB
   }
 }
 
+// kN fp32 accumulators at p (16-byte aligned) that this thread itself wrote earlier in the
+// kernel: a plain load (__ldg's read-only cache may hold the old values), copied with memcpy.
+template <int kN>
+__device__ __forceinline__ void load_acc(const float* p, float (&out)[kN]) {
+  static_assert(kN % 4 == 0, "load_acc reads whole 16-byte chunks");
+  memcpy(out, __builtin_assume_aligned(p, 16), sizeof(out));
+}
+
+// ln_bwd_any_kernel for rows of whole 16-byte chunks (cols a multiple of 16 / sizeof(T), every
+// pointer 16-byte aligned) too long for ln_bwd_vec_kernel's registers. Each pass strides over
+// the row's chunks and loads kU chunks of x, dy and weight before using any of them: at one
+// 512-thread block an SM, scalar 2-byte loads left too few bytes in flight (see the header).
+// The summation order is fixed (a thread's chunks in order, then row_sum), as in the others.
+// Thread x owns chunks x, x + blockDim.x, ... of its row group's accumulators, so no barrier
+// guards them. With kSmemAcc the slice holds element e of chunk j at e * nchunks + j, not in
+// column order: the lanes of a warp then touch consecutive words (in column order they would be
+// a chunk apart, 8 floats for 16-bit inputs: 8-way bank conflicts on every update); each thread
+// copies its own chunks to its partial row, in column order, at the end. Without kSmemAcc the
+// partial row in global memory is the accumulator, updated a chunk at a time.
+template <typename T, typename W, bool kRms, bool kFused, bool kSmemAcc>
+__global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_chunk_kernel(const LnBwdArgs a) {
+  constexpr int kE = 16 / sizeof(T);
+  constexpr int kU = sizeof(T) == 2 ? 2 : 4;  // chunks in flight: 32 bytes of x, 32 of dy
+  __shared__ float2 red[kWarp];
+  extern __shared__ float acc_smem[];  // kSmemAcc: the wanted dweight, dbias slices of cols
+  const float cols = static_cast<float>(a.cols);
+  const int64_t nchunks = a.cols / kE;
+  const W* weight = static_cast<const W*>(a.weight);
+  const int64_t parts = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  const int64_t my_part = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  float* gw = a.dweight != nullptr ? a.partial + my_part * a.cols : nullptr;
+  float* gb = a.dbias != nullptr ? a.partial + (parts + my_part) * a.cols : nullptr;
+  float* pw = gw;
+  float* pb = gb;
+  if constexpr (kSmemAcc) {
+    const int64_t n = (gw != nullptr) + (gb != nullptr);  // slices a row group
+    float* slices = acc_smem + n * threadIdx.y * a.cols;
+    pw = gw != nullptr ? slices : nullptr;
+    pb = gb != nullptr ? slices + (n - 1) * a.cols : nullptr;
+  }
+  // acc(p, j, v): adds v to the accumulators of chunk j.
+  auto acc = [&](float* p, int64_t j, const float (&v)[kE]) {
+    if constexpr (kSmemAcc) {
+#pragma unroll
+      for (int e = 0; e < kE; ++e) p[e * nchunks + j] += v[e];
+    } else {
+      float s[kE];
+      load_acc<kE>(p + j * kE, s);
+#pragma unroll
+      for (int e = 0; e < kE; ++e) s[e] += v[e];
+      store_vec<float, kE>(p + j * kE, s);
+    }
+  };
+  auto clear = [&](float* p, int64_t j) {
+    const float zero[kE] = {};
+    if constexpr (kSmemAcc) {
+#pragma unroll
+      for (int e = 0; e < kE; ++e) p[e * nchunks + j] = zero[e];
+    } else {
+      store_vec<float, kE>(p + j * kE, zero);
+    }
+  };
+  for (int64_t j = threadIdx.x; j < nchunks; j += blockDim.x) {
+    if (pw != nullptr) clear(pw, j);
+    if (pb != nullptr) clear(pb, j);
+  }
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < a.rows;
+       base += step) {
+    const int64_t row = base + threadIdx.y;
+    const bool row_ok = row < a.rows;
+    const int64_t chunks_here = row_ok ? nchunks : 0;  // nothing to do past the last row
+    const float mean = (kRms || !row_ok) ? 0.f : a.mean[row];
+    const float rstd = row_ok ? a.rstd[row] : 0.f;
+    const int64_t offset = row_ok ? row * a.cols : 0;
+    const uint4* x_row = reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + offset);
+    const uint4* dy_row = reinterpret_cast<const uint4*>(static_cast<const T*>(a.dy) + offset);
+    // The kU chunks j0, j0 + blockDim.x, ... of x, dy and weight (all loads issued first);
+    // chunks past the row are zeros and ones, and are not used.
+    uint4 raw_x[kU], raw_dy[kU];
+    float w[kU][kE];
+    auto load = [&](int64_t j0) {
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int64_t j = j0 + u * static_cast<int64_t>(blockDim.x);
+        raw_x[u] = raw_dy[u] = make_uint4(0, 0, 0, 0);
+        if (j < chunks_here) {
+          raw_x[u] = __ldg(x_row + j);
+          raw_dy[u] = __ldg(dy_row + j);
+        }
+        if (weight != nullptr && j < chunks_here) {
+          load_vec<W, kE>(weight + j * kE, w[u]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kE; ++e) w[u][e] = 1.f;
+        }
+      }
+    };
+    float2 sums = make_float2(0.f, 0.f);  // sum(g), sum(g * xhat) with g = dy * weight
+    for (int64_t j0 = threadIdx.x; j0 < chunks_here; j0 += kU * blockDim.x) {
+      load(j0);
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        if (j0 + u * static_cast<int64_t>(blockDim.x) >= chunks_here) continue;
+        float x[kE], dy[kE];
+        unpack<T>(raw_x[u], x);
+        unpack<T>(raw_dy[u], dy);
+#pragma unroll
+        for (int e = 0; e < kE; ++e) {
+          const float xhat = (x[e] - mean) * rstd;
+          const float g = grad_times_weight(dy[e], w[u][e]);
+          sums.x += g;
+          sums.y += g * xhat;
+        }
+      }
+    }
+    sums = row_sum(sums, red);
+    const float c_g = sums.x / cols, c_gx = sums.y / cols;
+    for (int64_t j0 = threadIdx.x; j0 < chunks_here; j0 += kU * blockDim.x) {
+      load(j0);
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int64_t j = j0 + u * static_cast<int64_t>(blockDim.x);
+        if (j >= chunks_here) continue;
+        float x[kE], dy[kE], d[kE], dyx[kE];
+        unpack<T>(raw_x[u], x);
+        unpack<T>(raw_dy[u], dy);
+#pragma unroll
+        for (int e = 0; e < kE; ++e) {
+          const float xhat = (x[e] - mean) * rstd;
+          const float g = grad_times_weight(dy[e], w[u][e]);
+          d[e] = dx_of<kRms>(g, xhat, rstd, c_g, c_gx);
+          dyx[e] = dy[e] * xhat;
+        }
+        const int64_t idx = offset + j * kE;
+        if (kFused) fused_dx_vec<T, kE>(a, idx, d);
+        store_vec<T, kE>(static_cast<T*>(a.dx) + idx, d);
+        if (pw != nullptr) acc(pw, j, dyx);
+        if (pb != nullptr) acc(pb, j, dy);
+      }
+    }
+  }
+  if constexpr (kSmemAcc) {
+    // Chunk j of a slice to the partial row (the thread's own chunks: no barrier).
+    auto copy_out = [&](const float* p, float* g, int64_t j) {
+      float v[kE];
+#pragma unroll
+      for (int e = 0; e < kE; ++e) v[e] = p[e * nchunks + j];
+      store_vec<float, kE>(g + j * kE, v);
+    };
+    for (int64_t j = threadIdx.x; j < nchunks; j += blockDim.x) {
+      if (gw != nullptr) copy_out(pw, gw, j);
+      if (gb != nullptr) copy_out(pb, gb, j);
+    }
+  }
+}
+
 // dweight[c] (blockIdx.y 0) or dbias[c] (blockIdx.y 1) = sum over the partial rows, in a fixed
 // order: row group y sums rows y, y + 8, ...; then the 8 sums are added in order of y.
 template <typename W>
@@ -643,9 +807,10 @@ void dispatch_vecs(int vecs, F&& f) {
 }
 
 struct Config {
-  int vecs;  // 16-byte vectors per thread, 0 = generic kernel
-  int tpr;   // threads per row (blockDim.x)
-  int rpb;   // rows per block (blockDim.y)
+  int vecs;             // 16-byte vectors per thread, 0 = generic kernel
+  int tpr;              // threads per row (blockDim.x)
+  int rpb;              // rows per block (blockDim.y)
+  bool chunks = false;  // backward, generic kernel: rows of 16-byte chunks (ln_bwd_chunk_kernel)
 };
 
 int elem_bytes(LnType t) { return t == LnType::kFloat32 ? 4 : 2; }
@@ -687,7 +852,9 @@ Config bwd_config(const LnBwdArgs& a) {
   const bool vec_ok = aligned16(a.dy) && aligned16(a.dpre) && aligned16(a.x) &&
                       aligned16(a.weight) && aligned16(a.dx) && aligned16(a.dres);
   const int elem = elem_bytes(a.dtype);
-  return pick(a.cols, elem, vec_ok, bwd_max_vecs(elem), kBwdMaxThreads, 256);
+  Config c = pick(a.cols, elem, vec_ok, bwd_max_vecs(elem), kBwdMaxThreads, 256);
+  c.chunks = c.vecs == 0 && vec_ok && a.cols % (16 / elem) == 0;  // rows too long for registers
+  return c;
 }
 
 // The vector backward's dynamic shared memory: the accumulators of its row groups, summed at
@@ -768,7 +935,7 @@ bool allow_dynamic_smem(const void* kernel, size_t bytes, size_t static_bytes) {
 }
 
 // Calls f(kernel pointer) for the backward kernel these arguments run (smem_acc: the generic
-// kernel's accumulators in shared memory).
+// kernels' accumulators in shared memory).
 template <typename F>
 void with_bwd_kernel(const LnBwdArgs& a, const Config& c, bool smem_acc, F&& f) {
   dispatch_types(a.dtype, a.wtype, [&](auto t, auto w) {
@@ -780,7 +947,13 @@ void with_bwd_kernel(const LnBwdArgs& a, const Config& c, bool smem_acc, F&& f) 
         constexpr int kVecs = decltype(vecs)::value;
         // 16-bit inputs never take 4 vectors (see bwd_max_vecs): not instantiated.
         if constexpr (kVecs == 0 || kVecs > bwd_max_vecs(sizeof(T))) {
-          if (smem_acc) {
+          if (c.chunks) {
+            if (smem_acc) {
+              f(ln_bwd_chunk_kernel<T, W, kRms, kFused, true>);
+            } else {
+              f(ln_bwd_chunk_kernel<T, W, kRms, kFused, false>);
+            }
+          } else if (smem_acc) {
             f(ln_bwd_any_kernel<T, W, kRms, kFused, true>);
           } else {
             f(ln_bwd_any_kernel<T, W, kRms, kFused, false>);
@@ -793,7 +966,7 @@ void with_bwd_kernel(const LnBwdArgs& a, const Config& c, bool smem_acc, F&& f) 
   });
 }
 
-// The backward kernel's configuration and dynamic shared memory. The generic kernel keeps its
+// The backward kernel's configuration and dynamic shared memory. The generic kernels keep their
 // dweight / dbias sums in shared memory whenever a block's slices fit (see the file's header):
 // only the wanted ones, which leaves room for more resident blocks and longer rows.
 struct BwdLaunch {
