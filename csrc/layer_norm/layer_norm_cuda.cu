@@ -504,6 +504,31 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnB
   if (want_b) store_partials<kVecs, kE>(db, acc_smem, a.partial + part + blockIdx.x * a.cols, nvec);
 }
 
+// The dweight / dbias accumulators of a generic-backward row group: its partial rows in global
+// memory (gw, gb), and what it adds into (pw, pb): with kSmemAcc its slices of dynamic shared
+// memory (only the wanted ones), else the partial rows themselves. Null when not wanted.
+struct AccRows {
+  float *gw, *gb, *pw, *pb;
+};
+
+template <bool kSmemAcc>
+__device__ __forceinline__ AccRows acc_rows(const LnBwdArgs& a, float* acc_smem) {
+  const int64_t parts = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  const int64_t my_part = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  AccRows r;
+  r.gw = a.dweight != nullptr ? a.partial + my_part * a.cols : nullptr;
+  r.gb = a.dbias != nullptr ? a.partial + (parts + my_part) * a.cols : nullptr;
+  r.pw = r.gw;
+  r.pb = r.gb;
+  if constexpr (kSmemAcc) {
+    const int64_t n = (r.gw != nullptr) + (r.gb != nullptr);  // slices a row group
+    float* slices = acc_smem + n * threadIdx.y * a.cols;
+    r.pw = r.gw != nullptr ? slices : nullptr;
+    r.pb = r.gb != nullptr ? slices + (n - 1) * a.cols : nullptr;
+  }
+  return r;
+}
+
 // Any cols and alignment. Each row group accumulates dweight / dbias in its own partial row
 // (only its own threads touch it, each always the same columns, so no barrier guards it): with
 // kSmemAcc a slice of dynamic shared memory, copied to its partial row in global memory once at
@@ -516,18 +541,11 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_any_kernel(const LnB
   const T* x = static_cast<const T*>(a.x);
   const T* dy = static_cast<const T*>(a.dy);
   const W* weight = static_cast<const W*>(a.weight);
-  const int64_t parts = static_cast<int64_t>(gridDim.x) * blockDim.y;
-  const int64_t my_part = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  float* gw = a.dweight != nullptr ? a.partial + my_part * a.cols : nullptr;
-  float* gb = a.dbias != nullptr ? a.partial + (parts + my_part) * a.cols : nullptr;
-  float* pw = gw;
-  float* pb = gb;
-  if constexpr (kSmemAcc) {
-    const int64_t n = (gw != nullptr) + (gb != nullptr);  // slices a row group
-    float* slices = acc_smem + n * threadIdx.y * a.cols;
-    pw = gw != nullptr ? slices : nullptr;
-    pb = gb != nullptr ? slices + (n - 1) * a.cols : nullptr;
-  }
+  const AccRows r = acc_rows<kSmemAcc>(a, acc_smem);
+  float* const gw = r.gw;
+  float* const gb = r.gb;
+  float* const pw = r.pw;
+  float* const pb = r.pb;
   for (int64_t c = threadIdx.x; c < a.cols; c += blockDim.x) {
     if (pw != nullptr) pw[c] = 0.f;
     if (pb != nullptr) pb[c] = 0.f;
@@ -598,18 +616,11 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_chunk_kernel(const L
   const float cols = static_cast<float>(a.cols);
   const int64_t nchunks = a.cols / kE;
   const W* weight = static_cast<const W*>(a.weight);
-  const int64_t parts = static_cast<int64_t>(gridDim.x) * blockDim.y;
-  const int64_t my_part = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  float* gw = a.dweight != nullptr ? a.partial + my_part * a.cols : nullptr;
-  float* gb = a.dbias != nullptr ? a.partial + (parts + my_part) * a.cols : nullptr;
-  float* pw = gw;
-  float* pb = gb;
-  if constexpr (kSmemAcc) {
-    const int64_t n = (gw != nullptr) + (gb != nullptr);  // slices a row group
-    float* slices = acc_smem + n * threadIdx.y * a.cols;
-    pw = gw != nullptr ? slices : nullptr;
-    pb = gb != nullptr ? slices + (n - 1) * a.cols : nullptr;
-  }
+  const AccRows r = acc_rows<kSmemAcc>(a, acc_smem);
+  float* const gw = r.gw;
+  float* const gb = r.gb;
+  float* const pw = r.pw;
+  float* const pb = r.pb;
   // acc(p, j, v): adds v to the accumulators of chunk j.
   auto acc = [&](float* p, int64_t j, const float (&v)[kE]) {
     if constexpr (kSmemAcc) {
