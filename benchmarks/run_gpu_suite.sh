@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole GPU suite in one lent session (about 8 minutes on one H100/H200):
+# The whole GPU suite in one lent session (about 8-9 minutes on one H100/H200):
 #   build fastformer from source against the installed torch (unless a matching build is already
 #   in place); the GPU tests and the CUDA parity grid (`check`), split over processes that run at
 #   once; then the benchmark alone.
@@ -69,8 +69,8 @@ CHECK_SHARDS="${CHECK_SHARDS:-7}"
     >"$OUT/machine.log" 2>&1
 
 # Budget (seconds), at most: build 130 (or the prebuilt check, ~10) + info 15 + verify 130 +
-# bench 80 + 130 + 100 = 595; the bench stages stop measuring at their --max-seconds, so a run
-# with a prebuilt extension takes at most about 8 minutes.
+# bench 80 + 130 + 100 + profile 45 = 640; the bench stages stop measuring at their
+# --max-seconds, so a run with a prebuilt extension takes at most about 9 minutes.
 in_place() {  # import fastformer from the source tree (kernels/ mapped to fastformer.kernels)
     ln -sfn ../kernels fastformer/kernels
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -122,6 +122,8 @@ stage bench_ops 80 "$PY" -m fastformer bench --no-model --ops layer_norm,ffn --m
 stage bench_attention 130 "$PY" -m fastformer bench --no-model --ops attention --max-seconds 100 \
     --out "$OUT/bench-attention"
 stage bench_model 100 "$PY" -m fastformer bench --ops "" --max-seconds 75 --out "$OUT/bench-model"
+# Where each op's time goes (kernels vs wall time): the first diagnosis of a slow case.
+stage profile 45 "$PY" benchmarks/profile_kernels.py --iters 3
 
 echo "suite: $FAILED failed stage(s) in $(( $(date +%s) - SUITE_START ))s; logs in $OUT" | tee -a "$OUT/summary.txt"
 exit $FAILED

@@ -76,10 +76,11 @@ def test_suite_runs_every_stage_and_counts_failures(tmp_path):
     assert threads and all(t == "OMP_NUM_THREADS=2" for t in threads), calls
     # The benchmark last, alone, in three processes that together cover the default run.
     out = tmp_path / "out"
-    assert commands[-3:] == [
+    assert commands[-4:] == [
         f"-m fastformer bench --no-model --ops layer_norm,ffn --max-seconds 60 --out {out}/bench-ops",
         f"-m fastformer bench --no-model --ops attention --max-seconds 100 --out {out}/bench-attention",
         f"-m fastformer bench --ops  --max-seconds 75 --out {out}/bench-model",
+        "benchmarks/profile_kernels.py --iters 3",
     ]
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert "verify-check3" in summary and "rc=1" in summary
