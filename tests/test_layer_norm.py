@@ -181,6 +181,32 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(fused, (x, r, w, b))
 
 
+@pytest.mark.parametrize("prenorm", [False, True])
+def test_gradients_of_every_subset_of_inputs(prenorm):
+    """Eager autograd with any of weight, bias, residual absent and any subset of the inputs
+    requiring grad: the gradients of exactly those inputs, equal to the reference's."""
+    import itertools
+
+    for has_w, has_b, has_r, *needs in itertools.product([False, True], repeat=7):
+        given = [True, has_w, has_b, has_r]
+        if not any(g and n for g, n in zip(given, needs)):
+            continue
+        x = _make((5, 16), torch.float64, grad=needs[0])
+        w = _make((16,), torch.float64, seed=1, grad=needs[1]) if has_w else None
+        b = _make((16,), torch.float64, seed=2, grad=needs[2]) if has_b else None
+        r = _make((5, 16), torch.float64, seed=3, grad=needs[3]) if has_r else None
+        got, want = (_subset_grads(fn, x, r, w, b, prenorm) for fn in (ln, ref))
+        for g, h in zip(got, want):
+            torch.testing.assert_close(g, h, atol=1e-9, rtol=1e-9)
+
+
+def _subset_grads(module, x, r, w, b, prenorm):
+    leaves = [t for t in (x, w, b, r) if t is not None and t.requires_grad]
+    out = module.dropout_add_layer_norm(x, r, w, b, 1e-5, 0.0, prenorm)
+    loss = (out[0] * 1.5 + out[1] * 0.5) if prenorm else out
+    return torch.autograd.grad(loss.square().sum(), leaves)
+
+
 # --------------------------------------------------------------------------- dropout_add_layer_norm
 
 
