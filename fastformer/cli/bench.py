@@ -298,17 +298,17 @@ def _measure_impl(name, fn, bench, mode, device, pacer) -> dict[str, Any]:
         return {"not_run": NOT_RUN}
     call = runner(fn, bench.args, mode)
     try:
+        # First call: compilation / autotuning, and any "not supported" error. On CUDA it also
+        # gives the memory each implementation needs beyond its inputs (saved tensors, scores,
+        # ...): the allocator counts exactly (CPU would need the profiler, so not there).
         start = time.perf_counter()
-        call()  # first call: compilation / autotuning, and any "not supported" error
+        peak = None
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            peak = timing.peak_memory(call, device, above_start=True)[0]
+        else:
+            call()
         first_s = time.perf_counter() - start
         ms = timing.time_op(call, device, pacer.current())
-        # One more call on CUDA (the allocator counts exactly; CPU would need the profiler):
-        # the memory each implementation needs beyond its inputs (saved tensors, scores, ...).
-        peak = (
-            timing.peak_memory(call, device, above_start=True)[0] if device.type == "cuda" else None
-        )
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         return {"error": "out of memory"}
