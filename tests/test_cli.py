@@ -419,3 +419,20 @@ def test_report_lists_peak_memory_where_measured():
     assert "Peak memory beyond the inputs" in text and "| c | fwd | 3.0 | - |" in text
     del row["impls"]["fastformer"]["peak_memory_bytes"]
     assert "Peak memory" not in "\n".join(R.op_lines("attention", [row]))
+
+
+def test_time_op_times_slow_cuda_calls_with_three_events(monkeypatch):
+    """A CUDA call of SLOW_CALL_MS or more: the median of 3 event-timed calls (do_bench would
+    spend 8); a shorter one: do_bench. (CUDA timing replaced: this machine may have no GPU.)"""
+    import triton.testing
+
+    from fastformer.cli import timing
+
+    cuda = torch.device("cuda")
+    calls = iter([50.0, 40.0, 60.0])
+    monkeypatch.setattr(timing, "time_cuda_events", lambda fn, budget, device: next(calls))
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: pytest.fail("do_bench"))
+    assert timing.time_op(lambda: None, cuda, timing.GPU_DEFAULT) == 50.0
+    monkeypatch.setattr(timing, "time_cuda_events", lambda fn, budget, device: 1.0)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: 0.5)
+    assert timing.time_op(lambda: None, cuda, timing.GPU_DEFAULT) == 0.5
