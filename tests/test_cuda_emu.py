@@ -619,6 +619,8 @@ def test_ffn_stages_parity(emulator, act, dtype, shape, p):
     assert backward.kernel == "ffn_backward_kernel" and int(backward.params["VEC"]) == vec
     assert backward.grid == (math.ceil(math.ceil(d_ff / vec) / 32), math.ceil(rows / 32), 1)
     assert finalize.kernel == "ffn_bias_grad_finalize_kernel"
+    width = 2 * d_ff if act in ("swiglu", "geglu") else d_ff
+    assert finalize.grid == (math.ceil(width / 32), 1, 1) and finalize.block == (32, 8, 1)
 
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=["fp32", "fp16", "bf16"])

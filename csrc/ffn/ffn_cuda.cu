@@ -11,6 +11,7 @@
 
 #include <type_traits>
 
+#include "common/column_sum.cuh"
 #include "common/convert.cuh"
 #include "common/philox.h"
 #include "ffn/ffn.h"
@@ -21,7 +22,7 @@ namespace {
 constexpr int kThreadsX = 32;  // column vectors per block: one warp along a row
 constexpr int kThreadsY = 8;   // rows per block step
 constexpr int64_t kMaxForwardRowBlocks = 65535;  // gridDim.y limit; larger inputs loop
-constexpr int kFinalizeThreads = 256;
+constexpr int kFinalizeRows = 8;  // row groups of the db1 finalize (column_sum)
 
 static_assert(kFfnRowsPerBlock % kThreadsY == 0, "a row block is whole block steps");
 
@@ -225,18 +226,15 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
   }
 }
 
-// db[c] = sum over row blocks b (in order) of partials[b][c].
+// db[c] = the sum over row blocks b of partials[b][c], in column_sum's fixed order. (A thread
+// per column walking all 256 row blocks took 26 us for 2048 columns on an H200: 8 blocks on
+// 132 SMs, one load in flight a thread.)
 template <typename T>
-__global__ void __launch_bounds__(kFinalizeThreads)
+__global__ void __launch_bounds__(kColumnSumWidth* kFinalizeRows)
     ffn_bias_grad_finalize_kernel(const float* __restrict__ partials, T* __restrict__ db,
                                   int64_t blocks, int64_t width) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kFinalizeThreads;
-  for (int64_t c = static_cast<int64_t>(blockIdx.x) * kFinalizeThreads + threadIdx.x; c < width;
-       c += stride) {
-    float sum = 0.f;
-    for (int64_t b = 0; b < blocks; ++b) sum += partials[b * width + c];
-    db[c] = from_float<T>(sum);
-  }
+  __shared__ float buf[kFinalizeRows][kColumnSumWidth + 1];
+  column_sum<kFinalizeRows>(partials, blocks, width, db, buf);
 }
 
 // ------------------------------------------------------------------ host-side dispatch
@@ -303,10 +301,10 @@ void launch_finalize(const FfnBackwardArgs& a, cudaStream_t stream) {
   const int64_t width = ffn_is_gated(a.act) ? 2 * a.d_ff : a.d_ff;
   if (width == 0) return;
   const int64_t blocks = a.rows > 0 && a.d_ff > 0 ? ffn_bias_grad_row_blocks(a.rows) : 0;
-  const int64_t grid = ceil_div(width, kFinalizeThreads);
-  ffn_bias_grad_finalize_kernel<T><<<static_cast<unsigned>(grid < 4096 ? grid : 4096),
-                                     kFinalizeThreads, 0, stream>>>(
-      a.partials, static_cast<T*>(a.db1), blocks, width);
+  const dim3 block(kColumnSumWidth, kFinalizeRows);
+  ffn_bias_grad_finalize_kernel<T><<<static_cast<unsigned>(ceil_div(width, kColumnSumWidth)),
+                                     block, 0, stream>>>(a.partials, static_cast<T*>(a.db1),
+                                                         blocks, width);
 }
 
 }  // namespace

@@ -46,6 +46,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "common/column_sum.cuh"
 #include "common/convert.cuh"
 #include "common/philox.h"
 #include "layer_norm/layer_norm.h"
@@ -744,22 +745,11 @@ template <typename W>
 __global__ void __launch_bounds__(kWarp * kFinalizeRows, 1)
     ln_bwd_finalize_kernel(const float* __restrict__ partial, int64_t parts, int64_t cols,
                            W* __restrict__ dweight, W* __restrict__ dbias) {
-  __shared__ float buf[kFinalizeRows][kWarp + 1];
+  __shared__ float buf[kFinalizeRows][kColumnSumWidth + 1];
   W* out = blockIdx.y == 0 ? dweight : dbias;
   if (out == nullptr) return;  // uniform over the block
   const float* src = partial + (blockIdx.y == 0 ? 0 : parts * cols);
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * kWarp + threadIdx.x;
-  float s = 0.f;
-  if (col < cols) {
-    for (int64_t p = threadIdx.y; p < parts; p += kFinalizeRows) s += src[p * cols + col];
-  }
-  buf[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < cols) {
-    float total = buf[0][threadIdx.x];
-    for (int y = 1; y < kFinalizeRows; ++y) total += buf[y][threadIdx.x];
-    out[col] = from_float<W>(total);
-  }
+  column_sum<kFinalizeRows>(src, parts, cols, out, buf);
 }
 
 // ------------------------------------------------------------------ host: configuration

@@ -66,8 +66,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     # The finalize sums one partial row too few.
     "finalize_off_by_one": (
         "layer_norm/layer_norm_cuda.cu",
-        "for (int64_t p = threadIdx.y; p < parts; p += kFinalizeRows)",
-        "for (int64_t p = threadIdx.y; p + 1 < parts; p += kFinalizeRows)",
+        "column_sum<kFinalizeRows>(src, parts, cols, out, buf);",
+        "column_sum<kFinalizeRows>(src, parts - 1, cols, out, buf);",
     ),
     # A butterfly level fewer: lanes sum only half the warp.
     "warp_sum_short": (
