@@ -22,6 +22,7 @@
 
 #include "common/checks.h"
 #include "common/philox.h"
+#include "layer_norm/layer_norm_glue.h"
 
 #ifdef FASTFORMER_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -34,6 +35,9 @@ namespace fastformer {
 namespace {
 
 using Tensors4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+using ln_glue::dropout_scale;
+using ln_glue::param_dtype;
 
 // ------------------------------------------------------------------ checks
 
@@ -55,19 +59,6 @@ void check_param(const c10::optional<at::Tensor>& p, const char* name, const at:
               "layer_norm: ", name, " must be ", x.scalar_type(), " or float32, got ",
               p->scalar_type());
   FF_CHECK_DEVICE(*p, x.device());
-}
-
-// The dtype of weight and bias (they must agree), or x's when both are absent.
-at::ScalarType param_dtype(const c10::optional<at::Tensor>& weight,
-                           const c10::optional<at::Tensor>& bias, const at::Tensor& x) {
-  if (weight.has_value() && bias.has_value()) {
-    TORCH_CHECK(weight->scalar_type() == bias->scalar_type(),
-                "layer_norm: weight and bias must have the same dtype, got ",
-                weight->scalar_type(), " and ", bias->scalar_type());
-  }
-  if (weight.has_value()) return weight->scalar_type();
-  if (bias.has_value()) return bias->scalar_type();
-  return x.scalar_type();
 }
 
 void check_x(const at::Tensor& x, const char* name) {
@@ -98,10 +89,6 @@ void check_fwd(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
   TORCH_CHECK(!rms || (!bias.has_value() && !residual.has_value() && dropout_p == 0 && !store_pre),
               "layer_norm: rms=True takes no bias, residual, dropout or store_pre");
 }
-
-// 1 / (1 - p) from the double p, rounded once to the accumulation dtype (as the reference's
-// `x * keep * scale` with a Python float scale).
-double dropout_scale(double p) { return 1.0 / (1.0 - p); }
 
 at::ScalarType stats_dtype(const at::Tensor& x) {
   return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -720,25 +707,6 @@ Tensors4 layer_norm_bwd_cpu(const at::Tensor& dy_in, const c10::optional<at::Ten
 // ------------------------------------------------------------------ CUDA glue
 
 #ifdef FASTFORMER_WITH_CUDA
-LnType ln_type(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return LnType::kFloat32;
-    case at::kHalf:
-      return LnType::kFloat16;
-    case at::kBFloat16:
-      return LnType::kBFloat16;
-    default:
-      TORCH_CHECK(false, "layer_norm: CUDA kernels take float32, float16 or bfloat16, got ", t);
-  }
-  return LnType::kFloat32;  // unreachable
-}
-
-const void* ptr_or_null(const c10::optional<at::Tensor>& t) {
-  return t.has_value() ? t->data_ptr() : nullptr;
-}
-
-void* ptr_or_null(const at::Tensor& t) { return t.numel() > 0 ? t.data_ptr() : nullptr; }
 
 Tensors4 layer_norm_fwd_cuda(const at::Tensor& x_in, const c10::optional<at::Tensor>& weight_in,
                              const c10::optional<at::Tensor>& bias_in,
@@ -755,25 +723,8 @@ Tensors4 layer_norm_fwd_cuda(const at::Tensor& x_in, const c10::optional<at::Ten
   const auto weight = contiguous(weight_in), bias = contiguous(bias_in);
   const auto residual = contiguous(residual_in);
   auto [out, pre, mean, rstd] = fwd_outputs(x, store_pre, rms);
-  LnFwdArgs a{};
-  a.x = x.data_ptr();
-  a.residual = ptr_or_null(residual);
-  a.weight = ptr_or_null(weight);
-  a.bias = ptr_or_null(bias);
-  a.out = out.data_ptr();
-  a.pre = ptr_or_null(pre);
-  a.mean = rms ? nullptr : mean.data_ptr<float>();
-  a.rstd = rstd.data_ptr<float>();
-  a.rows = x.size(0);
-  a.cols = x.size(1);
-  a.eps = static_cast<float>(eps);
-  a.dropout_p = static_cast<float>(dropout_p);
-  a.dropout_scale = static_cast<float>(dropout_scale(dropout_p));
-  a.seed = seed_value(seed);
-  a.dtype = ln_type(x.scalar_type());
-  a.wtype = ln_type(param_dtype(weight, bias, x));
-  a.rms = rms;
-  a.fused = fused;
+  const LnFwdArgs a = ln_glue::fwd_args(x, weight, bias, residual, out, pre, mean, rstd,
+                                        seed_value(seed), eps, dropout_p, rms, fused);
   layer_norm_fwd_cuda_launch(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, pre, mean, rstd};
@@ -795,26 +746,9 @@ Tensors4 layer_norm_bwd_cuda(const at::Tensor& dy_in, const c10::optional<at::Te
       weight_in.has_value() ? c10::optional<at::Tensor>(weight_in->contiguous()) : c10::nullopt;
   auto [dx, dres, dweight, dbias] =
       bwd_outputs(x, weight, bias, has_residual, need_dweight, need_dbias);
-  LnBwdArgs a{};
-  a.dy = dy.data_ptr();
-  a.dpre = dpre.defined() ? dpre.data_ptr() : nullptr;
-  a.x = x.data_ptr();
-  a.weight = ptr_or_null(weight);
-  a.mean = rms ? nullptr : mean.data_ptr<float>();
-  a.rstd = rstd.data_ptr<float>();
-  a.dx = dx.data_ptr();
-  a.dres = has_residual ? dres.data_ptr() : nullptr;
-  a.dweight = need_dweight ? dweight.data_ptr() : nullptr;
-  a.dbias = need_dbias ? dbias.data_ptr() : nullptr;
-  a.rows = x.size(0);
-  a.cols = x.size(1);
-  a.dropout_p = static_cast<float>(dropout_p);
-  a.dropout_scale = static_cast<float>(dropout_scale(dropout_p));
-  a.seed = seed_value(seed);
-  a.dtype = ln_type(x.scalar_type());
-  a.wtype = ln_type(param_dtype(weight, bias, x));
-  a.rms = rms;
-  a.fused = fused;
+  LnBwdArgs a = ln_glue::bwd_args(dy, dpre, x, weight, bias, mean, rstd, dx, dres, dweight,
+                                   dbias, seed_value(seed), dropout_p, rms, fused, has_residual,
+                                   need_dweight, need_dbias);
   const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const LnBwdPlan plan = layer_norm_bwd_plan(a, num_sms);
   const int64_t partial_floats = std::max<int64_t>(1, 2 * plan.partial_rows * a.cols);

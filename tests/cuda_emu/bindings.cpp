@@ -1,10 +1,10 @@
 // torch.ops.fastformer_emu: the project's CUDA launchers (csrc/**/*.cu, compiled for the CPU
-// emulator) on CPU tensors. Each op fills the launcher's Args exactly as the CUDA glue of
-// csrc/layer_norm/layer_norm.cpp and csrc/ffn/ffn.cpp does (same outputs, workspace sizes,
-// dropout_scale, LnBwdPlan), except for memory: every buffer a kernel sees lives between red
-// zones of NaN bytes, outputs and workspaces start as NaN bytes (at::empty leaves garbage on the
-// GPU), inputs keep their address modulo 16 (a misaligned view stays misaligned), and after the
-// launch the red zones and the inputs must be untouched.
+// emulator) on CPU tensors. LayerNorm's arguments come from the CUDA glue's own
+// layer_norm_glue.h; the FFN ops fill theirs as csrc/ffn/ffn.cpp does (same outputs, workspace
+// sizes, dropout scale). Memory differs: every buffer a kernel sees lives between red zones of
+// NaN bytes, outputs and workspaces start as NaN bytes (at::empty leaves garbage on the GPU),
+// inputs keep their address modulo 16 (a misaligned view stays misaligned), and after the launch
+// the red zones and the inputs must be untouched.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -17,6 +17,7 @@
 #include "emu_api.h"
 #include "ffn/ffn.h"
 #include "layer_norm/layer_norm.h"
+#include "layer_norm/layer_norm_glue.h"
 #include "rng/rng.h"
 #include "selftest.h"
 
@@ -25,7 +26,6 @@ namespace {
 using Tensors4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using fastformer::FfnActivation;
 using fastformer::FfnDtype;
-using fastformer::LnType;
 
 constexpr int64_t kRedZone = 1024;  // bytes of NaN before and after every buffer
 constexpr uint8_t kPoison = 0xFF;
@@ -100,36 +100,6 @@ class Arena {
   std::vector<Buffer> buffers_;
 };
 
-LnType ln_type(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return LnType::kFloat32;
-    case at::kHalf:
-      return LnType::kFloat16;
-    case at::kBFloat16:
-      return LnType::kBFloat16;
-    default:
-      TORCH_CHECK(false, "cuda_emu layer_norm: float32, float16 or bfloat16, got ", t);
-  }
-  return LnType::kFloat32;
-}
-
-// The same helpers as layer_norm.cpp's CUDA glue.
-at::ScalarType param_dtype(const c10::optional<at::Tensor>& weight,
-                           const c10::optional<at::Tensor>& bias, const at::Tensor& x) {
-  if (weight.has_value()) return weight->scalar_type();
-  if (bias.has_value()) return bias->scalar_type();
-  return x.scalar_type();
-}
-
-const void* ptr_or_null(const c10::optional<at::Tensor>& t) {
-  return t.has_value() ? t->data_ptr() : nullptr;
-}
-
-void* ptr_or_null(const at::Tensor& t) { return t.numel() > 0 ? t.data_ptr() : nullptr; }
-
-double dropout_scale(double p) { return 1.0 / (1.0 - p); }
-
 Tensors4 layer_norm_fwd(const at::Tensor& x_in, const c10::optional<at::Tensor>& weight_in,
                         const c10::optional<at::Tensor>& bias_in,
                         const c10::optional<at::Tensor>& residual_in, int64_t seed, double eps,
@@ -148,25 +118,9 @@ Tensors4 layer_norm_fwd(const at::Tensor& x_in, const c10::optional<at::Tensor>&
                              : at::empty({0}, x.options());
   at::Tensor mean = rms ? at::empty({0}, at::kFloat) : arena.empty({rows}, at::kFloat, "mean");
   at::Tensor rstd = arena.empty({rows}, at::kFloat, "rstd");
-  fastformer::LnFwdArgs a{};
-  a.x = x.data_ptr();
-  a.residual = ptr_or_null(residual);
-  a.weight = ptr_or_null(weight);
-  a.bias = ptr_or_null(bias);
-  a.out = out.data_ptr();
-  a.pre = ptr_or_null(pre);
-  a.mean = rms ? nullptr : mean.data_ptr<float>();
-  a.rstd = rstd.data_ptr<float>();
-  a.rows = rows;
-  a.cols = x.size(1);
-  a.eps = static_cast<float>(eps);
-  a.dropout_p = static_cast<float>(dropout_p);
-  a.dropout_scale = static_cast<float>(dropout_scale(dropout_p));
-  a.seed = static_cast<uint64_t>(seed);
-  a.dtype = ln_type(x.scalar_type());
-  a.wtype = ln_type(param_dtype(weight, bias, x));
-  a.rms = rms;
-  a.fused = fused;
+  const fastformer::LnFwdArgs a =
+      fastformer::ln_glue::fwd_args(x, weight, bias, residual, out, pre, mean, rstd,
+                                    static_cast<uint64_t>(seed), eps, dropout_p, rms, fused);
   fastformer::layer_norm_fwd_cuda_launch(a, nullptr);
   arena.check();
   return {out, pre, mean, rstd};
@@ -193,26 +147,10 @@ Tensors4 layer_norm_bwd(const at::Tensor& dy_in, const c10::optional<at::Tensor>
   at::Tensor dweight = need_dweight ? arena.empty({x.size(1)}, weight->scalar_type(), "dweight")
                                     : none;
   at::Tensor dbias = need_dbias ? arena.empty({x.size(1)}, bias->scalar_type(), "dbias") : none;
-  fastformer::LnBwdArgs a{};
-  a.dy = dy.data_ptr();
-  a.dpre = dpre.has_value() ? dpre->data_ptr() : nullptr;
-  a.x = x.data_ptr();
-  a.weight = ptr_or_null(weight);
-  a.mean = rms ? nullptr : mean.data_ptr<float>();
-  a.rstd = rstd.data_ptr<float>();
-  a.dx = dx.data_ptr();
-  a.dres = has_residual ? dres.data_ptr() : nullptr;
-  a.dweight = need_dweight ? dweight.data_ptr() : nullptr;
-  a.dbias = need_dbias ? dbias.data_ptr() : nullptr;
-  a.rows = x.size(0);
-  a.cols = x.size(1);
-  a.dropout_p = static_cast<float>(dropout_p);
-  a.dropout_scale = static_cast<float>(dropout_scale(dropout_p));
-  a.seed = static_cast<uint64_t>(seed);
-  a.dtype = ln_type(x.scalar_type());
-  a.wtype = ln_type(param_dtype(weight, bias, x));
-  a.rms = rms;
-  a.fused = fused;
+  fastformer::LnBwdArgs a = fastformer::ln_glue::bwd_args(
+      dy, dpre.has_value() ? *dpre : at::Tensor(), x, weight, bias, mean, rstd, dx, dres, dweight,
+      dbias, static_cast<uint64_t>(seed), dropout_p, rms, fused, has_residual, need_dweight,
+      need_dbias);
   const int num_sms = emu::config().sms;  // multiProcessorCount of the emulated device
   const fastformer::LnBwdPlan plan = fastformer::layer_norm_bwd_plan(a, num_sms);
   const int64_t partial_floats = std::max<int64_t>(1, 2 * plan.partial_rows * a.cols);
