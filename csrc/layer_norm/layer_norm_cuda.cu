@@ -542,11 +542,7 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_any_kernel(const LnB
   const T* x = static_cast<const T*>(a.x);
   const T* dy = static_cast<const T*>(a.dy);
   const W* weight = static_cast<const W*>(a.weight);
-  const AccRows r = acc_rows<kSmemAcc>(a, acc_smem);
-  float* const gw = r.gw;
-  float* const gb = r.gb;
-  float* const pw = r.pw;
-  float* const pb = r.pb;
+  const auto [gw, gb, pw, pb] = acc_rows<kSmemAcc>(a, acc_smem);
   for (int64_t c = threadIdx.x; c < a.cols; c += blockDim.x) {
     if (pw != nullptr) pw[c] = 0.f;
     if (pb != nullptr) pb[c] = 0.f;
@@ -617,11 +613,7 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_chunk_kernel(const L
   const float cols = static_cast<float>(a.cols);
   const int64_t nchunks = a.cols / kE;
   const W* weight = static_cast<const W*>(a.weight);
-  const AccRows r = acc_rows<kSmemAcc>(a, acc_smem);
-  float* const gw = r.gw;
-  float* const gb = r.gb;
-  float* const pw = r.pw;
-  float* const pb = r.pb;
+  const auto [gw, gb, pw, pb] = acc_rows<kSmemAcc>(a, acc_smem);
   // acc(p, j, v): adds v to the accumulators of chunk j.
   auto acc = [&](float* p, int64_t j, const float (&v)[kE]) {
     if constexpr (kSmemAcc) {
