@@ -55,6 +55,22 @@ inline const void* ptr_or_null(const c10::optional<at::Tensor>& t) {
 
 inline void* ptr_or_null(const at::Tensor& t) { return t.numel() > 0 ? t.data_ptr() : nullptr; }
 
+// The fields LnFwdArgs and LnBwdArgs share.
+template <typename Args>
+void set_common(Args& a, const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                const c10::optional<at::Tensor>& bias, uint64_t seed, double dropout_p, bool rms,
+                bool fused) {
+  a.rows = x.size(0);
+  a.cols = x.size(1);
+  a.dropout_p = static_cast<float>(dropout_p);
+  a.dropout_scale = static_cast<float>(dropout_scale(dropout_p));
+  a.seed = seed;
+  a.dtype = ln_type(x.scalar_type());
+  a.wtype = ln_type(param_dtype(weight, bias, x));
+  a.rms = rms;
+  a.fused = fused;
+}
+
 // The forward's arguments: pre is (0,) unless stored, mean (0,) for RMSNorm.
 inline LnFwdArgs fwd_args(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
                           const c10::optional<at::Tensor>& bias,
@@ -70,16 +86,8 @@ inline LnFwdArgs fwd_args(const at::Tensor& x, const c10::optional<at::Tensor>& 
   a.pre = ptr_or_null(pre);
   a.mean = rms ? nullptr : mean.data_ptr<float>();
   a.rstd = rstd.data_ptr<float>();
-  a.rows = x.size(0);
-  a.cols = x.size(1);
   a.eps = static_cast<float>(eps);
-  a.dropout_p = static_cast<float>(dropout_p);
-  a.dropout_scale = static_cast<float>(dropout_scale(dropout_p));
-  a.seed = seed;
-  a.dtype = ln_type(x.scalar_type());
-  a.wtype = ln_type(param_dtype(weight, bias, x));
-  a.rms = rms;
-  a.fused = fused;
+  set_common(a, x, weight, bias, seed, dropout_p, rms, fused);
   return a;
 }
 
@@ -103,15 +111,7 @@ inline LnBwdArgs bwd_args(const at::Tensor& dy, const at::Tensor& dpre, const at
   a.dres = has_residual ? dres.data_ptr() : nullptr;
   a.dweight = need_dweight ? dweight.data_ptr() : nullptr;
   a.dbias = need_dbias ? dbias.data_ptr() : nullptr;
-  a.rows = x.size(0);
-  a.cols = x.size(1);
-  a.dropout_p = static_cast<float>(dropout_p);
-  a.dropout_scale = static_cast<float>(dropout_scale(dropout_p));
-  a.seed = seed;
-  a.dtype = ln_type(x.scalar_type());
-  a.wtype = ln_type(param_dtype(weight, bias, x));
-  a.rms = rms;
-  a.fused = fused;
+  set_common(a, x, weight, bias, seed, dropout_p, rms, fused);
   return a;
 }
 
