@@ -58,6 +58,10 @@ constexpr int kWarp = 32;
 constexpr int kFwdMaxThreads = 512;  // up to 128 registers a thread
 constexpr int kBwdMaxThreads = 512;
 constexpr int kFwdMaxVecs = 4;  // 16-byte vectors a forward thread holds, at most
+// Two resident 512-thread blocks an SM (at most 64 registers a thread): with one, an SM's loads
+// stop while its only block reduces and stores (bf16 16384 columns ran at 46% of copy bandwidth
+// on an H200 with 72 registers a thread).
+constexpr int kFwdMinBlocks = 2;
 
 // The backward holds x, dy and the dweight / dbias sums of its vectors: 16-bit inputs use at
 // most 2 vectors a thread (with 4, 197 registers), fp32 inputs 4 (the same 32 elements).
@@ -126,6 +130,15 @@ __device__ __forceinline__ void unpack(const uint4& raw, float (&out)[16 / sizeo
   for (int i = 0; i < static_cast<int>(16 / sizeof(T)); ++i) out[i] = to_float(e.v[i]);
 }
 
+// 16/sizeof(T) fp32 values rounded to T, as one raw 16-byte chunk (unpack's inverse).
+template <typename T>
+__device__ __forceinline__ uint4 pack(const float (&in)[16 / sizeof(T)]) {
+  Chunk<T> e;
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(16 / sizeof(T)); ++i) e.v[i] = from_float<T>(in[i]);
+  return to_raw(e);
+}
+
 // ------------------------------------------------------------------ row reductions
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -175,14 +188,17 @@ __device__ __forceinline__ float dropout(float v, uint64_t seed, uint64_t offset
   return dropout_keep(seed, offset, p) ? v * scale : 0.f;
 }
 
-// The normalized input of one vector at (row, col): x, or pre = residual + dropout(x) rounded
-// to the input dtype (the backward reads pre back in that dtype), stored when a.pre is set.
-template <typename T, int kE, bool kFused>
-__device__ __forceinline__ void load_input(const LnFwdArgs& a, int64_t row, int64_t col,
-                                           float (&v)[kE]) {
+// The normalized input of one 16-byte chunk at (row, col), raw in the input dtype: x, or
+// pre = residual + dropout(x) rounded to that dtype (the backward reads pre back in it), stored
+// when a.pre is set. Kept raw, a 16-bit row costs half the registers of its fp32 values.
+template <typename T, bool kFused>
+__device__ __forceinline__ uint4 load_input(const LnFwdArgs& a, int64_t row, int64_t col) {
+  constexpr int kE = 16 / sizeof(T);
   const int64_t idx = row * a.cols + col;
-  load_vec<T, kE>(static_cast<const T*>(a.x) + idx, v);
-  if (!kFused) return;
+  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + idx));
+  if (!kFused) return raw;
+  float v[kE];
+  unpack<T>(raw, v);
   if (a.dropout_p > 0.f) {
     for_each_keep<kE>(a.seed, static_cast<uint64_t>(idx), a.dropout_p, [&](int e, bool keep) {
       v[e] = keep ? v[e] * a.dropout_scale : 0.f;
@@ -194,9 +210,9 @@ __device__ __forceinline__ void load_input(const LnFwdArgs& a, int64_t row, int6
 #pragma unroll
     for (int e = 0; e < kE; ++e) v[e] += r[e];
   }
-#pragma unroll
-  for (int e = 0; e < kE; ++e) v[e] = round_to<T>(v[e]);
-  if (a.pre != nullptr) store_vec<T, kE>(static_cast<T*>(a.pre) + idx, v);
+  const uint4 pre = pack<T>(v);
+  if (a.pre != nullptr) *reinterpret_cast<uint4*>(static_cast<T*>(a.pre) + idx) = pre;
+  return pre;
 }
 
 // Scalar version of load_input for the generic kernel.
@@ -234,7 +250,7 @@ __device__ __forceinline__ void normalize_store(const LnFwdArgs& a, int64_t row,
 }
 
 template <typename T, typename W, int kVecs, bool kRms, bool kFused>
-__global__ void __launch_bounds__(kFwdMaxThreads, 1) ln_fwd_vec_kernel(const LnFwdArgs a) {
+__global__ void __launch_bounds__(kFwdMaxThreads, kFwdMinBlocks) ln_fwd_vec_kernel(const LnFwdArgs a) {
   constexpr int kE = 16 / sizeof(T);
   __shared__ float red[kWarp];
   const int64_t nvec = a.cols / kE;
@@ -245,19 +261,19 @@ __global__ void __launch_bounds__(kFwdMaxThreads, 1) ln_fwd_vec_kernel(const LnF
        base += step) {
     const int64_t row = base + threadIdx.y;
     const bool row_ok = row < a.rows;
-    float v[kVecs][kE];
+    uint4 raw[kVecs];  // zero bits (0.0 in every dtype) past the row
     float sum = 0.f;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
-      if (row_ok && vi < nvec) {
-        load_input<T, kE, kFused>(a, row, vi * kE, v[i]);
-      } else {
+      raw[i] = row_ok && vi < nvec ? load_input<T, kFused>(a, row, vi * kE) : make_uint4(0, 0, 0, 0);
+    }
 #pragma unroll
-        for (int e = 0; e < kE; ++e) v[i][e] = 0.f;
-      }
+    for (int i = 0; i < kVecs; ++i) {
+      float v[kE];
+      unpack<T>(raw[i], v);
 #pragma unroll
-      for (int e = 0; e < kE; ++e) sum += kRms ? v[i][e] * v[i][e] : v[i][e];
+      for (int e = 0; e < kE; ++e) sum += kRms ? v[e] * v[e] : v[e];
     }
     const float mean = kRms ? 0.f : row_sum(sum, red) / cols;
     float var;
@@ -268,9 +284,11 @@ __global__ void __launch_bounds__(kFwdMaxThreads, 1) ln_fwd_vec_kernel(const LnF
 #pragma unroll
       for (int i = 0; i < kVecs; ++i) {
         const bool valid = threadIdx.x + static_cast<int64_t>(i) * blockDim.x < nvec;
+        float v[kE];
+        unpack<T>(raw[i], v);
 #pragma unroll
         for (int e = 0; e < kE; ++e) {
-          const float d = v[i][e] - mean;
+          const float d = v[e] - mean;
           sq += valid ? d * d : 0.f;
         }
       }
@@ -284,7 +302,10 @@ __global__ void __launch_bounds__(kFwdMaxThreads, 1) ln_fwd_vec_kernel(const LnF
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
-      if (row_ok && vi < nvec) normalize_store<T, W, kE>(a, row, vi * kE, v[i], mean, rstd);
+      if (!row_ok || vi >= nvec) continue;
+      float v[kE];
+      unpack<T>(raw[i], v);
+      normalize_store<T, W, kE>(a, row, vi * kE, v, mean, rstd);
     }
   }
 }
