@@ -1,7 +1,8 @@
 // CUDA kernels of LayerNorm, RMSNorm and the fused dropout + residual-add + LayerNorm.
 //
 // Forward, two kernels:
-//   * ln_fwd_vec_kernel: the row lives in registers as kVecs 16-byte vectors per thread. A warp
+//   * ln_fwd_vec_kernel: the row lives in registers as kVecs raw 16-byte chunks per thread (in
+//     the input dtype, converted to fp32 at each use: half the registers for 16-bit rows). A warp
 //     per row (4 rows per block) up to 128 vectors (1024 fp16/bf16, 512 fp32 elements), then a
 //     block per row of up to 512 threads x 4 vectors (16384 fp16/bf16, 8192 fp32 elements).
 //     Needs cols to be a multiple of the vector width and 16-byte aligned pointers.
@@ -28,8 +29,10 @@
 // torch's 1.0 at bf16 16384 x 16384 on an H200: latency-bound); ln_bwd_any_kernel, any cols and
 // alignment, is the fallback.
 //
-// Every kernel has __launch_bounds__(threads, 1): without the 1, ptxas for sm_90 aims at a
-// higher occupancy and spills. All compile with 0 bytes of spills for sm_80 and sm_90.
+// Every kernel but the vector forward has __launch_bounds__(threads, 1): without the 1, ptxas
+// for sm_90 aims at a higher occupancy and spills. The vector forward asks for two blocks an SM
+// (kFwdMinBlocks), which it reaches without spilling because it keeps its row as raw 16-byte
+// chunks. All compile with 0 bytes of spills for sm_80 and sm_90.
 //
 // RMSNorm (kRms) and the fused dropout + residual variant (kFused) are template flags of the
 // same kernels. Dropout regenerates its keep-mask from (seed, row * cols + col) with the shared
