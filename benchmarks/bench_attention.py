@@ -1,5 +1,5 @@
 """Attention: fastformer vs the eager reference, torch.compile, each SDPA backend and
-FlexAttention on the GPU cases of fastformer.cli.cases (bf16)."""
+FlexAttention on the full GPU grid of fastformer.cli.cases (bf16)."""
 
 import pytest
 
@@ -11,6 +11,8 @@ IMPLS = ["fastformer", "reference", "torch.compile", "flex"] + [f"sdpa-{b}" for 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("case", attention_cases("cuda", quick=False), ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "case", attention_cases("cuda", quick=False, full=True), ids=lambda c: c.name
+)
 def test_attention(op_benchmark, case, impl, mode):
     op_benchmark(attention_bench, case, impl, mode)

@@ -1,5 +1,5 @@
 """FFN: fastformer vs the eager reference, torch's own ops, torch.compile and the two bare
-GEMMs on the GPU cases of fastformer.cli.cases (bf16)."""
+GEMMs on the full GPU grid of fastformer.cli.cases (bf16)."""
 
 import pytest
 
@@ -11,6 +11,6 @@ IMPLS = ["fastformer", "reference", "torch", "torch.compile", "gemm-only"]
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("case", ffn_cases("cuda", quick=False), ids=lambda c: c.name)
+@pytest.mark.parametrize("case", ffn_cases("cuda", quick=False, full=True), ids=lambda c: c.name)
 def test_ffn(op_benchmark, case, impl, mode):
     op_benchmark(ffn_bench, case, impl, mode)

@@ -6,6 +6,7 @@ one subprocess call proving `python -m fastformer` itself works.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import os
@@ -19,7 +20,15 @@ import torch
 from fastformer.cli import bench as B
 from fastformer.cli import main
 from fastformer.cli import report as R
-from fastformer.cli.cases import AttentionCase, FfnCase, LayerNormCase, model_case
+from fastformer.cli.cases import (
+    AttentionCase,
+    FfnCase,
+    LayerNormCase,
+    attention_cases,
+    ffn_cases,
+    layer_norm_cases,
+    model_case,
+)
 from fastformer.cli.check import BREAK_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -410,6 +419,82 @@ def test_bench_cases_selects_op_cases_by_name(monkeypatch, tmp_path):
     rows = json.loads((tmp_path / "results.json").read_text())["ops"]["layer_norm"]["cases"]
     assert rows and all("add" in row["case"] for row in rows)
     assert all("ms" in row["impls"]["fastformer"] for row in rows)
+
+
+@pytest.mark.parametrize(
+    "cases_fn, default_n, full_n",
+    [(attention_cases, 5, 30), (layer_norm_cases, 4, 8), (ffn_cases, 3, 4)],
+    ids=["attention", "layer_norm", "ffn"],
+)
+def test_default_gpu_grid_is_a_strict_subset_of_the_full_grid(cases_fn, default_n, full_n):
+    default = cases_fn("cuda", quick=False)
+    full = cases_fn("cuda", quick=False, full=True)
+    assert (len(default), len(full)) == (default_n, full_n)
+    assert len(set(default)) == default_n and len(set(full)) == full_n
+    assert set(default) < set(full)
+    # --quick wins over --full; the CPU grid is the same either way.
+    assert cases_fn("cuda", quick=True, full=True) == cases_fn("cuda", quick=True)
+    for quick in (False, True):
+        assert cases_fn("cpu", quick=quick, full=True) == cases_fn("cpu", quick=quick)
+
+
+def test_default_gpu_grid_keeps_the_representative_cases():
+    attention = {c.name for c in attention_cases("cuda", quick=False)}
+    assert attention == {
+        "b8h32s2048d64",
+        "b2h32s8192d64",
+        "b8h32s2048d64-causal",
+        "b8h32s2048d64-causal-pad25-drop0.1",  # the decoder's self-attention in training
+        "b8h16s2048d128",
+    }
+    norms = {c.name for c in layer_norm_cases("cuda", quick=False)}
+    assert norms == {"r16384n1024", "r16384n4096", "r16384n16384", "r16384n1024-add-drop0.1"}
+    ffns = {c.name for c in ffn_cases("cuda", quick=False)}
+    assert ffns == {
+        "t16384-512x2048-relu",
+        "t16384-512x2048-relu-drop0.1",
+        "t16384-4096x16384-relu",
+    }
+
+
+def test_bench_full_is_recorded_in_the_results_and_the_report(bench_run, tmp_path):
+    _, out = bench_run
+    assert json.loads((out / "results.json").read_text())["config"]["full"] is False
+    argv = ["bench", "--quick", "--full", "--no-model", "--device", "cpu", "--threads", "1"]
+    argv += ["--ops", "layer_norm", "--cases", "add", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["config"]["full"] is True and results["config"]["quick"] is True
+    # --quick wins over --full: the report names the grid that was measured.
+    assert "grid: quick (1 case)" in (tmp_path / "report.md").read_text()
+
+
+def test_full_grid_is_not_cut_by_the_default_deadline():
+    # The default grid cuts repetitions after DEADLINE_S (its 3-minute target); --full does
+    # not, and --max-seconds still cuts either at 70% of its value.
+    cuda = torch.device("cuda")  # only its type is read: no GPU needed
+
+    def limit(**kw):
+        args = argparse.Namespace(max_seconds=None, quick=False, full=False)
+        vars(args).update(kw)
+        return B._pacer(B.timing.GPU_DEFAULT, cuda, args, 0.0)[1]
+
+    assert limit() == B.DEADLINE_S["cuda"]
+    assert limit(full=True) is None
+    assert limit(max_seconds=170) == pytest.approx(min(B.DEADLINE_S["cuda"], 119))
+    assert limit(full=True, max_seconds=170) == pytest.approx(119)
+
+
+def test_report_names_the_grid():
+    rows = [{"case": name, "mode": m} for name in ("a", "b") for m in ("fwd", "fwd+bwd")]
+    results = {"config": {"quick": False, "full": False}, "ops": {"ffn": {"cases": rows}}}
+    assert R.grid_label(results) == "grid: default (2 cases)"
+    results["config"]["full"] = True
+    assert R.grid_label(results) == "grid: full (2 cases)"
+    del results["config"]["full"]  # a results.json from before --full: the full grid then
+    assert R.grid_label(results) == "grid: full (2 cases)"
+    results["config"]["quick"] = True
+    assert R.grid_label(results) == "grid: quick (2 cases)"
 
 
 def test_report_lists_peak_memory_where_measured():

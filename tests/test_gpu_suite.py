@@ -1,10 +1,13 @@
 """The logic of benchmarks/run_gpu_suite.sh, with a stub Python that records its commands.
 
 A lent GPU session has one try at this script, so its stages, the parallel split of the tests
-and of the parity grid, the exit status and the in-place build fallback are checked here.
+and of the parity grid, the benchmark stages (the default `bench`; the full grid only with
+SUITE_FULL=1; the profile only when time is left), the exit status and the in-place build
+fallback are checked here.
 """
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -28,10 +31,10 @@ exit 0
 
 
 def _run_suite(
-    tmp_path: Path, pip_rc: int, prebuilt_rc: int | None = None
+    tmp_path: Path, pip_rc: int, prebuilt_rc: int | None = None, **extra_env: str
 ) -> tuple[subprocess.CompletedProcess, list[str]]:
     """Run the suite with the stub; prebuilt_rc: None = no build in place, else the exit
-    status of the check of the build in place."""
+    status of the check of the build in place; extra_env: more environment variables."""
     root = tmp_path / "repo"
     (root / "benchmarks").mkdir(parents=True)
     (root / "fastformer").mkdir()
@@ -46,6 +49,9 @@ def _run_suite(
     env = {**os.environ, "PYTHON": str(stub), "STUB_LOG": str(log), "STUB_PIP_RC": str(pip_rc)}
     env["STUB_PREBUILT_RC"] = str(prebuilt_rc)
     env.update(CHECK_SHARDS="4", PYTHONPATH="")
+    for name in ("SUITE_FULL", "SUITE_PROFILE_BEFORE_S"):  # the caller's, not the test's
+        env.pop(name, None)
+    env.update(extra_env)
     done = subprocess.run(
         ["bash", str(root / "benchmarks" / "run_gpu_suite.sh"), str(tmp_path / "out")],
         env=env,
@@ -74,15 +80,16 @@ def test_suite_runs_every_stage_and_counts_failures(tmp_path):
     # One OpenMP thread pair a process: 16 processes share 16 cores.
     threads = [c.split()[0] for c in calls if "-m pytest" in c or "fastformer check" in c]
     assert threads and all(t == "OMP_NUM_THREADS=2" for t in threads), calls
-    # The benchmark last, alone, in three processes that together cover the default run.
+    # The benchmark last and alone: the default run exactly as a user starts it (no full grid
+    # without SUITE_FULL=1), then the profile (the stub suite is well under 400 s).
     out = tmp_path / "out"
-    assert commands[-4:] == [
-        f"-m fastformer bench --no-model --ops layer_norm,ffn --max-seconds 60 --out {out}/bench-ops",
-        f"-m fastformer bench --no-model --ops attention --max-seconds 100 --out {out}/bench-attention",
-        f"-m fastformer bench --ops  --max-seconds 75 --out {out}/bench-model",
+    assert commands[-2:] == [
+        f"-m fastformer bench --max-seconds 170 --out {out}/bench",
         "benchmarks/profile_kernels.py --iters 3",
     ]
+    assert [c for c in commands if "fastformer bench" in c] == [commands[-2]]
     summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "profile: skipped" not in summary
     assert "verify-check3" in summary and "rc=1" in summary
     # The four 1-second shards ran at once, not one after another.
     verify = [line for line in summary.splitlines() if line.startswith("verify-")]
@@ -111,3 +118,36 @@ def test_suite_uses_a_matching_build_in_place_and_rebuilds_a_stale_one(tmp_path,
     later = [c for c in calls if "fastformer check" in c or "fastformer bench" in c]
     in_place = [c.split(" ")[1] == f"PYTHONPATH={root}" for c in later]
     assert later and all(in_place) if prebuilt_rc == 0 else not any(in_place)
+
+
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
+def test_suite_full_runs_the_full_grid_after_the_default_bench(tmp_path):
+    done, calls = _run_suite(tmp_path, pip_rc=0, SUITE_FULL="1")
+    assert done.returncode == 1, done.stdout + done.stderr  # only the failing shard counts
+    commands = [c.split(" ", 2)[2] for c in calls]
+    out = tmp_path / "out"
+    assert commands[-4:] == [
+        f"-m fastformer bench --max-seconds 170 --out {out}/bench",
+        "-m fastformer bench --no-model --full --ops attention --max-seconds 100 "
+        f"--out {out}/bench-full-attention",
+        "-m fastformer bench --no-model --full --ops layer_norm,ffn --max-seconds 60 "
+        f"--out {out}/bench-full-ops",
+        "benchmarks/profile_kernels.py --iters 3",
+    ]
+    summary = (out / "summary.txt").read_text()
+    assert "bench_full_attention rc=0" in summary and "bench_full_ops rc=0" in summary
+
+
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
+def test_suite_skips_the_profile_past_its_time(tmp_path):
+    """Past SUITE_PROFILE_BEFORE_S (400 s unless set; 0 here: always past) the profile is
+    skipped, said so in summary.txt, and not counted as a failure."""
+    done, calls = _run_suite(tmp_path, pip_rc=0, SUITE_PROFILE_BEFORE_S="0")
+    assert done.returncode == 1, done.stdout + done.stderr  # only the failing shard counts
+    commands = [c.split(" ", 2)[2] for c in calls]
+    assert commands[-1] == f"-m fastformer bench --max-seconds 170 --out {tmp_path}/out/bench"
+    assert not any("profile_kernels" in c for c in commands)
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    skipped = [line for line in summary.splitlines() if line.startswith("profile: skipped")]
+    assert len(skipped) == 1 and re.fullmatch(r"profile: skipped \(elapsed \d+s\)", skipped[0])
+    assert "suite: 1 failed stage(s)" in summary

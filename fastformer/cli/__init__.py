@@ -72,6 +72,13 @@ def _bench_parser(sub) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--quick", action="store_true", help="few cases, few repetitions")
     p.add_argument(
+        "--full",
+        action="store_true",
+        help="the complete per-op GPU grid (42 cases, many minutes) instead of the default "
+        "representative subset (12 cases, sized for 3 minutes with the model); the CPU grid is "
+        "the same either way; --quick wins",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         metavar="N",

@@ -5,7 +5,9 @@ batch, as the eager reference, after `fastformer.swap`, and (CUDA) under torch.c
 same weights and inputs for all. Training-step tokens/s (forward + backward + Adam step),
 inference tokens/s (one teacher-forced forward), peak memory, and the parity of the loss and
 of every gradient at dropout 0 (fastformer.testing.parity against the reference in float64).
-Stage 2 (ops): attention, layer_norm and ffn against each peer of fastformer.cli.impls.
+Stage 2 (ops): attention, layer_norm and ffn against each peer of fastformer.cli.impls, on
+the default grid of fastformer.cli.cases (a representative subset on CUDA, sized for the 3-minute
+target) or, with --full, the complete one.
 Results go to results.json (written after every stage), report.md and PNG plots.
 """
 
@@ -353,11 +355,12 @@ def _derive(row: dict[str, Any], bench, mode: str, roof: dict[str, float]) -> No
 
 
 def bench_op(
-    op, device, dtype, quick, pacer, roof, save, progress_stream=None, only=None
+    op, device, dtype, quick, pacer, roof, save, progress_stream=None, only=None, full=False
 ) -> dict[str, Any]:
-    """Stage 2: every case of `op` (or those whose name contains a text of `only`), forward and
-    forward + backward, every implementation; `save(out)` after every case."""
-    op_cases = C.OP_CASES[op](device.type, quick)
+    """Stage 2: every case of `op` in its default grid (the full grid with `full`; or those whose
+    name contains a text of `only`), forward and forward + backward, every implementation;
+    `save(out)` after every case."""
+    op_cases = C.OP_CASES[op](device.type, quick, full=full)
     if only:
         op_cases = [c for c in op_cases if any(text in c.name for text in only)]
     bar = Progress(op, len(op_cases) * len(C.MODES), progress_stream)
@@ -395,11 +398,12 @@ def op_backends() -> dict[str, Any]:
 
 
 def _pacer(budget, device, args, start: float) -> tuple[timing.Pacer, float | None]:
-    """The run's pacer and its soft limit in seconds: repetitions are cut after DEADLINE_S (or
-    70% of --max-seconds, if sooner); nothing new is measured after --max-seconds."""
+    """The run's pacer and its soft limit in seconds: repetitions are cut after DEADLINE_S (the
+    default grid's 3-minute target; not with --full) or 70% of --max-seconds, if sooner; nothing
+    new is measured after --max-seconds."""
     if args.max_seconds is not None and not args.max_seconds > 0:
         raise ValueError(f"--max-seconds must be > 0, got {args.max_seconds}")
-    limit = DEADLINE_S.get(device.type)
+    limit = None if getattr(args, "full", False) else DEADLINE_S.get(device.type)
     if args.max_seconds is not None:
         limit = 0.7 * args.max_seconds if limit is None else min(limit, 0.7 * args.max_seconds)
     if args.quick:
@@ -416,6 +420,7 @@ def measure(
     dtype = resolve_dtype(args.dtype, device)
     ops = parse_ops(args.ops)
     budget = budget_for(device, args.quick)
+    full = args.full
     case, reduced = C.model_case(args.model, device.type)
     notes = [reduced] if reduced else []
     if device.type == "cpu":
@@ -431,6 +436,7 @@ def measure(
             "dtype": str(dtype).replace("torch.", ""),
             "device": str(device),
             "quick": args.quick,
+            "full": full,
             "reduced": bool(notes),
             "notes": notes,
             "argv": list(argv) if argv is not None else sys.argv[1:],
@@ -457,7 +463,15 @@ def measure(
     for op in ops:
         only = [t.strip() for t in args.cases.split(",") if t.strip()] if args.cases else None
         bench_op(
-            op, device, dtype, args.quick, pacer, results["rooflines"], saver("ops", op), only=only
+            op,
+            device,
+            dtype,
+            args.quick,
+            pacer,
+            results["rooflines"],
+            saver("ops", op),
+            only=only,
+            full=full,
         )
     if pacer.cut:
         notes.append(f"time limit: measurements after {limit:g} s were cut to one repetition")

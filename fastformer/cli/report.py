@@ -231,6 +231,15 @@ def op_lines(op: str, rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def grid_label(results: dict[str, Any]) -> str:
+    """`grid: default (12 cases)`: which per-op grid the run used (quick wins over full) and how
+    many op cases it holds. A run recorded before --full existed measured today's full grid."""
+    cfg = results["config"]
+    kind = "quick" if cfg.get("quick") else "full" if cfg.get("full", True) else "default"
+    cases = sum(len({row["case"] for row in data["cases"]}) for data in results["ops"].values())
+    return f"grid: {kind} ({cases} case{'' if cases == 1 else 's'})"
+
+
 def markdown(results: dict[str, Any], images: list[str]) -> str:
     """report.md: environment, notes, model table, per-op tables, plots."""
     m, cfg = results["manifest"], results["config"]
@@ -244,7 +253,7 @@ def markdown(results: dict[str, Any], images: list[str]) -> str:
         "",
         f"Command: `python -m fastformer {' '.join(cfg.get('argv', ['bench']))}` "
         f"(model {cfg['model']}, ops {', '.join(cfg['ops'])}, {cfg['dtype']} on {cfg['device']}"
-        + (", quick" if cfg["quick"] else "")
+        + (f", {grid_label(results)}" if cfg["ops"] else "")
         + ").",
         "",
     ]
