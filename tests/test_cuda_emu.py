@@ -257,8 +257,8 @@ def test_layer_norm_kernel_paths(dtype, rows, cols, fwd, bwd):
     ]
     assert _path(launches[0]) == fwd and _path(launches[1]) == bwd
     vecs, (tpr, rpb, _) = bwd[1], bwd[2]
-    if vecs:  # the accumulators of a block's row groups, summed at the end
-        smem = tpr * rpb * vecs * (16 // x.element_size()) * 4 if rpb > 1 else 0
+    if vecs:  # a thread's dweight and dbias sums, a float each of its columns
+        smem = 2 * tpr * rpb * vecs * (16 // x.element_size()) * 4
     else:  # a dweight and a dbias slice of cols floats a row group
         smem = 2 * rpb * cols * 4
         assert launches[1].params["kSmemAcc"] == "true"
@@ -496,6 +496,29 @@ def test_backward_persistent_grid_and_finalize(sms, dtype, rows, cols, rpb):
     grid = min(math.ceil(rows / rpb), sms)
     assert launches[1].grid == (grid, 1, 1)
     assert launches[2].kernel == "ln_bwd_finalize_kernel"
+
+
+@pytest.mark.parametrize(
+    ("optin_kb", "kernel", "smem"),
+    [(227, "ln_bwd_vec_kernel", 2 * 512 * 16 * 4), (64, "ln_bwd_chunk_kernel", 0)],
+)
+def test_vector_backward_falls_back_when_its_shared_memory_does_not_fit(optin_kb, kernel, smem):
+    # bf16 8192 columns: 512 threads a row, each with 16 dweight and 16 dbias sums in shared
+    # memory (64 KB, plus the static row_sum slots). A GPU with 64 KB to opt in to (sm_75)
+    # cannot launch that: the generic kernel on chunks runs instead, and as its two slices of
+    # 8192 floats do not fit either, it adds into its partial rows in global memory.
+    x = _make((3, 8192), BF16, shift=1.0)
+    w, b = _make((8192,), seed=1), _make((8192,), seed=2)
+    launches = _parity_in_orders(
+        _ln_fast,
+        _ln_ref,
+        [x, w, b],
+        ["x", "weight", "bias"],
+        ATOL_FLOOR[BF16],
+        smem_optin_kb=optin_kb,
+    )
+    assert launches[1].kernel == kernel
+    assert launches[1].smem == smem
 
 
 def test_layer_norm_bit_identical_twice_in_any_order():

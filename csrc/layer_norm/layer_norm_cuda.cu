@@ -16,7 +16,12 @@
 // the gradients are bit-identical from run to run on the same GPU (the grid, hence the order,
 // depends on the GPU's SM count). ln_bwd_vec_kernel holds x and dy in registers as the forward
 // does (a warp per row, 8 rows per block, then a block per row of up to 512 threads: 8192
-// elements of any dtype) on a persistent grid of one wave. Longer rows take a generic kernel that
+// elements of any dtype) on a persistent grid of one wave, and loads its next row before working
+// on the current one; its dweight / dbias sums live in shared memory (up to 64 KB a block), which
+// leaves the registers for that second row (bf16: 101 registers, was 114 with the sums in
+// registers and no second row). It ran at ~60% of copy bandwidth on an H200 with 32 KB of loads
+// in flight an SM (2 blocks of 256 threads, 64 bytes each); the second row doubles that. Longer
+// rows take a generic kernel that
 // reads the row twice (from L1/L2 the second time) and keeps the sums of each row group in
 // shared memory (cols floats for each of dweight and dbias), writing its partial rows once at the
 // end: adding into the partial rows in global memory for every row moved 8 bytes a column a row
@@ -71,8 +76,8 @@ constexpr int kFwdMinBlocks = 2;
 constexpr int bwd_max_vecs(int elem_bytes) { return elem_bytes == 2 ? 2 : 4; }
 constexpr int kFinalizeRows = 8;  // row groups of the finalize kernel (each sums a strided slice)
 constexpr size_t kDefaultSmem = 48 * 1024;  // shared memory of a block without opting in
-// The row_sum slots of ln_bwd_any_kernel and ln_bwd_chunk_kernel.
-constexpr size_t kAnyStaticSmem = sizeof(float2) * kWarp;
+// The row_sum slots of the backward kernels (their static shared memory).
+constexpr size_t kStaticSmem = sizeof(float2) * kWarp;
 constexpr int64_t kMaxGrid = int64_t{1} << 30;
 
 // ------------------------------------------------------------------ 16-byte vector access
@@ -405,83 +410,119 @@ __device__ __forceinline__ void fused_dx_vec(const LnBwdArgs& a, int64_t idx, fl
   }
 }
 
-// Adds the accumulators of the block's row groups in the order threadIdx.y = 0, 1, ... and
-// writes them to the block's partial row (kVecs vectors of kE columns per thread).
-template <int kVecs, int kE>
-__device__ __forceinline__ void store_partials(float (&acc)[kVecs][kE], float* smem, float* dst,
-                                               int64_t nvec) {
-  if (blockDim.y > 1) {
-    float* mine = smem + (threadIdx.y * blockDim.x + threadIdx.x) * (kVecs * kE);
+// The vector backward's raw inputs of one row: x and dy as 16-byte chunks (zero bits, 0.0 in
+// every dtype, past the row or past the last row), and the row's mean and rstd.
+template <int kVecs>
+struct RawRow {
+  uint4 x[kVecs], dy[kVecs];
+  float mean, rstd;
+};
+
+template <typename T, int kVecs, bool kRms>
+__device__ __forceinline__ void fetch_row(const LnBwdArgs& a, int64_t row, int64_t nvec,
+                                          RawRow<kVecs>& r) {
+  const bool row_ok = row < a.rows;
+  const int64_t offset = row_ok ? row * a.cols : 0;
+  const uint4* x_row = reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + offset);
+  const uint4* dy_row = reinterpret_cast<const uint4*>(static_cast<const T*>(a.dy) + offset);
 #pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-#pragma unroll
-      for (int e = 0; e < kE; ++e) mine[i * kE + e] = acc[i][e];
+  for (int i = 0; i < kVecs; ++i) {
+    const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+    r.x[i] = r.dy[i] = make_uint4(0, 0, 0, 0);
+    if (row_ok && vi < nvec) {
+      r.x[i] = __ldg(x_row + vi);
+      r.dy[i] = __ldg(dy_row + vi);
     }
-    __syncthreads();
-    if (threadIdx.y == 0) {
-      for (int y = 1; y < static_cast<int>(blockDim.y); ++y) {
-        const float* other = smem + (y * blockDim.x + threadIdx.x) * (kVecs * kE);
-#pragma unroll
-        for (int i = 0; i < kVecs; ++i) {
-#pragma unroll
-          for (int e = 0; e < kE; ++e) acc[i][e] += other[i * kE + e];
-        }
-      }
-    }
-    __syncthreads();  // the buffer is reused for the next accumulator
   }
+  r.mean = (kRms || !row_ok) ? 0.f : a.mean[row];
+  r.rstd = row_ok ? a.rstd[row] : 0.f;
+}
+
+// Adds v[0..kE) to the thread's float4 accumulators q0, q0 + 1, ... in shared memory (element
+// q of a thread at acc[q * threads]: the lanes of a warp touch consecutive 16-byte words).
+template <int kE>
+__device__ __forceinline__ void add_acc(float4* acc, int q0, int threads, const float (&v)[kE]) {
+#pragma unroll
+  for (int j = 0; j < kE / 4; ++j) {
+    float4& s = acc[(q0 + j) * threads];
+    s.x += v[4 * j];
+    s.y += v[4 * j + 1];
+    s.z += v[4 * j + 2];
+    s.w += v[4 * j + 3];
+  }
+}
+
+// The sums of the block's row groups (threadIdx.y = 0, 1, ... in order) of one gradient's
+// accumulators, written by the threads of row group 0 to the block's partial row.
+template <int kVecs, int kE>
+__device__ __forceinline__ void store_partials(const float4* acc, float* dst, int64_t nvec) {
+  constexpr int kQ = kVecs * kE / 4;
+  const int threads = blockDim.x * blockDim.y;
   if (threadIdx.y != 0) return;
 #pragma unroll
   for (int i = 0; i < kVecs; ++i) {
     const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
-    if (vi < nvec) store_vec<float, kE>(dst + vi * kE, acc[i]);
+    if (vi >= nvec) continue;
+    float v[kE];
+#pragma unroll
+    for (int j = 0; j < kE / 4; ++j) {
+      const int q = i * kE / 4 + j;
+      float4 s = acc[q * threads + threadIdx.x];
+      for (int y = 1; y < static_cast<int>(blockDim.y); ++y) {
+        const float4 o = acc[q * threads + y * blockDim.x + threadIdx.x];
+        s = make_float4(s.x + o.x, s.y + o.y, s.z + o.z, s.w + o.w);
+      }
+      v[4 * j] = s.x;
+      v[4 * j + 1] = s.y;
+      v[4 * j + 2] = s.z;
+      v[4 * j + 3] = s.w;
+    }
+    static_assert(kQ >= kE / 4, "at least one float4 a vector");
+    store_vec<float, kE>(dst + vi * kE, v);
   }
 }
 
-// The row in registers: x and dy as raw 16-byte vectors, converted when used (twice), which
-// keeps the register count low enough for 512 threads x 4 vectors without spills.
+// The row in registers: x and dy as raw 16-byte vectors, converted when used (twice). The next
+// row's are loaded before this row is worked on, so an SM keeps loads in flight through the row
+// reductions; the dweight / dbias sums live in shared memory (a float4 slot per 4 columns of a
+// thread, only the wanted ones), not in registers, to leave room for that second row.
 template <typename T, typename W, int kVecs, bool kRms, bool kFused>
 __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnBwdArgs a) {
   constexpr int kE = 16 / sizeof(T);
+  constexpr int kQ = kVecs * kE / 4;  // float4 accumulators a thread holds per gradient
   __shared__ float2 red[kWarp];
-  extern __shared__ float acc_smem[];  // blockDim.y > 1: one accumulator set per thread
+  extern __shared__ float acc_smem[];  // [wanted gradient][kQ][thread] float4s
   const int64_t nvec = a.cols / kE;
   const float cols = static_cast<float>(a.cols);
   const bool want_w = a.dweight != nullptr, want_b = a.dbias != nullptr;
   const W* weight = static_cast<const W*>(a.weight);
-  float dw[kVecs][kE], db[kVecs][kE];
+  const int threads = blockDim.x * blockDim.y;
+  float4* slots = reinterpret_cast<float4*>(acc_smem) + threadIdx.y * blockDim.x + threadIdx.x;
+  float4* acc_w = want_w ? slots : nullptr;
+  float4* acc_b = want_b ? slots + (want_w ? kQ * threads : 0) : nullptr;
 #pragma unroll
-  for (int i = 0; i < kVecs; ++i) {
-#pragma unroll
-    for (int e = 0; e < kE; ++e) dw[i][e] = db[i][e] = 0.f;
+  for (int q = 0; q < kQ; ++q) {
+    if (want_w) acc_w[q * threads] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (want_b) acc_b[q * threads] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  RawRow<kVecs> next;
+  fetch_row<T, kVecs, kRms>(a, static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y, nvec,
+                            next);
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < a.rows;
        base += step) {
     const int64_t row = base + threadIdx.y;
     const bool row_ok = row < a.rows;
-    const int64_t offset = row_ok ? row * a.cols : 0;
-    const uint4* x_row = reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + offset);
-    const uint4* dy_row = reinterpret_cast<const uint4*>(static_cast<const T*>(a.dy) + offset);
-    uint4 raw_x[kVecs], raw_dy[kVecs];
-#pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
-      raw_x[i] = raw_dy[i] = make_uint4(0, 0, 0, 0);  // zero bits are 0.0 in every dtype
-      if (row_ok && vi < nvec) {
-        raw_x[i] = __ldg(x_row + vi);
-        raw_dy[i] = __ldg(dy_row + vi);
-      }
-    }
-    const float mean = (kRms || !row_ok) ? 0.f : a.mean[row];
-    const float rstd = row_ok ? a.rstd[row] : 0.f;
+    const RawRow<kVecs> cur = next;
+    fetch_row<T, kVecs, kRms>(a, row + step, nvec, next);
+    const float mean = cur.mean, rstd = cur.rstd;
     float2 sums = make_float2(0.f, 0.f);  // sum(g), sum(g * xhat) with g = dy * weight
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
-      float x[kE], dy[kE], w[kE];
-      unpack<T>(raw_x[i], x);
-      unpack<T>(raw_dy[i], dy);
+      float x[kE], dy[kE], w[kE], dyx[kE];
+      unpack<T>(cur.x[i], x);
+      unpack<T>(cur.dy[i], dy);
       if (weight != nullptr && vi < nvec) {
         load_vec<W, kE>(weight + vi * kE, w);
       } else {
@@ -495,9 +536,10 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnB
         const float g = grad_times_weight(dy[e], w[e]);
         sums.x += g;
         sums.y += g * xhat;
-        if (want_w) dw[i][e] += dy[e] * xhat;
-        if (want_b) db[i][e] += dy[e];
+        dyx[e] = dy[e] * xhat;
       }
+      if (want_w) add_acc<kE>(acc_w, i * kE / 4, threads, dyx);
+      if (want_b) add_acc<kE>(acc_b, i * kE / 4, threads, dy);
     }
     sums = row_sum(sums, red);
     const float c_g = sums.x / cols, c_gx = sums.y / cols;
@@ -506,8 +548,8 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnB
       const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
       if (!row_ok || vi >= nvec) continue;
       float x[kE], dy[kE], w[kE], d[kE];
-      unpack<T>(raw_x[i], x);
-      unpack<T>(raw_dy[i], dy);
+      unpack<T>(cur.x[i], x);
+      unpack<T>(cur.dy[i], dy);
       if (weight != nullptr) {
         load_vec<W, kE>(weight + vi * kE, w);
       } else {
@@ -524,9 +566,15 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnB
       store_vec<T, kE>(static_cast<T*>(a.dx) + idx, d);
     }
   }
+  if (!want_w && !want_b) return;  // uniform over the block
+  __syncthreads();  // every row group's sums are in shared memory
   const int64_t part = static_cast<int64_t>(gridDim.x) * a.cols;  // floats per partial matrix
-  if (want_w) store_partials<kVecs, kE>(dw, acc_smem, a.partial + blockIdx.x * a.cols, nvec);
-  if (want_b) store_partials<kVecs, kE>(db, acc_smem, a.partial + part + blockIdx.x * a.cols, nvec);
+  const float4* first = reinterpret_cast<const float4*>(acc_smem);
+  if (want_w) store_partials<kVecs, kE>(first, a.partial + blockIdx.x * a.cols, nvec);
+  if (want_b) {
+    store_partials<kVecs, kE>(first + (want_w ? kQ * threads : 0),
+                              a.partial + part + blockIdx.x * a.cols, nvec);
+  }
 }
 
 // The dweight / dbias accumulators of a generic-backward row group: its partial rows in global
@@ -865,21 +913,22 @@ Config fwd_config(const LnFwdArgs& a) {
   return pick(a.cols, elem_bytes(a.dtype), vec_ok, kFwdMaxVecs, kFwdMaxThreads, 128);
 }
 
-Config bwd_config(const LnBwdArgs& a) {
+// registers: whether the vector kernel may run (not when its shared memory does not fit).
+Config bwd_config(const LnBwdArgs& a, bool registers = true) {
   const bool vec_ok = aligned16(a.dy) && aligned16(a.dpre) && aligned16(a.x) &&
                       aligned16(a.weight) && aligned16(a.dx) && aligned16(a.dres);
   const int elem = elem_bytes(a.dtype);
-  Config c = pick(a.cols, elem, vec_ok, bwd_max_vecs(elem), kBwdMaxThreads, 256);
+  Config c = pick(a.cols, elem, vec_ok && registers, bwd_max_vecs(elem), kBwdMaxThreads, 256);
   c.chunks = c.vecs == 0 && vec_ok && a.cols % (16 / elem) == 0;  // rows too long for registers
   return c;
 }
 
-// The vector backward's dynamic shared memory: the accumulators of its row groups, summed at
-// the end (none with one row group).
-size_t bwd_vec_smem_bytes(const Config& c, LnType dtype) {
-  if (c.rpb == 1) return 0;
-  const int per_vec = 16 / elem_bytes(dtype);
-  return static_cast<size_t>(c.tpr) * c.rpb * c.vecs * per_vec * sizeof(float);
+// The vector backward's dynamic shared memory: its threads' dweight and dbias sums (only the
+// wanted ones), summed over the row groups at the end.
+size_t bwd_vec_smem_bytes(const Config& c, const LnBwdArgs& a) {
+  const int slices = (a.dweight != nullptr) + (a.dbias != nullptr);
+  const int per_vec = 16 / elem_bytes(a.dtype);
+  return static_cast<size_t>(slices) * c.tpr * c.rpb * c.vecs * per_vec * sizeof(float);
 }
 
 // Resident blocks per SM of a kernel, queried once per (device, kernel, block shape).
@@ -993,13 +1042,21 @@ struct BwdLaunch {
 };
 
 BwdLaunch bwd_launch(const LnBwdArgs& a) {
-  const Config c = bwd_config(a);
-  if (c.vecs != 0) return {c, bwd_vec_smem_bytes(c, a.dtype), false};
+  Config c = bwd_config(a);
+  if (c.vecs != 0) {
+    const size_t bytes = bwd_vec_smem_bytes(c, a);
+    bool fits = false;
+    with_bwd_kernel(a, c, false, [&](auto kernel) {
+      fits = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), bytes, kStaticSmem);
+    });
+    if (fits) return {c, bytes, false};
+    c = bwd_config(a, false);  // at most 64 KB: only a GPU short of shared memory gets here
+  }
   const int slices = (a.dweight != nullptr) + (a.dbias != nullptr);
   const size_t bytes = static_cast<size_t>(slices) * c.rpb * a.cols * sizeof(float);
   bool fits = false;
   with_bwd_kernel(a, c, true, [&](auto kernel) {
-    fits = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), bytes, kAnyStaticSmem);
+    fits = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), bytes, kStaticSmem);
   });
   return fits ? BwdLaunch{c, bytes, true} : BwdLaunch{c, 0, false};
 }

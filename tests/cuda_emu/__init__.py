@@ -57,11 +57,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "  __syncthreads();  // the slots are reused by the next reduction\n",
         "\n",
     ),
-    # The block-per-row backward adds the row groups' partials without waiting for them.
+    # The vector backward adds the row groups' sums without waiting for them.
     "store_partials_no_sync": (
         "layer_norm/layer_norm_cuda.cu",
-        "      for (int e = 0; e < kE; ++e) mine[i * kE + e] = acc[i][e];\n    }\n    __syncthreads();",
-        "      for (int e = 0; e < kE; ++e) mine[i * kE + e] = acc[i][e];\n    }\n",
+        "  __syncthreads();  // every row group's sums are in shared memory\n",
+        "\n",
     ),
     # The finalize sums one partial row too few.
     "finalize_off_by_one": (
@@ -479,23 +479,32 @@ def load() -> Build:
 
 
 ORDERS = {"forward": 0, "reverse": 1, "shuffled": 2}
+SMEM_OPTIN_KB = 227  # sm_90's shared memory a block may opt in to
 
 
 @contextmanager
 def device(
-    *, sms: int = 132, blocks_per_sm: int = 0, order: str = "forward", seed: int = 0
+    *,
+    sms: int = 132,
+    blocks_per_sm: int = 0,
+    order: str = "forward",
+    seed: int = 0,
+    smem_optin_kb: int = SMEM_OPTIN_KB,
 ) -> Iterator[None]:
     """Run the enclosed ops on an emulated device: `sms` SMs, `blocks_per_sm` resident blocks
     (0: from the block's threads and shared memory), fibers of a block scheduled in `order`
-    ("shuffled": a permutation drawn from `seed` for every block). cudaGetDevice reports
-    `blocks_per_sm` as the device index: the launchers cache the occupancy per device, so each
-    occupancy setting needs its own index."""
+    ("shuffled": a permutation drawn from `seed` for every block), `smem_optin_kb` KB of shared
+    memory a block may opt in to (sm_90's 227 by default; sm_75 has 64). The launchers cache the
+    occupancy and the opt-in grants per device, so each setting gets its own device index
+    (what cudaGetDevice reports): `blocks_per_sm`, plus 1000 x `smem_optin_kb` when that is not
+    the default."""
     ops = load().ops
-    ops.configure(blocks_per_sm, sms, blocks_per_sm, ORDERS[order], seed)
+    index = blocks_per_sm + (0 if smem_optin_kb == SMEM_OPTIN_KB else 1000 * smem_optin_kb)
+    ops.configure(index, sms, blocks_per_sm, ORDERS[order], seed, smem_optin_kb * 1024)
     try:
         yield
     finally:
-        ops.configure(0, 132, 0, 0, 0)
+        ops.configure(0, 132, 0, 0, 0, SMEM_OPTIN_KB * 1024)
 
 
 # --------------------------------------------------------------------------- launches

@@ -280,14 +280,16 @@ at::Tensor selftest(c10::string_view name, const at::Tensor& in, int64_t blocks,
 }
 
 void configure(int64_t device, int64_t sms, int64_t blocks_per_sm, int64_t order,
-               int64_t shuffle_seed) {
-  TORCH_CHECK(sms >= 1 && blocks_per_sm >= 0 && order >= 0 && order <= 2, "bad emulator config");
+               int64_t shuffle_seed, int64_t smem_optin) {
+  TORCH_CHECK(sms >= 1 && blocks_per_sm >= 0 && order >= 0 && order <= 2 && smem_optin >= 0,
+              "bad emulator config");
   emu::Config& c = emu::config();
   c.device = static_cast<int>(device);
   c.sms = static_cast<int>(sms);
   c.blocks_per_sm = static_cast<int>(blocks_per_sm);
   c.order = static_cast<emu::Order>(order);
   c.shuffle_seed = static_cast<uint64_t>(shuffle_seed);
+  c.smem_optin = static_cast<size_t>(smem_optin);
 }
 
 std::string launch_log() { return emu::launch_log(); }
@@ -311,7 +313,8 @@ TORCH_LIBRARY(fastformer_emu, m) {
   m.def("uniform(int seed, Tensor offsets, bool element) -> Tensor");
   m.def("selftest(str name, Tensor x, int blocks, int threads, int smem) -> Tensor");
   // No tensor arguments: catch-all kernels.
-  m.def("configure(int device, int sms, int blocks_per_sm, int order, int shuffle_seed) -> ()",
+  m.def("configure(int device, int sms, int blocks_per_sm, int order, int shuffle_seed, "
+        "int smem_optin) -> ()",
         &configure);
   m.def("launch_log() -> str", &launch_log);
   m.def("clear_launch_log() -> ()", &clear_launch_log);

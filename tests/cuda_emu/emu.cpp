@@ -23,7 +23,6 @@ constexpr int kWarp = 32;
 constexpr int kMaxThreads = 1024;
 constexpr size_t kStaticSmemLimit = 48 * 1024;          // static __shared__ per block
 constexpr size_t kDefaultDynamicSmemLimit = 48 * 1024;  // without cudaFuncSetAttribute
-constexpr size_t kSmemOptinLimit = 227 * 1024;          // sm_90 (and sm_80: 163 KB)
 constexpr size_t kGuard = 1024;                          // poisoned bytes after shared arrays
 constexpr size_t kStackBytes = 128 * 1024;
 constexpr unsigned char kPoison = 0xFF;  // NaN in fp32, fp16 and bf16
@@ -514,7 +513,7 @@ void run_grid(dim3 grid, dim3 block, size_t smem, const void* kernel, void (*thu
       it != g_max_dynamic_smem.end() ? static_cast<size_t>(it->second) : kDefaultDynamicSmemLimit;
   if (smem > dyn_limit) {
     bad("dynamic shared memory over " + std::to_string(dyn_limit) +
-        " bytes (raise it with cudaFuncSetAttribute, at most 227 KB)");
+        " bytes (raise it with cudaFuncSetAttribute, up to the device's opt-in limit)");
   }
   if (!g_memory_error.empty()) {
     const std::string e = g_memory_error;
@@ -630,7 +629,7 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) 
       *value = 1024;
       return cudaSuccess;
     case cudaDevAttrMaxSharedMemoryPerBlockOptin:
-      *value = static_cast<int>(detail::kSmemOptinLimit);
+      *value = static_cast<int>(detail::g_config.smem_optin);
       return cudaSuccess;
     case cudaDevAttrWarpSize:
       *value = 32;
@@ -657,7 +656,7 @@ cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, const voi
 
 cudaError_t cudaFuncSetAttribute(const void* kernel, cudaFuncAttribute attr, int value) {
   if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize) {
-    if (value < 0 || static_cast<size_t>(value) > detail::kSmemOptinLimit) {
+    if (value < 0 || static_cast<size_t>(value) > detail::g_config.smem_optin) {
       g_last_error = cudaErrorInvalidValue;
       return cudaErrorInvalidValue;
     }

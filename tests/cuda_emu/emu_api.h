@@ -18,6 +18,7 @@ struct Config {
   int blocks_per_sm = 0;  // cudaOccupancyMaxActiveBlocksPerMultiprocessor; 0 = from threads/smem
   Order order = Order::kForward;
   uint64_t shuffle_seed = 0;  // permutation of kShuffled
+  size_t smem_optin = 227 * 1024;  // cudaDevAttrMaxSharedMemoryPerBlockOptin (sm_90's)
 };
 
 // The emulated device (one per process; the tests set it before each op).
