@@ -31,10 +31,13 @@ def _cases() -> dict[str, tuple[str, object]]:
     ]
     cases += [("ffn", FfnCase(16384, 512, 2048, dropout_p=p)) for p in (0.0, 0.1)]
     cases += [("attention", AttentionCase(8, 32, 2048, 64, causal=c)) for c in (False, True)]
+    # Causal at s512 took longer than non-causal on an H200 (fwd+bwd 2.09 ms vs 1.58; flash
+    # 1.03): its kernels first, then dropout.
+    cases.append(("attention", AttentionCase(32, 32, 512, 64, causal=True)))
     cases.append(
         ("attention", AttentionCase(8, 32, 2048, 64, causal=True, padding=0.25, dropout_p=0.1))
     )
-    cases += [("attention", AttentionCase(32, 32, 512, 64, causal=c)) for c in (False, True)]
+    cases.append(("attention", AttentionCase(8, 32, 2048, 64, dropout_p=0.1)))
     return {f"{op}-{case.name}": (op, case) for op, case in cases}
 
 

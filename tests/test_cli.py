@@ -352,6 +352,26 @@ def test_benchmark_suites_skip_cleanly_without_a_gpu():
     assert "skipped" in done.stdout and "passed" not in done.stdout
 
 
+def test_profile_kernels_dry_run_on_cpu():
+    # benchmarks/profile_kernels.py runs only at the end of a GPU session: its case list and
+    # its report lines are checked here, on CPU ops, so that it does not fail there first.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "profile_kernels", ROOT / "benchmarks" / "profile_kernels.py"
+    )
+    prof = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prof)
+    cases = prof._cases()
+    assert {op for op, _ in cases.values()} == {"layer_norm", "ffn", "attention"}
+    assert all(name.startswith(op) for name, (op, _) in cases.items())
+    lines = prof.profile_case("layer_norm", LayerNormCase(8, 64), "fastformer", 2, 3, "cpu")
+    assert lines[0].startswith("  fastformer: wall ") and "per fwd+bwd" in lines[0]
+    assert 1 < len(lines) <= 4
+    missing = prof.profile_case("layer_norm", LayerNormCase(8, 64), "nope", 1, 3, "cpu")
+    assert missing == ["  nope: not run (no such implementation here)"]
+
+
 def test_check_max_seconds_lists_the_cases_it_did_not_run(capsys):
     assert main(["check", "--quick", "--ops", "layer_norm", "--max-seconds", "1e-9"]) == 1
     text = capsys.readouterr()
