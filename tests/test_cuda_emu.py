@@ -231,9 +231,10 @@ LN_PATHS = [
     (BF16, 1, 512, (VEC, 2, (32, 4, 1)), (VEC, 2, (32, 8, 1))),  # one row, seven idle
     (BF16, 9, 1024, (VEC, 4, (32, 4, 1)), (VEC, 2, (64, 4, 1))),
     (F16, 3, 8192, (VEC, 4, (256, 1, 1)), (VEC, 2, (512, 1, 1))),
-    (BF16, 2, 16384, (VEC, 4, (512, 1, 1)), (CHUNK, 0, (512, 1, 1))),
-    (BF16, 3, 8200, (VEC, 4, (288, 1, 1)), (CHUNK, 0, (512, 1, 1))),  # 1025 chunks: a tail
-    (F16, 2, 16384, (VEC, 4, (512, 1, 1)), (CHUNK, 0, (512, 1, 1))),
+    (BF16, 2, 16384, (VEC, 4, (512, 1, 1)), (VEC, 4, (512, 1, 1))),  # 4 vectors, no prefetch
+    (BF16, 3, 8200, (VEC, 4, (288, 1, 1)), (VEC, 4, (288, 1, 1))),  # 1025 chunks: a tail
+    (F16, 2, 16384, (VEC, 4, (512, 1, 1)), (VEC, 4, (512, 1, 1))),
+    (BF16, 2, 16392, (ANY, 0, (512, 1, 1)), (CHUNK, 0, (512, 1, 1))),  # over 4 x 512 vectors
     (F16, 2, 8201, (ANY, 0, (512, 1, 1)), (ANY, 0, (512, 1, 1))),  # odd cols
     (F16, 5, 1023, (ANY, 0, (256, 1, 1)), (ANY, 0, (256, 1, 1))),
 ]
@@ -267,11 +268,13 @@ def test_layer_norm_kernel_paths(dtype, rows, cols, fwd, bwd):
 
 
 def _bwd_kernel(dtype: torch.dtype, cols: int) -> str:
-    """The backward kernel of aligned inputs: registers up to 8192 columns of whole 16-byte
-    chunks, then the generic kernel on chunks; the scalar generic kernel for other cols."""
-    if cols % (16 // dtype.itemsize) != 0:
+    """The backward kernel of aligned inputs: registers up to 2048 whole 16-byte chunks (8192
+    fp32, 16384 fp16/bf16 columns), then the generic kernel on chunks; the scalar generic
+    kernel for other cols."""
+    per_chunk = 16 // dtype.itemsize
+    if cols % per_chunk != 0:
         return "ln_bwd_any_kernel"
-    return "ln_bwd_vec_kernel" if cols <= 8192 else "ln_bwd_chunk_kernel"
+    return "ln_bwd_vec_kernel" if cols <= 2048 * per_chunk else "ln_bwd_chunk_kernel"
 
 
 @pytest.mark.parametrize("affine", ["none", "weight", "bias", "both"])
@@ -363,8 +366,8 @@ ANY_BWD_CASES = [
     (BF16, 3, 58049, 1, "weight", False),
     (F32, 5, 30001, 1, "none", True),  # no slices
     (F32, 5, 30000, 1, "none", True),
-    (F16, 9, 8200, 1, "weight", True),
-    (BF16, 9, 8200, 1, "bias", True),
+    (F16, 3, 16392, 1, "weight", True),  # past the vector kernel's 2048 chunks
+    (BF16, 3, 16400, 1, "bias", True),
     (F32, 9, 8196, 1, "both", True),
 ]
 

@@ -17,22 +17,23 @@
 // depends on the GPU's SM count). ln_bwd_vec_kernel holds x and dy in registers as the forward
 // does (a warp per row, 8 rows per block, then a block per row of up to 512 threads: 8192
 // elements of any dtype) on a persistent grid of one wave, and loads its next row before working
-// on the current one; its dweight / dbias sums live in shared memory (up to 64 KB a block), which
-// leaves the registers for that second row (bf16: 101 registers, was 114 with the sums in
+// on the current one; its dweight / dbias sums live in shared memory (up to 64 KB a block),
+// which leaves the registers for that second row (bf16: 101 registers, was 114 with the sums in
 // registers and no second row). It ran at ~60% of copy bandwidth on an H200 with 32 KB of loads
-// in flight an SM (2 blocks of 256 threads, 64 bytes each); the second row doubles that. Longer
-// rows take a generic kernel that
-// reads the row twice (from L1/L2 the second time) and keeps the sums of each row group in
+// in flight an SM (2 blocks of 256 threads, 64 bytes each); the second row doubles that. 16-bit
+// rows of up to 16384 columns take it with 4 vectors a thread and no second row (128 registers,
+// 128 KB of sums: one block an SM), reading x and dy once. Longer rows take a generic kernel
+// that reads the row twice (from L1/L2 the second time) and keeps the sums of each row group in
 // shared memory (cols floats for each of dweight and dbias), writing its partial rows once at the
 // end: adding into the partial rows in global memory for every row moved 8 bytes a column a row
 // through L2 (~4 GB a call at 16384 x 16384: 3x torch's time). Only rows too long for a block's
 // shared memory (over ~29000 columns on sm_90, ~20000 on sm_80, with both gradients) still add
-// in global memory. Those sums cost the generic kernel its occupancy (one 512-thread block an SM
-// at 16384 columns), so its loads must keep enough bytes in flight by themselves: rows of whole
-// 16-byte chunks (aligned, the common case) take ln_bwd_chunk_kernel, which loads several chunks
-// a thread before using them (with scalar 2-byte loads, ln_bwd_any_kernel took 2.9 ms against
-// torch's 1.0 at bf16 16384 x 16384 on an H200: latency-bound); ln_bwd_any_kernel, any cols and
-// alignment, is the fallback.
+// in global memory. Those sums cost the generic kernel its occupancy (one 512-thread block an
+// SM), so its loads must keep enough bytes in flight by themselves: rows of whole 16-byte chunks
+// (aligned, the common case) take ln_bwd_chunk_kernel, which loads several chunks a thread
+// before using them (with scalar 2-byte loads, ln_bwd_any_kernel took 2.9 ms against torch's 1.0
+// at bf16 16384 x 16384 on an H200: latency-bound); ln_bwd_any_kernel, any cols and alignment,
+// is the fallback.
 //
 // Every kernel but the vector forward has __launch_bounds__(threads, 1): without the 1, ptxas
 // for sm_90 aims at a higher occupancy and spills. The vector forward asks for two blocks an SM
@@ -71,9 +72,12 @@ constexpr int kFwdMaxVecs = 4;  // 16-byte vectors a forward thread holds, at mo
 // on an H200 with 72 registers a thread).
 constexpr int kFwdMinBlocks = 2;
 
-// The backward holds x, dy and the dweight / dbias sums of its vectors: 16-bit inputs use at
-// most 2 vectors a thread (with 4, 197 registers), fp32 inputs 4 (the same 32 elements).
+// The backward holds x and dy of its vectors and of the next row's (16 elements a thread at
+// most: 16-bit inputs use 2 vectors, fp32 4), up to 512 threads a row: 8192 columns. Longer
+// 16-bit rows, to 16384 columns, take 4 vectors a thread without the next row (kPrefetch:
+// with it, 128 registers and spills) rather than the generic kernel, which reads them twice.
 constexpr int bwd_max_vecs(int elem_bytes) { return elem_bytes == 2 ? 2 : 4; }
+constexpr int kBwdLongVecs = 4;
 constexpr int kFinalizeRows = 8;  // row groups of the finalize kernel (each sums a strided slice)
 constexpr size_t kDefaultSmem = 48 * 1024;  // shared memory of a block without opting in
 // The row_sum slots of the backward kernels (their static shared memory).
@@ -490,6 +494,7 @@ template <typename T, typename W, int kVecs, bool kRms, bool kFused>
 __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnBwdArgs a) {
   constexpr int kE = 16 / sizeof(T);
   constexpr int kQ = kVecs * kE / 4;  // float4 accumulators a thread holds per gradient
+  constexpr bool kPrefetch = kVecs * kE <= 16;  // see bwd_max_vecs
   __shared__ float2 red[kWarp];
   extern __shared__ float acc_smem[];  // [wanted gradient][kQ][thread] float4s
   const int64_t nvec = a.cols / kE;
@@ -507,14 +512,21 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnB
   }
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
   RawRow<kVecs> next;
-  fetch_row<T, kVecs, kRms>(a, static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y, nvec,
-                            next);
+  if (kPrefetch) {
+    fetch_row<T, kVecs, kRms>(a, static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y,
+                              nvec, next);
+  }
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < a.rows;
        base += step) {
     const int64_t row = base + threadIdx.y;
     const bool row_ok = row < a.rows;
-    const RawRow<kVecs> cur = next;
-    fetch_row<T, kVecs, kRms>(a, row + step, nvec, next);
+    RawRow<kVecs> cur;
+    if (kPrefetch) {
+      cur = next;
+      fetch_row<T, kVecs, kRms>(a, row + step, nvec, next);
+    } else {
+      fetch_row<T, kVecs, kRms>(a, row, nvec, cur);
+    }
     const float mean = cur.mean, rstd = cur.rstd;
     float2 sums = make_float2(0.f, 0.f);  // sum(g), sum(g * xhat) with g = dy * weight
 #pragma unroll
@@ -887,19 +899,21 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int warps_for(int64_t threads) { return static_cast<int>(ceil_div(threads, kWarp)) * kWarp; }
 
 // A warp per row (block_threads / 32 rows a block) while max_vecs vectors a lane cover the row,
-// then a block per row with max_vecs vectors a thread and at most max_threads threads, then the
-// generic kernel (vecs 0).
-Config pick(int64_t cols, int elem, bool vec_ok, int max_vecs, int max_threads,
-            int block_threads) {
+// then a block per row with max_vecs vectors a thread and at most max_threads threads, then
+// with long_vecs (if more), then the generic kernel (vecs 0).
+Config pick(int64_t cols, int elem, bool vec_ok, int max_vecs, int max_threads, int block_threads,
+            int long_vecs = 0) {
   const int per_vec = 16 / elem;
   const int64_t nvec = cols / per_vec;
   if (vec_ok && cols % per_vec == 0) {
     for (int vecs = 1; vecs <= max_vecs; vecs *= 2) {
       if (nvec <= int64_t{kWarp} * vecs) return {vecs, kWarp, block_threads / kWarp};
     }
-    if (nvec <= max_vecs * static_cast<int64_t>(max_threads)) {
-      const int tpr = warps_for(ceil_div(nvec, max_vecs));
-      return {max_vecs, tpr, std::max(1, block_threads / tpr)};
+    for (const int vecs : {max_vecs, long_vecs}) {
+      if (vecs > 0 && nvec <= vecs * static_cast<int64_t>(max_threads)) {
+        const int tpr = warps_for(ceil_div(nvec, vecs));
+        return {vecs, tpr, std::max(1, block_threads / tpr)};
+      }
     }
   }
   // Generic: at least 4 columns per thread, a warp at least, max_threads at most.
@@ -918,7 +932,8 @@ Config bwd_config(const LnBwdArgs& a, bool registers = true) {
   const bool vec_ok = aligned16(a.dy) && aligned16(a.dpre) && aligned16(a.x) &&
                       aligned16(a.weight) && aligned16(a.dx) && aligned16(a.dres);
   const int elem = elem_bytes(a.dtype);
-  Config c = pick(a.cols, elem, vec_ok && registers, bwd_max_vecs(elem), kBwdMaxThreads, 256);
+  Config c = pick(a.cols, elem, vec_ok && registers, bwd_max_vecs(elem), kBwdMaxThreads, 256,
+                  kBwdLongVecs);
   c.chunks = c.vecs == 0 && vec_ok && a.cols % (16 / elem) == 0;  // rows too long for registers
   return c;
 }
@@ -1011,8 +1026,7 @@ void with_bwd_kernel(const LnBwdArgs& a, const Config& c, bool smem_acc, F&& f) 
       constexpr bool kRms = decltype(rms)::value, kFused = decltype(fused)::value;
       dispatch_vecs(c.vecs, [&](auto vecs) {
         constexpr int kVecs = decltype(vecs)::value;
-        // 16-bit inputs never take 4 vectors (see bwd_max_vecs): not instantiated.
-        if constexpr (kVecs == 0 || kVecs > bwd_max_vecs(sizeof(T))) {
+        if constexpr (kVecs == 0) {
           if (c.chunks) {
             if (smem_acc) {
               f(ln_bwd_chunk_kernel<T, W, kRms, kFused, true>);
