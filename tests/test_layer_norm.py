@@ -575,7 +575,9 @@ def _cuda_parity(rows, hidden, dtype, wdtype, affine="both", offset=0):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("hidden", [1, 7, 64, 256, 768, 1023, 1024, 4096, 8192, 12288, 65536])
+@pytest.mark.parametrize(
+    "hidden", [1, 7, 64, 256, 768, 1023, 1024, 4096, 8192, 12288, 16384, 16392, 65536]
+)
 def test_cuda_layer_norm_parity(dtype, hidden):
     rows = max(1, min(1000, 2**22 // hidden))
     _cuda_parity(rows, hidden, dtype, torch.float32)
