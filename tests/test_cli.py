@@ -218,6 +218,23 @@ def test_bench_model_stage_compares_eager_and_fastformer(bench_run):
     assert model["parity"]["compared"] > 10  # the loss and every parameter's gradient
 
 
+def test_model_variants_add_compiled_fastformer_with_full():
+    eager = torch.nn.Linear(2, 2)
+    fast = torch.nn.Linear(2, 2)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # only the type is read
+    default = B.model_variants(eager, fast, {}, cuda, full=False)
+    assert list(default) == ["eager", "fastformer", "torch.compile"]
+    full = B.model_variants(eager, fast, {}, cuda, full=True)
+    assert list(full) == ["eager", "fastformer", "torch.compile", B.FAST_COMPILED]
+    # Compiled variants are copies: compiling must not change the models measured eagerly.
+    assert full["torch.compile"] is not eager and full[B.FAST_COMPILED] is not fast
+    assert torch.equal(full[B.FAST_COMPILED].weight, fast.weight)
+    on_cpu = B.model_variants(eager, fast, {}, cpu, full=True)
+    assert on_cpu[B.FAST_COMPILED] == on_cpu["torch.compile"] == "not measured on CPU (GPU only)"
+    failed = B.model_variants(eager, None, {"error": "swap failed"}, cuda, full=True)
+    assert failed["fastformer"] == failed[B.FAST_COMPILED] == "swap failed"
+
+
 @pytest.mark.skipif(not _op_available("layer_norm"), reason="fastformer.ops.layer_norm missing")
 def test_bench_exits_1_when_fastformer_raises(monkeypatch, tmp_path, capsys):
     import fastformer.ops.layer_norm as ln

@@ -75,8 +75,9 @@ def _bench_parser(sub) -> None:
         "--full",
         action="store_true",
         help="the complete per-op GPU grid (42 cases, many minutes) instead of the default "
-        "representative subset (12 cases, sized for 3 minutes with the model); the CPU grid is "
-        "the same either way; --quick wins",
+        "representative subset (12 cases, sized for 3 minutes with the model), and on a GPU the "
+        "swapped model under torch.compile too; the CPU grid is the same either way; --quick "
+        "wins",
     )
     p.add_argument(
         "--threads",

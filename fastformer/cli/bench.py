@@ -237,18 +237,34 @@ def _measure_variant(name, model, loss_fn, forward_fn, src, tgt, device, pacer) 
 NOT_RUN = "not run (past --max-seconds)"
 
 
-def bench_model(case: C.ModelCase, device, dtype, pacer, save, progress_stream=None) -> dict:
-    """Stage 1: eager reference vs fastformer.swap (vs torch.compile on CUDA). `save(out)` is
-    called after every variant, so a run killed mid-stage keeps what it measured."""
+# With --full (CUDA): fastformer's model under torch.compile too. Its ops are custom ops that
+# compile as single nodes, so this shows fastformer's kernels with compile's fusion and lower
+# host time around them. Not in the default run: another minute of compilation.
+FAST_COMPILED = FAST + "+compile"
+
+
+def model_variants(eager, fast, swap_info: dict, device, full: bool) -> dict[str, Any]:
+    """name -> model to measure, or why it is not measured (the compiled ones are copies)."""
+    variants: dict[str, Any] = {"eager": eager}
+    variants[FAST] = fast if fast is not None else swap_info["error"]
+    gpu_only = "not measured on CPU (GPU only)"
+    variants["torch.compile"] = copy.deepcopy(eager) if device.type == "cuda" else gpu_only
+    if full:
+        compiled_fast = copy.deepcopy(fast) if fast is not None else swap_info["error"]
+        variants[FAST_COMPILED] = compiled_fast if device.type == "cuda" else gpu_only
+    return variants
+
+
+def bench_model(
+    case: C.ModelCase, device, dtype, pacer, save, progress_stream=None, full: bool = False
+) -> dict:
+    """Stage 1: eager reference vs fastformer.swap (vs torch.compile on CUDA; with `full`, also
+    torch.compile of the swapped model). `save(out)` is called after every variant, so a run
+    killed mid-stage keeps what it measured."""
     src, tgt = synthetic_batch(case, device)
     eager = build_model(case, device, dtype, case.dropout)
     fast, swap_info = swapped(eager)
-    variants: dict[str, Any] = {"eager": eager}
-    variants[FAST] = fast if fast is not None else swap_info["error"]
-    if device.type == "cuda":
-        variants["torch.compile"] = copy.deepcopy(eager)
-    else:
-        variants["torch.compile"] = "not measured on CPU (GPU only)"
+    variants = model_variants(eager, fast, swap_info, device, full)
     bar = Progress("model", 1 + len(variants), progress_stream)
     out: dict[str, Any] = {
         "config": case.params(),
@@ -270,7 +286,7 @@ def bench_model(case: C.ModelCase, device, dtype, pacer, save, progress_stream=N
             out["variants"][name] = {"skipped": NOT_RUN}
         else:
             loss_fn, fwd_fn = model.loss, model
-            if name == "torch.compile":
+            if name in ("torch.compile", FAST_COMPILED):
                 loss_fn, fwd_fn = torch.compile(model.loss), torch.compile(model)
             try:
                 out["variants"][name] = _measure_variant(
@@ -459,7 +475,7 @@ def measure(
         return save
 
     if not args.no_model:
-        bench_model(case, device, dtype, pacer, saver("model"))
+        bench_model(case, device, dtype, pacer, saver("model"), full=getattr(args, "full", False))
     for op in ops:
         only = [t.strip() for t in args.cases.split(",") if t.strip()] if args.cases else None
         bench_op(

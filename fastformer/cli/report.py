@@ -289,15 +289,15 @@ def terminal_table(results: dict[str, Any]) -> str:
     model = results.get("model")
     if model:
         lines.append(f"\nmodel {model['config']['name']} ({model['dtype']})")
-        lines.append(f"{'variant':<14} {'train tok/s':>12} {'infer tok/s':>12} {'peak MiB':>9}")
+        lines.append(f"{'variant':<18} {'train tok/s':>12} {'infer tok/s':>12} {'peak MiB':>9}")
         for name, v in model["variants"].items():
             if "train_tokens_per_s" in v:
                 lines.append(
-                    f"{name:<14} {v['train_tokens_per_s']:>12.0f} {v['infer_tokens_per_s']:>12.0f} "
+                    f"{name:<18} {v['train_tokens_per_s']:>12.0f} {v['infer_tokens_per_s']:>12.0f} "
                     f"{v['peak_memory_bytes'] / 2**20:>9.0f}"
                 )
             else:
-                lines.append(f"{name:<14} {v.get('skipped') or v.get('error')}")
+                lines.append(f"{name:<18} {v.get('skipped') or v.get('error')}")
         par = model["parity"]
         verdict = {True: "pass", False: "FAIL", None: "not checked"}[par.get("passed")]
         lines.append(f"parity (loss + gradients, dropout 0): {verdict}")
