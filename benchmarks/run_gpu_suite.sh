@@ -9,8 +9,9 @@
 #
 #   usage: benchmarks/run_gpu_suite.sh OUTDIR        (PYTHON=python3 by default)
 #
-#   SUITE_FULL=1: after the default benchmark, also the full per-op grid (`bench --full`, two
-#   more stages, up to 130 + 80 s: over the 8 minutes). SUITE_PROFILE_BEFORE_S (default 400):
+#   SUITE_FULL=1: after the default benchmark, also the full per-op grid and the model with the
+#   swapped model under torch.compile (`bench --full`, three more stages, up to 130 + 80 + 200 s:
+#   well over the 8 minutes). SUITE_PROFILE_BEFORE_S (default 400):
 #   the profile stage runs only when the suite has taken less than this many seconds by then.
 #
 # Nothing is downloaded: the build uses the installed torch, setuptools and ninja
@@ -135,6 +136,9 @@ if [ "${SUITE_FULL:-0}" = 1 ]; then
         --max-seconds 100 --out "$OUT/bench-full-attention"
     stage bench_full_ops 80 "$PY" -m fastformer bench --no-model --full --ops layer_norm,ffn \
         --max-seconds 60 --out "$OUT/bench-full-ops"
+    # The model with its --full variant: the swapped model under torch.compile.
+    stage bench_full_model 200 "$PY" -m fastformer bench --full --ops "" --max-seconds 170 \
+        --out "$OUT/bench-full-model"
 fi
 # Where each op's time goes (kernels vs wall time): the first diagnosis of a slow case; only when
 # there is time left for it (a skipped profile is not a failure).

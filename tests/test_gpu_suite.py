@@ -126,16 +126,18 @@ def test_suite_full_runs_the_full_grid_after_the_default_bench(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr  # only the failing shard counts
     commands = [c.split(" ", 2)[2] for c in calls]
     out = tmp_path / "out"
-    assert commands[-4:] == [
+    assert commands[-5:] == [
         f"-m fastformer bench --max-seconds 170 --out {out}/bench",
         "-m fastformer bench --no-model --full --ops attention --max-seconds 100 "
         f"--out {out}/bench-full-attention",
         "-m fastformer bench --no-model --full --ops layer_norm,ffn --max-seconds 60 "
         f"--out {out}/bench-full-ops",
+        f"-m fastformer bench --full --ops  --max-seconds 170 --out {out}/bench-full-model",
         "benchmarks/profile_kernels.py --iters 3",
     ]
     summary = (out / "summary.txt").read_text()
-    assert "bench_full_attention rc=0" in summary and "bench_full_ops rc=0" in summary
+    for name in ("bench_full_attention", "bench_full_ops", "bench_full_model"):
+        assert f"{name} rc=0" in summary
 
 
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
