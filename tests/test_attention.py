@@ -360,6 +360,29 @@ def test_dropout_groups_fit_every_tile_config():
     assert all(c.block_n % 8 == 0 for c in configs + [kernels.INTERPRET_CONFIG])
 
 
+def test_key_padding_alone_tunes_over_the_base_configs_too():
+    # Key padding without attn_mask is its own feature class: the masked configs plus every base
+    # config that compiles without spills for it (the compile report checks them all).
+    from fastformer.kernels import attention as kernels
+
+    cls = kernels.feature_class
+    assert cls(kernels.MASK_NONE, True, False) == "padded"
+    assert cls(kernels.MASK_BOOL, True, False) == cls(kernels.MASK_FLOAT, False, False) == "masked"
+    assert cls(kernels.MASK_NONE, False, False) == "base"
+    assert cls(kernels.MASK_NONE, True, True) == "dropout"
+    grown = 0
+    for (kernel, arch, dclass, bucket, fclass), padded in kernels.CONFIGS.items():
+        if fclass != "padded":
+            continue
+        base = kernels.CONFIGS[(kernel, arch, dclass, bucket, "base")]
+        masked = kernels.CONFIGS[(kernel, arch, dclass, bucket, "masked")]
+        assert set(masked) <= set(padded) <= set(base) | set(masked)
+        spills = kernels._PADDED_SPILLS[arch]
+        assert not any((kernel, bucket, c) in spills for c in padded if c not in masked)
+        grown += len(padded) > len(masked)
+    assert grown >= 10  # most 16-bit entries gained base configs
+
+
 def test_dropout_same_seed_identical_and_calls_differ():
     q, k, v = _qkv(Case(lq=33, lk=33, d=16, grad=False))
     torch.manual_seed(5)
