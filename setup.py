@@ -8,6 +8,7 @@ TORCH_CUDA_ARCH_LIST (default "8.0;9.0"), MAX_JOBS and NVCC_THREADS (default 2) 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import os
 import shutil
@@ -77,13 +78,22 @@ def _sources(with_cuda: bool) -> list[str]:
     return cpp + cu
 
 
-def _build_info(with_cuda: bool) -> dict:
+def _sources_digest() -> str | None:
+    # fastformer/_sources.py by path: the package itself cannot be imported before it is built.
+    spec = importlib.util.spec_from_file_location("_sources", ROOT / "fastformer" / "_sources.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.digest(ROOT / "csrc")
+
+
+def _build_info(with_cuda: bool, sources: str | None) -> dict:
     return {
         "torch": torch.__version__,
         "cuda": torch.version.cuda if with_cuda else None,
         "cuda_compiled": with_cuda,
         "arch_list": os.environ["TORCH_CUDA_ARCH_LIST"] if with_cuda else None,
         "cuda_home": CUDA_HOME if with_cuda else None,
+        "sources": sources,
     }
 
 
@@ -114,7 +124,8 @@ EXTENSION, WITH_CUDA = _extension()
 
 
 class Build(BuildExtension):
-    """Records what was built next to the package, so import can detect a torch mismatch."""
+    """Records what was built next to the package, so import can detect a torch mismatch or
+    sources changed since the build."""
 
     def finalize_options(self) -> None:
         super().finalize_options()
@@ -123,8 +134,9 @@ class Build(BuildExtension):
         self.build_temp = str(ROOT / "build" / "temp")
 
     def run(self) -> None:
+        sources = _sources_digest()  # what this build compiles, read before it starts
         super().run()
-        info = json.dumps(_build_info(WITH_CUDA), indent=2)
+        info = json.dumps(_build_info(WITH_CUDA, sources), indent=2)
         (ROOT / "fastformer" / "_build_info.json").write_text(info + "\n")
         if self.build_lib and not self.inplace:
             out = Path(self.build_lib) / "fastformer"

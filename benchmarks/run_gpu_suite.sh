@@ -84,11 +84,13 @@ in_place() {  # import fastformer from the source tree (kernels/ mapped to fastf
     ln -sfn ../kernels fastformer/kernels
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 }
-# An extension already built in place for this Python and this torch (e.g. carried to a machine
-# with no time to spare) is used as it is; anything else is built here.
+# An extension already built in place for this Python and this torch from these very csrc/
+# sources (e.g. carried to a machine with no time to spare) is used as it is; anything else is
+# built here.
 PREBUILT_OK='import torch, fastformer._ext as e
 i = e.build_info()
 assert i and i.get("torch") == torch.__version__ and i.get("cuda_compiled"), f"build info {i}"
+assert e.sources_match(), "built from other csrc/ sources than these (or not recorded)"
 assert e.extension_error() is None, e.extension_error()'
 # (In a subshell: a stale build counts as no failed stage.)
 if [ -f fastformer/_build_info.json ] && (in_place; stage prebuilt 30 "$PY" -c "$PREBUILT_OK"); then

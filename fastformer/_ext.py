@@ -26,6 +26,19 @@ def build_info() -> dict | None:
     return json.loads(path.read_text())
 
 
+def sources_match() -> bool | None:
+    """Whether fastformer._C was built from the csrc/ next to this package as it is now; None
+    when that cannot be told (no csrc/: an installed wheel; or a build that predates the
+    record)."""
+    from fastformer import _sources
+
+    recorded = (build_info() or {}).get("sources")
+    current = _sources.digest(Path(__file__).resolve().parent.parent / "csrc")
+    if recorded is None or current is None:
+        return None
+    return recorded == current
+
+
 @functools.cache
 def _load() -> tuple[ModuleType | None, str | None]:
     try:
@@ -37,6 +50,13 @@ def _load() -> tuple[ModuleType | None, str | None]:
         warnings.warn(
             f"fastformer._C was built against torch {info.get('torch')} but torch "
             f"{torch.__version__} is running; rebuild: {BUILD_HINT}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    if sources_match() is False:
+        warnings.warn(
+            "fastformer._C was built from other sources than csrc/ holds now (edited or pulled "
+            f"since the build): its kernels are the old ones; rebuild: {BUILD_HINT}",
             RuntimeWarning,
             stacklevel=3,
         )

@@ -46,6 +46,49 @@ def test_ops_registered_per_dispatch_key():
         assert torch._C._dispatch_has_kernel_for_dispatch_key("fastformer::philox_uniform", "CUDA")
 
 
+def test_build_records_the_sources_it_compiled():
+    from fastformer import _sources
+
+    info = fastformer.build_info()
+    assert info["sources"] == _sources.digest(ROOT / "csrc")
+    assert _ext.sources_match() is True
+
+
+def test_sources_digest_follows_every_source_file(tmp_path):
+    from fastformer import _sources
+
+    (tmp_path / "op").mkdir()
+    (tmp_path / "op" / "k.cu").write_text("__global__ void k() {}\n")
+    (tmp_path / "op" / "k.h").write_text("#pragma once\n")
+    first = _sources.digest(tmp_path)
+    (tmp_path / "notes.txt").write_text("not a source")
+    assert _sources.digest(tmp_path) == first
+    (tmp_path / "op" / "k.h").write_text("#pragma once \n")
+    assert _sources.digest(tmp_path) != first
+    (tmp_path / "op" / "k.h").write_text("#pragma once\n")
+    assert _sources.digest(tmp_path) == first
+    (tmp_path / "op" / "k.cu").rename(tmp_path / "op" / "j.cu")
+    assert _sources.digest(tmp_path) != first
+    assert _sources.digest(tmp_path / "missing") is None
+
+
+def test_stale_sources_warn(monkeypatch):
+    info = {"torch": torch.__version__, "sources": "0" * 64}
+    monkeypatch.setattr(_ext, "build_info", lambda: info)
+    _ext._load.cache_clear()
+    try:
+        assert _ext.sources_match() is False
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _ext._load()
+        messages = [str(w.message) for w in caught]
+        assert any("built from other sources" in m and "make install" in m for m in messages)
+    finally:
+        monkeypatch.undo()
+        _ext._load.cache_clear()
+        _ext._load()
+
+
 def test_torch_mismatch_warns(monkeypatch):
     monkeypatch.setattr(_ext, "build_info", lambda: {"torch": "0.0.0-other"})
     _ext._load.cache_clear()

@@ -92,6 +92,7 @@ def build() -> dict[str, Any]:
 
     return {
         "build_info": _ext.build_info(),
+        "sources_match": _ext.sources_match(),
         "cuda_kernels_compiled": _ext.cuda_kernels_compiled(),
         "extension_error": _ext.extension_error(),
     }

@@ -56,6 +56,8 @@ def _format(info: dict[str, Any]) -> str:
     else:
         lines.append("gpu: none visible")
     lines.append(f"build: {json.dumps(e['build_info'])}")
+    match = {True: "yes", False: "NO: rebuild (make build)", None: "cannot tell"}
+    lines.append(f"built from the csrc/ of this checkout: {match[e.get('sources_match')]}")
     lines.append(f"CUDA kernels compiled: {e['cuda_kernels_compiled']}")
     if e["extension_error"]:
         lines.append(f"extension error: {e['extension_error']}")
