@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from fastformer.cli import bench as B
 from fastformer.cli import main
 from fastformer.cli import report as R
 from fastformer.cli.cases import (
+    DERIVED_BWD_OPS,
     AttentionCase,
     FfnCase,
     LayerNormCase,
@@ -186,8 +188,9 @@ def test_bench_writes_results_report_and_plots(bench_run):
     assert manifest["torch_threads"] == 1
     assert set(results["ops"]) == {"attention", "layer_norm", "ffn"}
     for op, data in results["ops"].items():
-        assert {row["mode"] for row in data["cases"]} == {"fwd", "fwd+bwd"}, op
-        for row in data["cases"]:
+        derived = {"bwd"} if op in DERIVED_BWD_OPS else set()
+        assert {row["mode"] for row in data["cases"]} == {"fwd", "fwd+bwd"} | derived, op
+        for row in (r for r in data["cases"] if r["mode"] != "bwd"):
             assert row["impls"]["reference"]["ms"] > 0
             if _op_available(op):
                 assert row["impls"]["fastformer"]["ms"] > 0
@@ -216,6 +219,35 @@ def test_bench_model_stage_compares_eager_and_fastformer(bench_run):
     assert fast["train_tokens_per_s"] > 0 and fast["infer_tokens_per_s"] > 0
     assert model["parity"]["passed"] is True
     assert model["parity"]["compared"] > 10  # the loss and every parameter's gradient
+
+
+def test_attention_backward_rows_are_fwd_bwd_less_fwd():
+    case = AttentionCase(2, 4, 256, 64, causal=True)
+    bench = types.SimpleNamespace(flops=case.flops, bytes=lambda mode: case.bytes(mode, 2))
+    roof = {"gemm_tflops": 100.0, "copy_gbps": 1000.0}
+
+    def row(mode, fast_ms, peer):
+        return {
+            "case": case.name,
+            "mode": mode,
+            "params": case.params(),
+            "impls": {"fastformer": {"ms": fast_ms, "backend": "triton"}, "flex": peer},
+        }
+
+    rows = [
+        row("fwd", 1.0, {"ms": 2.0}),
+        row("fwd+bwd", 3.5, {"ms": 1.5}),  # a peer whose fwd+bwd timed below its fwd: noise
+    ]
+    bwd = B._backward_row(rows, bench, roof)
+    assert bwd["mode"] == "bwd" and bwd["case"] == case.name
+    fast = bwd["impls"]["fastformer"]
+    assert fast["ms"] == pytest.approx(2.5) and fast["backend"] == "triton"
+    assert fast["tflops"] == pytest.approx(case.flops("fwd") * 2.5 / 2.5 / 1e9)
+    assert "unsupported" in bwd["impls"]["flex"] and bwd["speedup"] == {}
+    rows[1]["impls"]["flex"] = {"unsupported": "no dropout"}
+    assert B._backward_row(rows, bench, roof)["impls"]["flex"] == {"unsupported": "no dropout"}
+    assert case.flops("fwd+bwd") == pytest.approx(case.flops("fwd") + case.flops("bwd"))
+    assert case.bytes("fwd+bwd", 2) == case.bytes("fwd", 2) + case.bytes("bwd", 2)
 
 
 def test_model_variants_add_compiled_fastformer_with_full():

@@ -370,6 +370,26 @@ def _derive(row: dict[str, Any], bench, mode: str, roof: dict[str, float]) -> No
         row["fraction_of_copy_bandwidth"] = fast["gbps"] / roof["copy_gbps"]
 
 
+def _backward_row(rows: list[dict[str, Any]], bench, roof: dict[str, float]) -> dict[str, Any]:
+    """The backward alone, derived from a case's fwd and fwd+bwd rows (the last two): each
+    implementation's fwd+bwd time less its fwd time, so peers are compared on the same terms."""
+    fwd, both = rows[-2], rows[-1]
+    impls: dict[str, Any] = {}
+    for name, res in both["impls"].items():
+        before = fwd["impls"].get(name, {})
+        if "ms" in res and "ms" in before and res["ms"] > before["ms"]:
+            impls[name] = {"ms": res["ms"] - before["ms"], "derived": "fwd+bwd - fwd"}
+        elif "ms" in res and "ms" in before:  # timing noise on a tiny backward
+            impls[name] = {"unsupported": "bwd not derived: fwd+bwd timed no slower than fwd"}
+        else:
+            impls[name] = {k: v for k, v in res.items() if k != "first_call_s"}
+    if "backend" in both["impls"].get(FAST, {}) and "ms" in impls.get(FAST, {}):
+        impls[FAST]["backend"] = both["impls"][FAST]["backend"]
+    row = {"case": both["case"], "mode": "bwd", "params": both["params"], "impls": impls}
+    _derive(row, bench, "bwd", roof)
+    return row
+
+
 def bench_op(
     op, device, dtype, quick, pacer, roof, save, progress_stream=None, only=None, full=False
 ) -> dict[str, Any]:
@@ -395,6 +415,8 @@ def bench_op(
             _derive(row, bench, mode, roof)
             rows.append(row)
             bar.step(f"{case.name} {mode}")
+        if op in C.DERIVED_BWD_OPS:
+            rows.append(_backward_row(rows, bench, roof))
         del bench
         if device.type == "cuda":
             torch.cuda.empty_cache()

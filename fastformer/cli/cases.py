@@ -29,7 +29,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-MODES = ("fwd", "fwd+bwd")
+MODES = ("fwd", "fwd+bwd")  # measured; attention also reports "bwd" = fwd+bwd - fwd
+DERIVED_BWD_OPS = ("attention",)
 
 
 @dataclass(frozen=True)
@@ -108,16 +109,16 @@ class AttentionCase:
         return not self.padding and not self.dropout_p
 
     def flops(self, mode: str) -> float:
-        """4*B*H*Sq*Sk*D forward, x0.5 causal; backward 2.5x forward."""
+        """4*B*H*Sq*Sk*D forward, x0.5 causal; backward ("bwd") 2.5x forward."""
         fwd = 4.0 * self.batch * self.heads * self.seq * self.seq * self.head_dim
         fwd *= 0.5 if self.causal else 1.0
-        return fwd if mode == "fwd" else fwd * 3.5
+        return fwd * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[mode]
 
     def bytes(self, mode: str, elem: int) -> float:
-        """Minimum traffic: fwd reads q, k, v and writes o; bwd also reads q, k, v, o, do and
+        """Minimum traffic: fwd reads q, k, v and writes o; bwd reads q, k, v, o, do and
         writes dq, dk, dv."""
         unit = self.batch * self.heads * self.seq * self.head_dim * elem
-        return unit * (4 if mode == "fwd" else 12)
+        return unit * {"fwd": 4, "bwd": 8, "fwd+bwd": 12}[mode]
 
     def score_bytes(self, elem: int) -> int:
         """Size of one (B, H, S, S) score matrix: what eager/math implementations materialise."""
