@@ -72,36 +72,34 @@ def test_sources_digest_follows_every_source_file(tmp_path):
     assert _sources.digest(tmp_path / "missing") is None
 
 
-def test_stale_sources_warn(monkeypatch):
-    info = {"torch": torch.__version__, "sources": "0" * 64}
+def _load_warnings(monkeypatch, info: dict) -> list[str]:
+    """The warnings of loading fastformer._C when setup.py had recorded `info`."""
     monkeypatch.setattr(_ext, "build_info", lambda: info)
     _ext._load.cache_clear()
     try:
-        assert _ext.sources_match() is False
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             _ext._load()
-        messages = [str(w.message) for w in caught]
-        assert any("built from other sources" in m and "make install" in m for m in messages)
+        return [str(w.message) for w in caught]
     finally:
         monkeypatch.undo()
         _ext._load.cache_clear()
         _ext._load()
+
+
+def test_stale_sources_warn(monkeypatch):
+    stale = {"torch": torch.__version__, "sources": "0" * 64}
+    monkeypatch.setattr(_ext, "build_info", lambda: stale)
+    assert _ext.sources_match() is False
+    messages = _load_warnings(monkeypatch, stale)
+    assert any("built from other sources" in m and "make install" in m for m in messages)
+    current = {"torch": torch.__version__, "sources": fastformer.build_info()["sources"]}
+    assert _load_warnings(monkeypatch, current) == []
 
 
 def test_torch_mismatch_warns(monkeypatch):
-    monkeypatch.setattr(_ext, "build_info", lambda: {"torch": "0.0.0-other"})
-    _ext._load.cache_clear()
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            _ext._load()
-        messages = [str(w.message) for w in caught]
-        assert any("built against torch 0.0.0-other" in m and "make install" in m for m in messages)
-    finally:
-        monkeypatch.undo()
-        _ext._load.cache_clear()
-        _ext._load()
+    messages = _load_warnings(monkeypatch, {"torch": "0.0.0-other"})
+    assert any("built against torch 0.0.0-other" in m and "make install" in m for m in messages)
 
 
 def test_missing_extension_says_how_to_build():
