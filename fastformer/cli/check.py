@@ -199,7 +199,18 @@ def attention_cases(quick: bool) -> list[Case]:
 
 
 NORM_SHAPES_QUICK = [(3, 7), (2, 4, 129)]
-NORM_SHAPES_FULL = [(1, 1), (5, 7), (3, 97), (2, 1023), (2, 4, 129), (1, 4096)]
+# (4100, 768): on a GPU, more rows than one wave of backward blocks (each loads its next row
+# ahead); (3, 16384): the longest rows the backward keeps in registers (16-bit).
+NORM_SHAPES_FULL = [
+    (1, 1),
+    (5, 7),
+    (3, 97),
+    (2, 1023),
+    (2, 4, 129),
+    (1, 4096),
+    (4100, 768),
+    (3, 16384),
+]
 
 
 def _norm_case(op: str, shape, affine: bool, strided: bool) -> Case:
