@@ -262,7 +262,8 @@ __device__ __forceinline__ void normalize_store(const LnFwdArgs& a, int64_t row,
 }
 
 template <typename T, typename W, int kVecs, bool kRms, bool kFused>
-__global__ void __launch_bounds__(kFwdMaxThreads, kFwdMinBlocks) ln_fwd_vec_kernel(const LnFwdArgs a) {
+__global__ void __launch_bounds__(kFwdMaxThreads, kFwdMinBlocks)
+    ln_fwd_vec_kernel(const LnFwdArgs a) {
   constexpr int kE = 16 / sizeof(T);
   __shared__ float red[kWarp];
   const int64_t nvec = a.cols / kE;
@@ -278,7 +279,8 @@ __global__ void __launch_bounds__(kFwdMaxThreads, kFwdMinBlocks) ln_fwd_vec_kern
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
-      raw[i] = row_ok && vi < nvec ? load_input<T, kFused>(a, row, vi * kE) : make_uint4(0, 0, 0, 0);
+      raw[i] = make_uint4(0, 0, 0, 0);
+      if (row_ok && vi < nvec) raw[i] = load_input<T, kFused>(a, row, vi * kE);
     }
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
@@ -756,49 +758,49 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_chunk_kernel(const L
         }
       }
     };
-    float2 sums = make_float2(0.f, 0.f);  // sum(g), sum(g * xhat) with g = dy * weight
-    for (int64_t j0 = threadIdx.x; j0 < chunks_here; j0 += kU * blockDim.x) {
-      load(j0);
+    // f(j, x, dy, w) for each chunk j of the row this thread owns (kU loaded before any is used).
+    auto for_each_chunk = [&](auto&& f) {
+      for (int64_t j0 = threadIdx.x; j0 < chunks_here; j0 += kU * blockDim.x) {
+        load(j0);
 #pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        if (j0 + u * static_cast<int64_t>(blockDim.x) >= chunks_here) continue;
-        float x[kE], dy[kE];
-        unpack<T>(raw_x[u], x);
-        unpack<T>(raw_dy[u], dy);
-#pragma unroll
-        for (int e = 0; e < kE; ++e) {
-          const float xhat = (x[e] - mean) * rstd;
-          const float g = grad_times_weight(dy[e], w[u][e]);
-          sums.x += g;
-          sums.y += g * xhat;
+        for (int u = 0; u < kU; ++u) {
+          const int64_t j = j0 + u * static_cast<int64_t>(blockDim.x);
+          if (j >= chunks_here) continue;
+          float x[kE], dy[kE];
+          unpack<T>(raw_x[u], x);
+          unpack<T>(raw_dy[u], dy);
+          f(j, x, dy, w[u]);
         }
       }
-    }
+    };
+    float2 sums = make_float2(0.f, 0.f);  // sum(g), sum(g * xhat) with g = dy * weight
+    using Row = const float (&)[kE];
+    for_each_chunk([&](int64_t, Row x, Row dy, Row w) {
+#pragma unroll
+      for (int e = 0; e < kE; ++e) {
+        const float xhat = (x[e] - mean) * rstd;
+        const float g = grad_times_weight(dy[e], w[e]);
+        sums.x += g;
+        sums.y += g * xhat;
+      }
+    });
     sums = row_sum(sums, red);
     const float c_g = sums.x / cols, c_gx = sums.y / cols;
-    for (int64_t j0 = threadIdx.x; j0 < chunks_here; j0 += kU * blockDim.x) {
-      load(j0);
+    for_each_chunk([&](int64_t j, Row x, Row dy, Row w) {
+      float d[kE], dyx[kE];
 #pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const int64_t j = j0 + u * static_cast<int64_t>(blockDim.x);
-        if (j >= chunks_here) continue;
-        float x[kE], dy[kE], d[kE], dyx[kE];
-        unpack<T>(raw_x[u], x);
-        unpack<T>(raw_dy[u], dy);
-#pragma unroll
-        for (int e = 0; e < kE; ++e) {
-          const float xhat = (x[e] - mean) * rstd;
-          const float g = grad_times_weight(dy[e], w[u][e]);
-          d[e] = dx_of<kRms>(g, xhat, rstd, c_g, c_gx);
-          dyx[e] = dy[e] * xhat;
-        }
-        const int64_t idx = offset + j * kE;
-        if (kFused) fused_dx_vec<T, kE>(a, idx, d);
-        store_vec<T, kE>(static_cast<T*>(a.dx) + idx, d);
-        if (pw != nullptr) acc(pw, j, dyx);
-        if (pb != nullptr) acc(pb, j, dy);
+      for (int e = 0; e < kE; ++e) {
+        const float xhat = (x[e] - mean) * rstd;
+        const float g = grad_times_weight(dy[e], w[e]);
+        d[e] = dx_of<kRms>(g, xhat, rstd, c_g, c_gx);
+        dyx[e] = dy[e] * xhat;
       }
-    }
+      const int64_t idx = offset + j * kE;
+      if (kFused) fused_dx_vec<T, kE>(a, idx, d);
+      store_vec<T, kE>(static_cast<T*>(a.dx) + idx, d);
+      if (pw != nullptr) acc(pw, j, dyx);
+      if (pb != nullptr) acc(pb, j, dy);
+    });
   }
   if constexpr (kSmemAcc) {
     // Chunk j of a slice to the partial row (the thread's own chunks: no barrier).
