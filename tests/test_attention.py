@@ -314,11 +314,25 @@ def test_dropout_parity_with_regenerated_mask(c):
     assert_parity(compare_with_reference(fast, reference, inputs))
 
 
-@pytest.mark.parametrize("lk", [64, 45], ids=["whole_groups", "partial_last_group"])
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter tile config is a CPU-test knob")
+@pytest.mark.parametrize("blocks", [(16, 16), (32, 64)], ids=["half_block", "two_blocks"])
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_dropout_parity_other_tile_shapes(monkeypatch, blocks, dtype):
+    # Key tiles of 16 columns (half a 32-column block of the scheme) and of 64 (two blocks)
+    # assemble the mask differently from the default 32: forward and all three gradients, with
+    # dK/dV on (key x query) tiles (fp32) and on (query x key) tiles (fp16, dkdv_parts).
+    from fastformer.kernels import attention as kernels
+
+    monkeypatch.setattr(kernels, "INTERPRET_CONFIG", kernels.Config(*blocks, 4, 1))
+    c = Case(lq=47, lk=81, d=16, causal=True, kpm="edges", dtype=dtype)
+    test_dropout_parity_with_regenerated_mask(c)
+
+
+@pytest.mark.parametrize("lk", [64, 45], ids=["whole_blocks", "partial_last_block"])
 def test_dropout_mask_read_back_from_the_kernel(lk):
     # q = k = 0 gives uniform probabilities 1/Lk and v = identity reads them back: out * Lk *
     # (1 - p) is exactly the kernel's keep-mask, which must be dropout_keep_mask(seed) element
-    # for element (the kernel's 8-lane column order included).
+    # for element (the kernel's column order within a 32-column block included).
     b, h, lq, p = 2, 2, 64, 0.25
     q = torch.zeros(b, h, lq, 16, device=DEVICE)
     k = torch.zeros(b, h, lk, 16, device=DEVICE)
@@ -336,28 +350,30 @@ def test_dropout_mask_read_back_from_the_kernel(lk):
 
 
 def test_dropout_keep_mask_offsets():
-    # An independent spelling of the documented scheme, element by element: one Philox call per
-    # 8 key columns of a row, 16-bit lanes w0.lo, w0.hi, w1.lo, ..., w3.hi, kept when >= t.
-    seed, b, h, lq, lk, p = 1234, 2, 3, 5, 21, 0.4  # lk % 8 != 0: a partial last group
-    groups, t = 3, round(p * 65536)
+    # An independent spelling of the documented scheme, element by element: key column
+    # j = 32 g + 8 w + 2 c + l takes half l of word w of the call at i * C + 4 g + c.
+    seed, b, h, lq, lk, p = 1234, 2, 3, 5, 45, 0.4  # lk % 32 != 0: a partial last block
+    calls, t = 8, round(p * 65536)  # C = 4 * ceil(45 / 32)
     keep = attn.dropout_keep_mask(seed, b, h, lq, lk, p)
     assert keep.shape == (b, h, lq, lk)
+    assert attn.dropout_calls(lk) == calls
     for bb, hh, i in [(0, 0, 0), (1, 2, 4), (1, 0, 3), (0, 2, 1)]:
         for j in range(lk):
-            offset = torch.tensor([((bb * h + hh) << 32) + i * groups + j // 8], dtype=torch.int64)
-            words = [int(w[0]) for w in rng.philox4x32(seed, offset)]
-            lane = j % 8
-            u16 = (words[lane // 2] >> (16 * (lane % 2))) & 0xFFFF
+            g, w, c, half = j // 32, (j // 8) % 4, (j // 2) % 4, j % 2
+            counter = ((bb * h + hh) << 32) + i * calls + 4 * g + c
+            words = [int(x[0]) for x in rng.philox4x32(seed, torch.tensor([counter]))]
+            u16 = (words[w] >> (16 * half)) & 0xFFFF
             assert keep[bb, hh, i, j].item() == (u16 >= t), (bb, hh, i, j)
     assert attn.dropout_keep_mask(seed, b, h, lq, lk, 0.0).all()
 
 
-def test_dropout_groups_fit_every_tile_config():
-    # The kernels draw whole 8-column groups per key tile: every BLOCK_N is a multiple of 8.
+def test_dropout_blocks_fit_every_tile_config():
+    # A key tile covers whole 32-column blocks of the scheme, or one half of one (BLOCK_N 16).
     from fastformer.kernels import attention as kernels
 
     configs = [c for lists in kernels.CONFIGS.values() for c in lists]
-    assert all(c.block_n % 8 == 0 for c in configs + [kernels.INTERPRET_CONFIG])
+    for c in configs + [kernels.INTERPRET_CONFIG]:
+        assert c.block_n == 16 or c.block_n % 32 == 0, c
 
 
 def test_key_padding_alone_tunes_over_the_base_configs_too():
@@ -645,7 +661,7 @@ ERRORS = {
     "dropout_too_many_scores": (
         _bad(query=_huge(2**20), key=_huge(2**15), value=_huge(2**15), dropout_p=0.1),
         ValueError,
-        r"seq_q \* ceil\(seq_k / 8\) < 2\*\*32",
+        r"seq_q \* 4 \* ceil\(seq_k / 32\) < 2\*\*32",
     ),
     "scale_zero": (_bad(scale=0.0), ValueError, "scale must be a positive finite float, got 0.0"),
     "scale_nan": (_bad(scale=float("nan")), ValueError, "scale must be a positive finite"),
@@ -671,10 +687,10 @@ def test_mixed_devices_raise():
 
 
 def test_dropout_keep_mask_errors():
-    with pytest.raises(ValueError, match=r"seq_q \* ceil\(seq_k / 8\) < 2\*\*32"):
-        attn.dropout_keep_mask(1, 1, 1, 2**20, 2**15, 0.1)  # 2**20 rows * 2**12 groups
-    with pytest.raises(ValueError, match=r"seq_q \* ceil\(seq_k / 8\) < 2\*\*32"):
-        attn.dropout_keep_mask(1, 1, 1, 2**19, 2**16 - 7, 0.1)  # ceil: 2**13 groups
+    with pytest.raises(ValueError, match=r"seq_q \* 4 \* ceil\(seq_k / 32\) < 2\*\*32"):
+        attn.dropout_keep_mask(1, 1, 1, 2**20, 2**15, 0.1)  # 2**20 rows * 2**12 calls
+    with pytest.raises(ValueError, match=r"seq_q \* 4 \* ceil\(seq_k / 32\) < 2\*\*32"):
+        attn.dropout_keep_mask(1, 1, 1, 2**19, 2**16 - 7, 0.1)  # ceil: 2**13 calls
     with pytest.raises(ValueError, match="batch must be an int >= 0"):
         attn.dropout_keep_mask(1, -1, 1, 4, 4, 0.1)
     with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):

@@ -13,16 +13,19 @@ TRITON_INTERPRET=1), then `torch`, the eager reference fed with the same dropout
 
 Dropout: each call draws a seed from the torch generator of the query's device (inside the
 custom op, so torch.compile never bakes it in). One Philox4x32-10 call gives 16 random bits to
-each of 8 consecutive key columns of a row (8x less Philox work than a call per score): with
-G = ceil(Lk / 8) groups per row, attention probability (b, h, i, j) takes
+each of 8 scores of a row (8x less Philox work than a call per score). With C = 4 * ceil(Lk / 32)
+calls per row and key column j = 32 g + 8 w + 2 c + l (w, c in 0..3, l in 0..1), attention
+probability (b, h, i, j) takes
 
-    w0, w1, w2, w3 = tl.randint4x(seed, ((b * H + h) << 32) + i * G + j // 8)   (int64 offset)
-    u16 = (w[lane // 2] >> (16 * (lane % 2))) & 0xFFFF,   lane = j % 8
+    w0, w1, w2, w3 = tl.randint4x(seed, ((b * H + h) << 32) + i * C + 4 g + c)   (int64 offset)
+    u16 = (w_w >> (16 * l)) & 0xFFFF
 
-(lane order w0.lo, w0.hi, w1.lo, w1.hi, ..., w3.hi; `fastformer.ops.rng.philox4x32` gives the same
-words) and is kept when u16 >= t, t = round(dropout_p * 65536); kept probabilities are scaled by
-1 / (1 - dropout_p). The (b, h) pair owns the high 32 bits of the Philox counter and (i, j // 8)
-the low 32, so the scheme holds for any B * H and for Lq * G < 2**32 (a ValueError beyond).
+(`fastformer.ops.rng.philox4x32` gives the same words) and is kept when u16 >= t,
+t = round(dropout_p * 65536); kept probabilities are scaled by 1 / (1 - dropout_p). The columns
+of one call, 8 w + 2 c + {0, 1} for a fixed c, are those one thread holds in a tensor-core
+accumulator tile, so the kernels assemble the mask without exchanging data between threads. The
+(b, h) pair owns the high 32 bits of the Philox counter and (i, j) the low 32, so the scheme
+holds for any B * H and for Lq * C < 2**32 (a ValueError beyond).
 `dropout_keep_mask(seed, ...)` regenerates the mask a call used; the backward of both backends
 regenerates it too, so nothing of size Lq x Lk is stored.
 """
@@ -49,8 +52,8 @@ __all__ = [
 
 OP = "attention"
 MAX_HEAD_DIM = 256
-MAX_DROPOUT_GROUPS = 2**32  # Lq * ceil(Lk / 8) must stay below: the low 32 bits of the counter
-DROPOUT_LANES = 8  # key columns sharing one Philox call, 16 bits each
+MAX_DROPOUT_CALLS = 2**32  # Lq * dropout_calls(Lk) must stay below: the low 32 bits of the counter
+DROPOUT_BLOCK = 32  # key columns served by 4 Philox calls (8 scores a call, 16 bits each)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MASK_DIMS = ("batch", "heads", "seq_q", "seq_k")
 
@@ -147,23 +150,28 @@ def dropout_keep_mask(
 ) -> Tensor:
     """The bool (batch, heads, seq_q, seq_k) keep-mask a call with this `seed` used.
 
-    keep[b, h, i, j] = lane j % 8 of philox4x32(seed, ((b * heads + h) << 32) + i * G + j // 8)
-    >= round(dropout_p * 65536), G = ceil(seq_k / 8), lanes w0.lo, w0.hi, ..., w3.hi (see the
-    module docstring), computed in plain PyTorch on `device`.
+    keep[b, h, i, j] = half l of word w of philox4x32(seed, ((b * heads + h) << 32) + i * C
+    + 4 g + c) >= round(dropout_p * 65536), where j = 32 g + 8 w + 2 c + l and
+    C = dropout_calls(seq_k) (see the module docstring), computed in plain PyTorch on `device`.
     """
     for name, n in (("batch", batch), ("heads", heads), ("seq_q", seq_q), ("seq_k", seq_k)):
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"dropout_keep_mask: {name} must be an int >= 0, got {n!r}")
     _check_dropout_p("dropout_keep_mask", dropout_p)
     _check_dropout_size("dropout_keep_mask", seq_q, seq_k)
-    groups = -(-seq_k // DROPOUT_LANES)
+    calls = dropout_calls(seq_k)
     bh = torch.arange(batch * heads, dtype=torch.int64, device=device) << 32
-    ig = torch.arange(seq_q * groups, dtype=torch.int64, device=device)
-    offsets = (bh[:, None] + ig[None, :]).view(batch, heads, seq_q, groups)
-    words = torch.stack(rng.philox4x32(seed, offsets), -1)  # (B, H, Lq, G, 4) uint32 values
-    lanes = torch.stack([words & 0xFFFF, words >> 16], -1)  # (B, H, Lq, G, 4, 2): lo, hi
-    lanes = lanes.view(batch, heads, seq_q, groups * DROPOUT_LANES)[..., :seq_k]
+    ic = torch.arange(seq_q * calls, dtype=torch.int64, device=device)
+    offsets = (bh[:, None] + ic[None, :]).view(batch * heads, seq_q, calls // 4, 4)
+    words = torch.stack(rng.philox4x32(seed, offsets), -1)  # (BH, Lq, g, c, w) uint32 values
+    halves = torch.stack([words & 0xFFFF, words >> 16], -1)  # (BH, Lq, g, c, w, l)
+    lanes = halves.transpose(3, 4).reshape(batch, heads, seq_q, calls * 8)[..., :seq_k]
     return lanes >= dropout_threshold(dropout_p)
+
+
+def dropout_calls(seq_k: int) -> int:
+    """Philox calls per query row of the attention dropout scheme: 4 per 32 key columns."""
+    return 4 * -(-seq_k // DROPOUT_BLOCK)
 
 
 def dropout_threshold(dropout_p: float) -> int:
@@ -289,10 +297,11 @@ def _check_dropout_p(fn: str, dropout_p) -> None:
 
 
 def _check_dropout_size(fn: str, seq_q: int, seq_k: int) -> None:
-    if seq_q * -(-seq_k // DROPOUT_LANES) >= MAX_DROPOUT_GROUPS:
+    if seq_q * dropout_calls(seq_k) >= MAX_DROPOUT_CALLS:
         raise ValueError(
-            f"{fn}: dropout needs seq_q * ceil(seq_k / 8) < 2**32 (the Philox offset of a score is "
-            f"((b*H + h) << 32) + i*ceil(seq_k/8) + j//8), got seq_q={seq_q}, seq_k={seq_k}"
+            f"{fn}: dropout needs seq_q * 4 * ceil(seq_k / 32) < 2**32 (the low 32 bits of the "
+            f"Philox counter number the calls of a (batch, head)), got seq_q={seq_q}, "
+            f"seq_k={seq_k}"
         )
 
 
