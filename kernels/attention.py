@@ -695,10 +695,11 @@ _SM90 = {
     # dropout: (64, 32, 4, 3) holds 157 registers at d64 (3 blocks, 12 warps an SM, where
     # (128, 32, 8, 3) fits 1 block of 8): more warps to overlap the Philox ALU work with the
     # MMAs (dropout tripled the forward's time on an H200 with (128, 32, 8, 3) alone).
+    # (128, 64, 8, 3) fits dropout without spills since the keep-mask needs no conversion.
     ("fwd", "16bit", 64): ([_C(128, 64, 4, 3), _C(128, 128, 8, 3)], [_C(128, 64, 8, 3)],
-                           [_C(128, 32, 8, 3), _C(64, 32, 4, 3)]),
+                           [_C(128, 32, 8, 3), _C(64, 32, 4, 3), _C(128, 64, 8, 3)]),
     ("fwd", "16bit", 128): ([_C(128, 64, 8, 3), _C(128, 128, 8, 2)], [_C(128, 64, 8, 3)],
-                            [_C(128, 32, 8, 3), _C(64, 32, 4, 3)]),
+                            [_C(128, 32, 8, 3), _C(64, 32, 4, 3), _C(128, 64, 8, 3)]),
     ("fwd", "16bit", 256): ([_C(128, 64, 8, 2), _C(128, 32, 8, 2)], [_C(128, 32, 8, 2)],
                             [_C(128, 16, 8, 2)]),
     # dropout (PART 3, query x key tiles): (32, 128) and (32, 64) run part of their dots on
@@ -712,9 +713,9 @@ _SM90 = {
                              [_C(32, 64, 8, 2)]),
     ("dkdv", "16bit", 256): ([_C(32, 64, 8, 2)], [_C(16, 64, 8, 2)], [_C(16, 64, 8, 2)]),
     ("dq", "16bit", 64): ([_C(128, 32, 4, 3), _C(128, 64, 8, 2)], [_C(128, 32, 8, 3)],
-                          [_C(128, 32, 8, 3), _C(64, 32, 4, 3)]),
+                          [_C(128, 32, 8, 3), _C(64, 32, 4, 3), _C(128, 64, 8, 2)]),
     ("dq", "16bit", 128): ([_C(128, 32, 8, 2), _C(128, 64, 8, 2)], [_C(128, 32, 8, 2)],
-                           [_C(128, 32, 8, 2)]),
+                           [_C(128, 32, 8, 2), _C(64, 32, 4, 3)]),
     ("dq", "16bit", 256): ([_C(64, 32, 8, 2)], [_C(64, 16, 8, 2)], [_C(64, 16, 8, 2)]),
     # fp32 runs "ieee" dots on FMA units, whose operand layouts need many registers: small tiles.
     # (fwd with dropout: 8 warps; with 4 the dropout tile assembly spilled, up to 2.5 KB at D256.)
