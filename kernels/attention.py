@@ -56,6 +56,7 @@ config of an arch table without a GPU and reports ptxas registers, spills and sh
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import re
 import subprocess
@@ -753,8 +754,12 @@ _SM80 = {
                            [_C(32, 16, 4, 2)]),
     ("dq", "16bit", 256): ([_C(64, 32, 8, 2)], [_C(64, 16, 8, 2)], [_C(64, 16, 8, 2)]),
     **{key: lists for key, lists in _SM90.items() if key[1] == "fp32"},
-    # sm_80 with Triton 3.6 spilled 4 bytes at (16, 32, 4, 2).
-    ("dkdv", "fp32", 64): ([_C(16, 32, 8, 2)],) * 3,
+    # sm_80 spilled 4-8 bytes with these sm_90 configs: dkdv d64 (16, 32, 4, 2) causal and
+    # (16, 32, 8, 2) with a float mask, d256 (16, 16, 4, 2) causal; dq d256 (16, 16, 4, 2) and
+    # (16, 16, 8, 2) causal (Triton 3.6 or 3.8).
+    ("dkdv", "fp32", 64): ([_C(16, 32, 8, 2)], [_C(16, 32, 4, 2)], [_C(16, 32, 8, 2)]),
+    ("dkdv", "fp32", 256): ([_C(16, 16, 8, 2)],) * 3,
+    ("dq", "fp32", 256): ([_C(32, 16, 8, 2)],) * 3,
 }
 
 
@@ -1300,30 +1305,26 @@ def _compile_job(job: tuple) -> dict:
 def compile_jobs(arch: int = 90) -> list[tuple]:
     """Every kernel specialization the compile check builds for the `arch` config table.
 
-    Each (kernel, head-dim bucket, config, dK/dV part) is compiled once in fp16 (fp32 for the
-    fp32 table) at the largest head dim of its bucket, with the heaviest feature class that
-    uses it (CHECK_VARIANTS; features only add code); the first base config of the 128 and 256
-    buckets is also compiled in bf16 (wgmma there too; same code and registers as fp16 but for
-    the MMA type). Plus the delta preprocess kernel.
+    Each (kernel, head-dim bucket, config, dK/dV part, feature class) is compiled in fp16 (fp32
+    for the fp32 table) at the largest head dim of its bucket, with the heaviest feature
+    combination of its class (CHECK_VARIANTS). Every class, not only the heaviest that uses a
+    config: a lighter one spilled where the heaviest did not (sm_80 fp32, 4-12 bytes). The
+    first base config of the 128 and 256 buckets is also compiled in bf16 (wgmma there too;
+    same code and registers as fp16 but for the MMA type). Plus the delta preprocess kernel.
     """
-    rank = {name: i for i, name in enumerate(FEATURE_CLASSES)}
-    heaviest: dict[tuple, str] = {}
+    jobs = set()
     for (kernel, table_arch, dclass, bucket, fclass), configs in CONFIGS.items():
         if table_arch != arch:
             continue
         dtype = "float32" if dclass == "fp32" else "float16"
-        for config in configs:
-            key = (kernel, dtype, bucket, tuple(config))
-            if rank[fclass] >= rank[heaviest.get(key, "base")]:
-                heaviest[key] = fclass
-            if dclass == "16bit" and fclass == "base" and config == configs[0] and bucket > 64:
-                heaviest[(kernel, "bfloat16", bucket, tuple(config))] = "base"
-    jobs = []
-    for (kernel, dtype, bucket, config), fclass in heaviest.items():
         parts = (0,)
-        if kernel == "dkdv":
+        if kernel == "dkdv":  # dropout may take another code path (PART 3)
             parts = dkdv_parts(getattr(torch, dtype), bucket, bucket, fclass == "dropout")
-        jobs += [(kernel, dtype, bucket, config, fclass, arch, part) for part in parts]
+        for config, part in itertools.product(configs, parts):
+            jobs.add((kernel, dtype, bucket, tuple(config), fclass, arch, part))
+            if dclass == "16bit" and fclass == "base" and config == configs[0] and bucket > 64:
+                jobs.add((kernel, "bfloat16", bucket, tuple(config), "base", arch, part))
+    jobs = sorted(jobs)
     for bucket in (64, 128, 256):
         config = (max(16, 8192 // bucket), 0, 4, 1)
         jobs.append(("pre", "float16", bucket, config, "base", arch, 0))  # no features
