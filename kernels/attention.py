@@ -16,7 +16,7 @@ Backward: `attn_bwd_preprocess` computes delta = rowsum(dO * O) - dLSE; `attn_bw
 (one program per key block, loop over query blocks from the causal start) and `attn_bwd_dq`
 (one program per query block, loop over key blocks) recompute P from the saved LSE. No atomics:
 the result is deterministic. For fp16/bf16 head dims > 128 dK and dV are two launches (PART)
-so that each fits in registers; fp16/bf16 with dropout computes both on (query x key) tiles. With GQA, dK/dV are written per query head (fp32) and summed
+so that each fits in registers; configs choose (key x query) or (query x key) tiles for both. With GQA, dK/dV are written per query head (fp32) and summed
 over each group in torch. A float attn_mask that needs a gradient gets dS written to an fp32
 (B, H, Lq, Lk) buffer (only in that case), reduced in torch over the mask's broadcast dims.
 
@@ -41,8 +41,7 @@ alike) holds columns 8 w + 2 c + {0, 1} of its rows for one c and every w, so th
 one call are 8 scores of one thread and `_dropout_keep` assembles its [BLOCK_M, BLOCK_N] tile in
 registers. With consecutive columns a call (the previous scheme) the words had to cross threads:
 6 extra layout conversions through shared memory a forward tile (sm_90 SASS: STS 9 -> 41,
-BAR 11 -> 19); now none in the forward and dq kernels, and dK/dV take the mask on (query x key)
-tiles (PART 3). Key tiles start at multiples of BLOCK_N, 16 or a multiple of 32, so a tile
+BAR 11 -> 19); now none in the forward and dq kernels, nor in dK/dV's qk_tiles configs. Key tiles start at multiples of BLOCK_N, 16 or a multiple of 32, so a tile
 covers whole 32-column blocks or one half of one (BLOCK_N 16 draws the block's 4 calls and uses
 half of each). The backward regenerates the same numbers; nothing of size Lq x Lk is stored.
 
@@ -359,10 +358,9 @@ def _dkdv_tile_t(
 ):
     # Both accumulators, on transposed tiles (keys x queries) so that P^T and dS^T come out
     # directly as the first dot operand (the Triton tutorial's form; fewest registers with
-    # both accumulators live, measured on sm_90). 16-bit inputs with dropout use PART 3
-    # instead: the keep-mask is laid out for (query x key) tensor-core tiles (_dropout_keep),
-    # and transposing it here took 4 layout conversions through shared memory a tile and
-    # spilled at d128 (sm_90 compile report). fp32 dots run on FMA units, where it is a wash.
+    # both accumulators live, measured on sm_90). With dropout the keep-mask, laid out for
+    # (query x key) tensor-core tiles (_dropout_keep), is transposed here: 4 more layout
+    # conversions through shared memory a tile (sm_90); the qk_tiles configs avoid them.
     rows = start_m + offs_m
     cols = col0 + offs_n
     q = _load_rows(q_base, start_m, offs_m, Lq, stride_qm, offs_d, HEAD_D, BLOCK_D)
@@ -403,8 +401,8 @@ def _dkdv_tile_n(
 ):
     # Scores as (queries x keys) with K and V as the second dot operand, which wgmma reads from
     # shared memory instead of registers. PART 1: dV, 2: dK (one accumulator: for 16-bit head
-    # dims > 128 this is what fits without spills, measured on sm_90); 3: both (16-bit inputs
-    # with dropout: this orientation takes _dropout_keep's tile as it comes, no conversion).
+    # dims > 128 this is what fits without spills, measured on sm_90); 0: both (QK_TILES
+    # configs: this orientation takes _dropout_keep's tile as it comes, no conversion).
     rows = start_m + offs_m
     cols = col0 + offs_n
     q = _load_rows(q_base, start_m, offs_m, Lq, stride_qm, offs_d, HEAD_D, BLOCK_D)
@@ -438,10 +436,10 @@ def _dkdv_loop(
     seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-    CAUSAL_TILE: tl.constexpr, PART: tl.constexpr, BLOCK_M: tl.constexpr,
+    CAUSAL_TILE: tl.constexpr, PART: tl.constexpr, QK_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     for start_m in range(lo, hi, BLOCK_M):
-        if PART == 0:
+        if PART == 0 and not QK_TILES:
             dk, dv = _dkdv_tile_t(
                 dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, start_m, col0, offs_m,
                 offs_n, offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
@@ -472,13 +470,13 @@ def attn_bwd_dkdv(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, PART: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QK_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dK, dV of one (key block, batch*query head); grid (cdiv(Lk, BLOCK_N), B*H).
 
-    PART (see dkdv_parts): 0 computes both on (key x query) tiles; 1 only dV, 2 only dK
-    (fp16/bf16 head dims > 128: two launches, each holding one accumulator, as both together
-    do not fit in registers without spills); 3 both on (query x key) tiles."""
+    PART (see dkdv_parts): 0 computes both, on (key x query) tiles, or on (query x key) tiles
+    when QK_TILES (a config choice); 1 only dV, 2 only dK (fp16/bf16 head dims > 128: two
+    launches, each holding one accumulator, as both together do not fit in registers)."""
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
     off_h = (off_bh % H).to(tl.int64)
@@ -522,13 +520,15 @@ def attn_bwd_dkdv(
         dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, lo, diag_end, col0, offs_m, offs_n,
         offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
         seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
-        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC, True, PART, BLOCK_M,
+        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC, True, PART, QK_TILES,
+        BLOCK_M,
     )
     dk, dv = _dkdv_loop(
         dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, diag_end, hi, col0, offs_m, offs_n,
         offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
         seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
-        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC, False, PART, BLOCK_M,
+        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC, False, PART, QK_TILES,
+        BLOCK_M,
     )
     if HAS_KPM:
         # P was not masked for padding keys here (it is per key, constant over the loop): every
@@ -669,12 +669,15 @@ def attn_bwd_dq(
 
 
 class Config(NamedTuple):
-    """One launch configuration: tile sizes (query rows, key rows), warps, pipeline stages."""
+    """One launch configuration: tile sizes (query rows, key rows), warps, pipeline stages,
+    and for dK/dV with both accumulators (PART 0) the tile orientation: (key x query) tiles,
+    or (query x key) tiles when qk_tiles (the orientation of the dropout keep-mask)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    qk_tiles: bool = False
 
 
 # The interpreter runs one fixed small config (fast tests); GPUs autotune over small lists keyed
@@ -687,6 +690,12 @@ class Config(NamedTuple):
 INTERPRET_CONFIG = Config(32, 32, 4, 1)
 FEATURE_CLASSES = ("base", "padded", "masked", "dropout")
 _C = Config
+
+
+def _QK(block_m: int, block_n: int, num_warps: int, num_stages: int) -> Config:
+    return Config(block_m, block_n, num_warps, num_stages, qk_tiles=True)
+
+
 # fmt: off
 # (kernel, dtype class, bucket): (base, masked, dropout) config lists ("padded" gets base +
 # masked, see _with_padded). Config = (BLOCK_M query rows, BLOCK_N keys, warps, stages); dkdv
@@ -703,15 +712,16 @@ _SM90 = {
                             [_C(128, 32, 8, 3), _C(64, 32, 4, 3), _C(128, 64, 8, 3)]),
     ("fwd", "16bit", 256): ([_C(128, 64, 8, 2), _C(128, 32, 8, 2)], [_C(128, 32, 8, 2)],
                             [_C(128, 16, 8, 2)]),
-    # dropout (PART 3, query x key tiles): (32, 128) and (32, 64) run part of their dots on
-    # mma.sync (32-row operands), the 64 x 64 and 128 x 64 tiles all on wgmma with ~35% fewer
-    # SASS instructions a score (sm_90 cubins), but those spill a few bytes with Triton 3.8
-    # (_VERSION_SPILLS). dq: a 4-warp candidate (214 registers: 2 blocks an SM).
+    # dropout: (query x key) tiles take the keep-mask without conversions. Of those, 32-query
+    # tiles run their score products on mma.sync, and the 64 x 64 and 128 x 64 tiles all on
+    # wgmma with ~35% fewer SASS instructions a score (sm_90 cubins) but spill a few bytes with
+    # Triton 3.8 (_VERSION_SPILLS). The (key x query) tile is the previous default.
     ("dkdv", "16bit", 64): ([_C(32, 128, 8, 3), _C(64, 128, 8, 2)], [_C(32, 128, 8, 3)],
-                            [_C(32, 128, 8, 3), _C(64, 64, 4, 3), _C(128, 64, 8, 2)]),
+                            [_QK(32, 128, 8, 3), _QK(64, 64, 4, 3), _QK(128, 64, 8, 2),
+                             _C(32, 128, 8, 3)]),
     # dropout: (16, 128, 8, 2) spilled 8 bytes with the previous dropout scheme's tile.
     ("dkdv", "16bit", 128): ([_C(32, 128, 8, 2), _C(32, 64, 8, 2)], [_C(32, 64, 8, 2)],
-                             [_C(32, 64, 8, 2)]),
+                             [_C(32, 64, 8, 2), _QK(32, 64, 8, 2)]),
     ("dkdv", "16bit", 256): ([_C(32, 64, 8, 2)], [_C(16, 64, 8, 2)], [_C(16, 64, 8, 2)]),
     ("dq", "16bit", 64): ([_C(128, 32, 4, 3), _C(128, 64, 8, 2)], [_C(128, 32, 8, 3)],
                           [_C(128, 32, 8, 3), _C(64, 32, 4, 3), _C(128, 64, 8, 2)]),
@@ -743,10 +753,10 @@ _SM80 = {
                             [_C(64, 32, 8, 2)]),
     ("fwd", "16bit", 256): ([_C(64, 64, 8, 2), _C(64, 32, 8, 2)], [_C(64, 32, 8, 2)],
                             [_C(64, 16, 4, 2)]),
-    # dkdv dropout (PART 3): 64 x 64 and 128-key tiles spilled 12-996 bytes; these do not.
+    # dkdv dropout, (query x key) tiles: 64 x 64 and 128-key tiles spilled 12-996 bytes.
     ("dkdv", "16bit", 64): ([_C(32, 128, 8, 2), _C(32, 64, 4, 2)], [_C(16, 128, 8, 2)],
-                            [_C(64, 32, 4, 2), _C(32, 32, 4, 2)]),
-    ("dkdv", "16bit", 128): ([_C(32, 64, 8, 2)], [_C(32, 64, 8, 2)], [_C(16, 64, 8, 2)]),
+                            [_QK(64, 32, 4, 2), _QK(32, 32, 4, 2)]),
+    ("dkdv", "16bit", 128): ([_C(32, 64, 8, 2)], [_C(32, 64, 8, 2)], [_QK(16, 64, 8, 2)]),
     ("dkdv", "16bit", 256): ([_C(32, 64, 8, 2)], [_C(16, 64, 8, 2)], [_C(16, 64, 8, 2)]),
     ("dq", "16bit", 64): ([_C(128, 32, 8, 2), _C(64, 64, 4, 2)], [_C(64, 32, 4, 2)],
                           [_C(64, 32, 4, 2)]),
@@ -785,20 +795,27 @@ def _with_padded(arch: int, kernel: str, bucket: int, lists: tuple) -> tuple[lis
 
 # Configs that spill with one Triton version only (that version's compile_report): left out
 # while it runs, so that every config in use compiles without spills. (kernel, arch, bucket,
-# config); Triton 3.6 (the GPU machine's) compiles these without spills.
+# feature class, config); Triton 3.6 (the GPU machine's) compiles these without spills.
 _VERSION_SPILLS = {
-    (3, 8): {("dkdv", 90, 64, _C(64, 64, 4, 3)), ("dkdv", 90, 64, _C(128, 64, 8, 2))},
+    (3, 8): {
+        ("dkdv", 90, 64, "dropout", _QK(64, 64, 4, 3)),
+        ("dkdv", 90, 64, "dropout", _QK(128, 64, 8, 2)),
+        ("dkdv", 90, 128, "dropout", _C(32, 64, 8, 2)),
+    },
 }
 
 
-def _without_version_spills(kernel: str, arch: int, bucket: int, configs: list) -> list[Config]:
+def _without_version_spills(key: tuple, configs: list[Config]) -> list[Config]:
+    kernel, arch, _, bucket, fclass = key
     version = tuple(int(x) for x in triton.__version__.split(".")[:2])
     spills = _VERSION_SPILLS.get(version, set())
-    return [c for c in configs if (kernel, arch, bucket, c) not in spills]
+    return [c for c in configs if (kernel, arch, bucket, fclass, c) not in spills]
 
 
 CONFIGS: dict[tuple[str, int, str, int, str], list[Config]] = {
-    (kernel, arch, dclass, bucket, fclass): _without_version_spills(kernel, arch, bucket, configs)
+    (kernel, arch, dclass, bucket, fclass): _without_version_spills(
+        (kernel, arch, dclass, bucket, fclass), configs
+    )
     for arch, table in ((90, _SM90), (80, _SM80))
     for (kernel, dclass, bucket), lists in table.items()
     for fclass, configs in zip(FEATURE_CLASSES, _with_padded(arch, kernel, bucket, lists))
@@ -847,18 +864,13 @@ def arch_family(device: torch.device) -> int:
     return 90 if major in (9, 10) else 80
 
 
-def dkdv_parts(dtype: torch.dtype, d: int, dv: int, dropout: bool) -> tuple[int, ...]:
-    """PART values of the dK/dV launches: (0,) or (3,) one launch for both, (1, 2) dV then dK.
+def dkdv_parts(dtype: torch.dtype, d: int, dv: int) -> tuple[int, ...]:
+    """PART values of the dK/dV launches: (0,) one launch for both, (1, 2) dV then dK.
 
     fp16/bf16 head dims > 128 split: both accumulators plus K and V tiles do not fit in
-    registers on sm_90 without spills. fp32 tiles are small enough to keep both. fp16/bf16
-    with dropout use (query x key) tiles (3), the orientation of the dropout keep-mask.
+    registers on sm_90 without spills. fp32 tiles are small enough to keep both.
     """
-    if dtype == torch.float32:
-        return (0,)
-    if dim_bucket(d, dv) > 128:
-        return (1, 2)
-    return (3,) if dropout else (0,)
+    return (1, 2) if dim_bucket(d, dv) > 128 and dtype != torch.float32 else (0,)
 
 
 def _seq_bucket(n: int) -> int:
@@ -875,14 +887,16 @@ def feature_class(mask_kind: int, has_kpm: bool, has_dropout: bool) -> str:
     return "padded" if has_kpm else "base"
 
 
+def _constexprs(kernel: str, c: Config) -> dict:
+    # The launch constants a config sets: its tiles, and dK/dV's tile orientation.
+    blocks = {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}
+    return {**blocks, "QK_TILES": c.qk_tiles} if kernel == "dkdv" else blocks
+
+
 @functools.cache
 def _autotuned(kernel: str, arch: int, dclass: str, bucket: int, fclass: str):
     configs = [
-        triton.Config(
-            {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n},
-            num_warps=c.num_warps,
-            num_stages=c.num_stages,
-        )
+        triton.Config(_constexprs(kernel, c), num_warps=c.num_warps, num_stages=c.num_stages)
         for c in CONFIGS[(kernel, arch, dclass, bucket, fclass)]
     ]
     return triton.autotune(configs=configs, key=_TUNE_KEY)(KERNELS[kernel])
@@ -894,7 +908,7 @@ def _launch(
     if config is None and (INTERPRETED or q.device.type != "cuda"):
         config = INTERPRET_CONFIG
     if config is not None:
-        blocks = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n}
+        blocks = _constexprs(kernel, config)
         KERNELS[kernel][grid(blocks)](
             *args, **meta, **blocks, num_warps=config.num_warps, num_stages=config.num_stages
         )
@@ -1131,7 +1145,7 @@ def _backward_kernels(
         *dv.stride()[:3], *tail,
     )
     dkdv_grid = lambda c: (triton.cdiv(lk, c["BLOCK_N"]), b * h)
-    for part in dkdv_parts(q.dtype, meta["HEAD_D"], meta["HEAD_DV"], dropout_p > 0):
+    for part in dkdv_parts(q.dtype, meta["HEAD_D"], meta["HEAD_DV"]):
         _launch("dkdv", dkdv_grid, args, {**meta, "PART": part}, q, config)
     args = (
         q, k, v, grad_out, lse, delta, dq, mask.tensor, pad.tensor, pad.kv_range,
@@ -1192,6 +1206,7 @@ def _compile_inputs(
         "BLOCK_M": config.block_m,
         "BLOCK_N": config.block_n,
         "PART": part,
+        "QK_TILES": config.qk_tiles,
         "WRITE_DS": variant.mask_kind == MASK_FLOAT,
         "HAS_DLSE": True,
     }
@@ -1320,9 +1335,7 @@ def compile_jobs(arch: int = 90) -> list[tuple]:
         if table_arch != arch:
             continue
         dtype = "float32" if dclass == "fp32" else "float16"
-        parts = (0,)
-        if kernel == "dkdv":  # dropout may take another code path (PART 3)
-            parts = dkdv_parts(getattr(torch, dtype), bucket, bucket, fclass == "dropout")
+        parts = dkdv_parts(getattr(torch, dtype), bucket, bucket) if kernel == "dkdv" else (0,)
         for config, part in itertools.product(configs, parts):
             jobs.add((kernel, dtype, bucket, tuple(config), fclass, arch, part))
             if dclass == "16bit" and fclass == "base" and config == configs[0] and bucket > 64:

@@ -198,11 +198,13 @@ def test_gradient_of_one_output_alone(use):
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter tile config is a CPU-test knob")
 @pytest.mark.parametrize("blocks", [(16, 32), (64, 16)])
-def test_parity_other_tile_shapes(monkeypatch, blocks):
-    # GPU configs have BLOCK_M != BLOCK_N: the causal / padding loop bounds must hold for them.
+@pytest.mark.parametrize("qk_tiles", [False, True], ids=["kq_tiles", "qk_tiles"])
+def test_parity_other_tile_shapes(monkeypatch, blocks, qk_tiles):
+    # GPU configs have BLOCK_M != BLOCK_N: the causal / padding loop bounds must hold for them,
+    # with dK/dV on (key x query) and on (query x key) tiles.
     from fastformer.kernels import attention as kernels
 
-    monkeypatch.setattr(kernels, "INTERPRET_CONFIG", kernels.Config(*blocks, 4, 1))
+    monkeypatch.setattr(kernels, "INTERPRET_CONFIG", kernels.Config(*blocks, 4, 1, qk_tiles))
     _parity(Case(lq=97, lk=81, d=16, causal=True, kpm="edges", mask="bool", mask_shape="qk"))
 
 
@@ -317,13 +319,14 @@ def test_dropout_parity_with_regenerated_mask(c):
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter tile config is a CPU-test knob")
 @pytest.mark.parametrize("blocks", [(16, 16), (32, 64)], ids=["half_block", "two_blocks"])
 @pytest.mark.parametrize("dtype", [F32, F16])
-def test_dropout_parity_other_tile_shapes(monkeypatch, blocks, dtype):
+@pytest.mark.parametrize("qk_tiles", [False, True], ids=["kq_tiles", "qk_tiles"])
+def test_dropout_parity_other_tile_shapes(monkeypatch, blocks, dtype, qk_tiles):
     # Key tiles of 16 columns (half a 32-column block of the scheme) and of 64 (two blocks)
     # assemble the mask differently from the default 32: forward and all three gradients, with
-    # dK/dV on (key x query) tiles (fp32) and on (query x key) tiles (fp16, dkdv_parts).
+    # dK/dV on (key x query) tiles (the mask transposed) and on (query x key) tiles.
     from fastformer.kernels import attention as kernels
 
-    monkeypatch.setattr(kernels, "INTERPRET_CONFIG", kernels.Config(*blocks, 4, 1))
+    monkeypatch.setattr(kernels, "INTERPRET_CONFIG", kernels.Config(*blocks, 4, 1, qk_tiles))
     c = Case(lq=47, lk=81, d=16, causal=True, kpm="edges", dtype=dtype)
     test_dropout_parity_with_regenerated_mask(c)
 
