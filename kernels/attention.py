@@ -134,6 +134,13 @@ def _dropout_calls(Lk):
 
 
 @triton.jit
+def _philox(seed, lo, hi):
+    # = tl.randint4x(seed, (hi << 32) + lo) for a uint32 tile `lo` and a uint32 scalar `hi`.
+    zero = lo * 0
+    return tl.philox(seed, lo, zero + hi, zero, zero)
+
+
+@triton.jit
 def _dropout_keep(seed, drop_base, rows, col0, offs_n, Lk, drop_t):
     # Keep-mask of the (rows, col0 + offs_n) tile, offs_n = arange(BLOCK_N). Key column
     # j = 32 g + 8 w + 2 c + l takes 16-bit half l of word w of the Philox call at counter
@@ -146,17 +153,21 @@ def _dropout_keep(seed, drop_base, rows, col0, offs_n, Lk, drop_t):
     BLOCK_N: tl.constexpr = offs_n.shape[0]
     BLOCK_M: tl.constexpr = rows.shape[0]
     tl.static_assert(BLOCK_N == 16 or BLOCK_N % 32 == 0, "dropout tiles: BLOCK_N 16 or 32k")
-    row_offsets = drop_base + rows[:, None].to(tl.int64) * _dropout_calls(Lk)
+    # tl.randint4x(seed, offset) with an int64 offset is tl.philox(seed, low 32 bits, high 32
+    # bits, 0, 0): the high half is (b, h), one scalar, and the low half never carries (the op
+    # checks Lq * calls < 2**32), so the per-score counters stay 32-bit.
+    hi = (drop_base >> 32).to(tl.uint32)
+    row_offsets = (drop_base & 0xFFFFFFFF).to(tl.uint32) + rows[:, None].to(tl.uint32) * _dropout_calls(Lk)
     if BLOCK_N == 16:
         calls = (col0 // 32) * 4 + tl.arange(0, 4)
-        w0, w1, w2, w3 = tl.randint4x(seed, row_offsets + calls[None, :])
+        w0, w1, w2, w3 = _philox(seed, row_offsets + calls[None, :].to(tl.uint32), hi)
         upper = (col0 // 16) % 2 == 1  # the block's columns 16-31: words 2 and 3
         x = tl.join(tl.where(upper, w2, w0), tl.where(upper, w3, w1))  # [m, c, w % 2]
         x = tl.join(x & 0xFFFF, x >> 16)  # [m, c, w % 2, l]
         x = tl.permute(x, (0, 2, 1, 3))  # [m, w % 2, c, l]
     else:
         calls = col0 // 8 + tl.arange(0, BLOCK_N // 8)
-        w0, w1, w2, w3 = tl.randint4x(seed, row_offsets + calls[None, :])
+        w0, w1, w2, w3 = _philox(seed, row_offsets + calls[None, :].to(tl.uint32), hi)
         x = tl.join(tl.join(w0, w1), tl.join(w2, w3))  # [m, 4 g + c, w % 2, w // 2]
         x = tl.join(x & 0xFFFF, x >> 16)  # [m, 4 g + c, w % 2, w // 2, l]
         x = tl.reshape(x, (BLOCK_M, BLOCK_N // 32, 4, 2, 2, 2))  # [m, g, c, w % 2, w // 2, l]
