@@ -379,6 +379,37 @@ def test_dropout_blocks_fit_every_tile_config():
         assert c.block_n == 16 or c.block_n % 32 == 0, c
 
 
+def _listed_configs(kernels, key: tuple) -> list:
+    # A CONFIGS key's list before any Triton-version exclusion.
+    kernel, arch, dclass, bucket, fclass = key
+    table = kernels._SM90 if arch == 90 else kernels._SM80
+    lists = kernels._with_padded(arch, kernel, bucket, table[(kernel, dclass, bucket)])
+    return lists[kernels.FEATURE_CLASSES.index(fclass)]
+
+
+@pytest.mark.parametrize("version", ["3.6.0", "3.8.0"])
+def test_configs_that_spill_with_one_triton_version_are_left_out_under_it(monkeypatch, version):
+    # _VERSION_SPILLS names (kernel, arch, bucket, feature class, config): only that list of
+    # that Triton version loses the config, every list keeps one, and each name is listed.
+    import triton
+
+    from fastformer.kernels import attention as kernels
+
+    monkeypatch.setattr(triton, "__version__", version)
+    spills = kernels._VERSION_SPILLS.get(tuple(int(x) for x in version.split(".")[:2]), set())
+    named, all_dropped = set(), set()
+    for key in kernels.CONFIGS:
+        listed = _listed_configs(kernels, key)
+        kept = kernels._without_version_spills(key, listed)
+        kernel, arch, _, bucket, fclass = key
+        dropped = {(kernel, arch, bucket, fclass, c) for c in set(listed) - set(kept)}
+        assert kept
+        all_dropped |= dropped
+        named |= {(kernel, arch, bucket, fclass, c) for c in listed}
+    assert all_dropped == spills
+    assert all(spills <= named for spills in kernels._VERSION_SPILLS.values())
+
+
 def test_key_padding_alone_tunes_over_the_base_configs_too():
     # Key padding without attn_mask is its own feature class: the masked configs plus every base
     # config that compiles without spills for it (the compile report checks them all).
