@@ -721,8 +721,9 @@ _SM90 = {
                            [_C(128, 32, 8, 3), _C(64, 32, 4, 3), _C(128, 64, 8, 3)]),
     ("fwd", "16bit", 128): ([_C(128, 64, 8, 3), _C(128, 128, 8, 2)], [_C(128, 64, 8, 3)],
                             [_C(128, 32, 8, 3), _C(64, 32, 4, 3), _C(128, 64, 8, 3)]),
+    # dropout: 16-key tiles use half of each Philox call; 32 keys now fit without spills too.
     ("fwd", "16bit", 256): ([_C(128, 64, 8, 2), _C(128, 32, 8, 2)], [_C(128, 32, 8, 2)],
-                            [_C(128, 16, 8, 2)]),
+                            [_C(128, 32, 8, 2), _C(128, 16, 8, 2)]),
     # dropout: (query x key) tiles take the keep-mask without conversions. Of those, 32-query
     # tiles run their score products on mma.sync, and the 64 x 64 and 128 x 64 tiles all on
     # wgmma with ~35% fewer SASS instructions a score (sm_90 cubins) but spill a few bytes with
@@ -762,8 +763,9 @@ _SM80 = {
                            [_C(64, 32, 4, 2)]),
     ("fwd", "16bit", 128): ([_C(128, 64, 8, 2), _C(64, 64, 4, 2)], [_C(64, 32, 8, 2)],
                             [_C(64, 32, 8, 2)]),
+    # dropout: 32-key tiles (whole Philox calls) next to the 16-key ones, where they fit.
     ("fwd", "16bit", 256): ([_C(64, 64, 8, 2), _C(64, 32, 8, 2)], [_C(64, 32, 8, 2)],
-                            [_C(64, 16, 4, 2)]),
+                            [_C(64, 32, 8, 2), _C(64, 16, 4, 2)]),
     # dkdv dropout, (query x key) tiles: 64 x 64 and 128-key tiles spilled 12-996 bytes.
     ("dkdv", "16bit", 64): ([_C(32, 128, 8, 2), _C(32, 64, 4, 2)], [_C(16, 128, 8, 2)],
                             [_QK(64, 32, 4, 2), _QK(32, 32, 4, 2)]),
@@ -772,8 +774,9 @@ _SM80 = {
     ("dq", "16bit", 64): ([_C(128, 32, 8, 2), _C(64, 64, 4, 2)], [_C(64, 32, 4, 2)],
                           [_C(64, 32, 4, 2)]),
     ("dq", "16bit", 128): ([_C(128, 32, 8, 2), _C(64, 32, 4, 2)], [_C(64, 32, 4, 2)],
-                           [_C(32, 16, 4, 2)]),
-    ("dq", "16bit", 256): ([_C(64, 32, 8, 2)], [_C(64, 16, 8, 2)], [_C(64, 16, 8, 2)]),
+                           [_C(32, 32, 4, 2), _C(32, 16, 4, 2)]),
+    ("dq", "16bit", 256): ([_C(64, 32, 8, 2)], [_C(64, 16, 8, 2)],
+                           [_C(64, 32, 8, 2), _C(64, 16, 8, 2)]),
     **{key: lists for key, lists in _SM90.items() if key[1] == "fp32"},
     # sm_80 spilled 4-8 bytes with these sm_90 configs: dkdv d64 (16, 32, 4, 2) causal and
     # (16, 32, 8, 2) with a float mask, d256 (16, 16, 4, 2) causal; dq d256 (16, 16, 4, 2) and
