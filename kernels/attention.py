@@ -16,7 +16,8 @@ Backward: `attn_bwd_preprocess` computes delta = rowsum(dO * O) - dLSE; `attn_bw
 (one program per key block, loop over query blocks from the causal start) and `attn_bwd_dq`
 (one program per query block, loop over key blocks) recompute P from the saved LSE. No atomics:
 the result is deterministic. For fp16/bf16 head dims > 128 dK and dV are two launches (PART)
-so that each fits in registers; configs choose (key x query) or (query x key) tiles for both. With GQA, dK/dV are written per query head (fp32) and summed
+so that each fits in registers; configs choose (key x query) or (query x key) tiles for both.
+With GQA, dK/dV are written per query head (fp32) and summed
 over each group in torch. A float attn_mask that needs a gradient gets dS written to an fp32
 (B, H, Lq, Lk) buffer (only in that case), reduced in torch over the mask's broadcast dims.
 
@@ -41,9 +42,10 @@ alike) holds columns 8 w + 2 c + {0, 1} of its rows for one c and every w, so th
 one call are 8 scores of one thread and `_dropout_keep` assembles its [BLOCK_M, BLOCK_N] tile in
 registers. With consecutive columns a call (the previous scheme) the words had to cross threads:
 6 extra layout conversions through shared memory a forward tile (sm_90 SASS: STS 9 -> 41,
-BAR 11 -> 19); now none in the forward and dq kernels, nor in dK/dV's qk_tiles configs. Key tiles start at multiples of BLOCK_N, 16 or a multiple of 32, so a tile
-covers whole 32-column blocks or one half of one (BLOCK_N 16 draws the block's 4 calls and uses
-half of each). The backward regenerates the same numbers; nothing of size Lq x Lk is stored.
+BAR 11 -> 19); now none in the forward and dq kernels, nor in dK/dV's qk_tiles configs. Key
+tiles start at multiples of BLOCK_N, 16 or a multiple of 32, so a tile covers whole 32-column
+blocks or one half of one (BLOCK_N 16 draws the block's 4 calls and uses half of each). The
+backward regenerates the same numbers; nothing of size Lq x Lk is stored.
 
 Configs: small autotune lists per architecture (sm_80 and sm_90 tables keyed on kernel, dtype
 class, head-dim bucket and feature class; the autotune key adds head dims, causal, mask kind,
@@ -157,17 +159,18 @@ def _dropout_keep(seed, drop_base, rows, col0, offs_n, Lk, drop_t):
     # bits, 0, 0): the high half is (b, h), one scalar, and the low half never carries (the op
     # checks Lq * calls < 2**32), so the per-score counters stay 32-bit.
     hi = (drop_base >> 32).to(tl.uint32)
-    row_offsets = (drop_base & 0xFFFFFFFF).to(tl.uint32) + rows[:, None].to(tl.uint32) * _dropout_calls(Lk)
+    lo = (drop_base & 0xFFFFFFFF).to(tl.uint32) + rows[:, None].to(tl.uint32) * _dropout_calls(Lk)
     if BLOCK_N == 16:
         calls = (col0 // 32) * 4 + tl.arange(0, 4)
-        w0, w1, w2, w3 = _philox(seed, row_offsets + calls[None, :].to(tl.uint32), hi)
+    else:
+        calls = col0 // 8 + tl.arange(0, BLOCK_N // 8)
+    w0, w1, w2, w3 = _philox(seed, lo + calls[None, :].to(tl.uint32), hi)
+    if BLOCK_N == 16:
         upper = (col0 // 16) % 2 == 1  # the block's columns 16-31: words 2 and 3
         x = tl.join(tl.where(upper, w2, w0), tl.where(upper, w3, w1))  # [m, c, w % 2]
         x = tl.join(x & 0xFFFF, x >> 16)  # [m, c, w % 2, l]
         x = tl.permute(x, (0, 2, 1, 3))  # [m, w % 2, c, l]
     else:
-        calls = col0 // 8 + tl.arange(0, BLOCK_N // 8)
-        w0, w1, w2, w3 = _philox(seed, row_offsets + calls[None, :].to(tl.uint32), hi)
         x = tl.join(tl.join(w0, w1), tl.join(w2, w3))  # [m, 4 g + c, w % 2, w // 2]
         x = tl.join(x & 0xFFFF, x >> 16)  # [m, 4 g + c, w % 2, w // 2, l]
         x = tl.reshape(x, (BLOCK_M, BLOCK_N // 32, 4, 2, 2, 2))  # [m, g, c, w % 2, w // 2, l]
