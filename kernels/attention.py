@@ -71,6 +71,7 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
 INT32_LIMIT = 2**31  # offsets inside one (batch, head) slice are int32
+KV_RANGE_BLOCK = 1024  # key_padding_mask columns attn_kv_range reads a step
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -205,6 +206,25 @@ def _lse_log2(Lse, row_ptrs, rows, Lq):
     # LSE in log2 units; rows with LSE = -inf (fully masked) become +inf so that P = 0 there.
     lse = tl.load(Lse + row_ptrs, mask=rows < Lq, other=0.0)
     return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+
+@triton.jit
+def attn_kv_range(Kpm, KvRange, Lk, stride_pb, stride_pn, BLOCK_N: tl.constexpr):
+    """KvRange[b] = (first kept key, last kept key + 1) of key_padding_mask row b, (0, 0) when
+    every key is padding; grid (B,). One launch instead of a dozen torch ops (host time)."""
+    off_b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    first = tl.full([BLOCK_N], Lk, dtype=tl.int32)
+    last = tl.zeros([BLOCK_N], dtype=tl.int32)
+    for start in range(0, Lk, BLOCK_N):
+        cols = start + offs
+        pad = tl.load(Kpm + off_b * stride_pb + cols * stride_pn, mask=cols < Lk, other=1)
+        first = tl.minimum(first, tl.where(pad == 0, cols, Lk))
+        last = tl.maximum(last, tl.where(pad == 0, cols + 1, 0))
+    hi = tl.max(last, 0)
+    lo = tl.where(hi == 0, 0, tl.min(first, 0))
+    tl.store(KvRange + 2 * off_b, lo)
+    tl.store(KvRange + 2 * off_b + 1, hi)
 
 
 # --------------------------------------------------------------------------- forward
@@ -839,7 +859,7 @@ CONFIGS: dict[tuple[str, int, str, int, str], list[Config]] = {
 }
 # fmt: on
 KERNELS = {"fwd": attn_fwd, "dkdv": attn_bwd_dkdv, "dq": attn_bwd_dq}
-_CHECKED_KERNELS = {**KERNELS, "pre": attn_bwd_preprocess}
+_CHECKED_KERNELS = {**KERNELS, "pre": attn_bwd_preprocess, "kv_range": attn_kv_range}
 # Re-tune when any of these change; Triton's autotuner adds the tensor dtypes itself.
 _TUNE_KEY = [
     "HEAD_D",
@@ -861,9 +881,18 @@ def dropout_threshold(dropout_p: float) -> int:
     return round(dropout_p * 65536)
 
 
+def _cdiv(a: int, b: int) -> int:
+    # triton.cdiv and triton.next_power_of_2 are constexpr functions: ~2 us a call on the host.
+    return -(-a // b)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def block_dim(d: int) -> int:
     """Padded tile width of a head dim: next power of two, at least 16 (tl.dot's minimum)."""
-    return max(16, triton.next_power_of_2(d))
+    return max(16, _next_power_of_2(d))
 
 
 def dim_bucket(d: int, dv: int) -> int:
@@ -892,7 +921,7 @@ def dkdv_parts(dtype: torch.dtype, d: int, dv: int) -> tuple[int, ...]:
 
 def _seq_bucket(n: int) -> int:
     # Autotune once per power-of-two sequence length, not per exact length.
-    return triton.next_power_of_2(max(n, 64))
+    return _next_power_of_2(max(n, 64))
 
 
 def feature_class(mask_kind: int, has_kpm: bool, has_dropout: bool) -> str:
@@ -930,10 +959,35 @@ def _launch(
             *args, **meta, **blocks, num_warps=config.num_warps, num_stages=config.num_stages
         )
         return
+    key = _tuned_key(kernel, args, meta, q)
+    best = _TUNED.get(key)
+    if best is not None:
+        KERNELS[kernel][grid](*args, **meta, **best)
+        return
     bucket = dim_bucket(meta["HEAD_D"], meta["HEAD_DV"])
     fclass = feature_class(meta["MASK_KIND"], meta["HAS_KPM"], meta["HAS_DROPOUT"])
     tuned = _autotuned(kernel, arch_family(q.device), dtype_class(q.dtype), bucket, fclass)
-    tuned[grid](*args, **meta)
+    tuned[grid](*args, **meta)  # tunes on the first call of its key
+    _TUNED[key] = tuned.best_config.all_kwargs()
+
+
+# Launch kwargs of the config Triton's autotuner chose, by _tuned_key. Later calls launch it
+# directly: Autotuner.run spends ~60 us of host time a call building its key from ~55 arguments
+# (list membership tests; Triton 3.6 and 3.8, 2-core CI VM), about 5x a launch's own share, and
+# a short attention call is bound by host time.
+_TUNED: dict[tuple, dict] = {}
+_SEQ_BUCKET_ARGS = {
+    name: (fn.arg_names.index("SEQ_Q_BUCKET"), fn.arg_names.index("SEQ_K_BUCKET"))
+    for name, fn in KERNELS.items()
+}
+
+
+def _tuned_key(kernel: str, args: tuple, meta: dict, q: torch.Tensor) -> tuple:
+    # At least what Triton's autotuner keys on (_TUNE_KEY and every tensor argument's dtype),
+    # so the config read back after a tuned call is the one for this key; plus the device.
+    iq, ik = _SEQ_BUCKET_ARGS[kernel]
+    dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+    return (kernel, q.device, args[iq], args[ik], *meta.items(), *dtypes)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -966,14 +1020,12 @@ class _Padding(NamedTuple):
 def _padding(kpm: torch.Tensor | None, dummy: torch.Tensor) -> _Padding:
     if kpm is None:
         return _Padding(dummy, dummy, (0, 0))
-    kept = ~kpm
-    lk = kpm.shape[1]
-    first = kept.to(torch.int8).argmax(1)  # first True (argmax returns the first maximum)
-    last = lk - kept.flip(1).to(torch.int8).argmax(1)
-    none = ~kept.any(1)
-    kv_range = torch.stack([first.masked_fill(none, 0), last.masked_fill(none, 0)], 1)
+    b, lk = kpm.shape
     kpm = kpm.view(torch.uint8)
-    return _Padding(kpm, kv_range.to(torch.int32).contiguous(), (kpm.stride(0), kpm.stride(1)))
+    kv_range = torch.empty(b, 2, dtype=torch.int32, device=kpm.device)
+    block = min(max(16, _next_power_of_2(lk)), KV_RANGE_BLOCK)
+    attn_kv_range[(b,)](kpm, kv_range, lk, *kpm.stride(), BLOCK_N=block, num_warps=4)
+    return _Padding(kpm, kv_range, (kpm.stride(0), kpm.stride(1)))
 
 
 def slice_extent(x: torch.Tensor) -> int:
@@ -985,8 +1037,8 @@ def slice_extent(x: torch.Tensor) -> int:
 def _kernel_layout(x: torch.Tensor) -> torch.Tensor:
     # The kernels take every stride but the last: copy only when the last one is not 1, or
     # when a strided slice would overflow int32 offsets (a contiguous one fits: the op checks).
-    if x.stride(-1) == 1 and slice_extent(x) < INT32_LIMIT:
-        return x
+    if x.is_contiguous() or (x.stride(-1) == 1 and slice_extent(x) < INT32_LIMIT):
+        return x  # (x.contiguous() would be x itself)
     return x.contiguous()
 
 
@@ -1048,7 +1100,7 @@ def attention_forward(
         *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *mask.strides, *pad.strides, h,
         h // hkv, lq, lk, _seq_bucket(lq), _seq_bucket(lk),
     )
-    _launch("fwd", lambda c: (triton.cdiv(lq, c["BLOCK_M"]), b * h), args, meta, q, config)
+    _launch("fwd", lambda c: (_cdiv(lq, c["BLOCK_M"]), b * h), args, meta, q, config)
     return out, lse
 
 
@@ -1060,7 +1112,7 @@ def _delta(
     block_dv = block_dim(dv)
     block_m = max(16, 8192 // block_dv)  # ~64 fp32 values per thread: no spills at Dv = 256
     dlse = delta if grad_lse is None else grad_lse.float().contiguous()
-    attn_bwd_preprocess[(triton.cdiv(lq, block_m), b * h)](
+    attn_bwd_preprocess[(_cdiv(lq, block_m), b * h)](
         out, grad_out, dlse, delta, *out.stride()[:3], *grad_out.stride()[:3], h, lq, HEAD_DV=dv,
         BLOCK_DV=block_dv, HAS_DLSE=grad_lse is not None, BLOCK_M=block_m, num_warps=4,
     )
@@ -1161,7 +1213,7 @@ def _backward_kernels(
         q, k, v, grad_out, lse, delta, dk, dv, mask.tensor, pad.tensor, *common, *dk.stride()[:3],
         *dv.stride()[:3], *tail,
     )
-    dkdv_grid = lambda c: (triton.cdiv(lk, c["BLOCK_N"]), b * h)
+    dkdv_grid = lambda c: (_cdiv(lk, c["BLOCK_N"]), b * h)
     for part in dkdv_parts(q.dtype, meta["HEAD_D"], meta["HEAD_DV"]):
         _launch("dkdv", dkdv_grid, args, {**meta, "PART": part}, q, config)
     args = (
@@ -1169,7 +1221,7 @@ def _backward_kernels(
         delta if ds is None else ds, *common, *dq.stride()[:3], *tail,
     )
     meta = {**meta, "WRITE_DS": ds is not None}
-    _launch("dq", lambda c: (triton.cdiv(lq, c["BLOCK_M"]), b * h), args, meta, q, config)
+    _launch("dq", lambda c: (_cdiv(lq, c["BLOCK_M"]), b * h), args, meta, q, config)
 # fmt: on
 
 
@@ -1180,6 +1232,7 @@ _FLOAT_ARGS = {"qk_scale", "out_scale", "sm_scale"}
 _FP32_POINTERS = {"Lse", "Delta", "DLse", "DS"}
 _POINTERS = {"Q", "K", "V", "Out", "DO", "DQ", "DK", "DV", "Mask", "Kpm", "KvRange"}
 _POINTERS |= _FP32_POINTERS
+_HELPER_KERNELS = ("pre", "kv_range")  # no matrix products, no feature variants
 # Arguments that are 1 in the usual contiguous case: Triton specializes them to constants.
 _ONE_ARGS = {"stride_mn", "stride_pn", "GROUP"}
 
@@ -1313,7 +1366,7 @@ def compile_one(
         "dtype": str(dtype).removeprefix("torch."),
         "head_dim": head_dim,
         "config": list(config),
-        "variant": "-" if kernel == "pre" else variant.name,
+        "variant": "-" if kernel in _HELPER_KERNELS else variant.name,
         "part": part,
         "wgmma": "wgmma" in ptx,
         # Dots of fewer than 64 rows a warpgroup fall back to mma.sync next to wgmma (the
@@ -1345,7 +1398,8 @@ def compile_jobs(arch: int = 90) -> list[tuple]:
     combination of its class (CHECK_VARIANTS). Every class, not only the heaviest that uses a
     config: a lighter one spilled where the heaviest did not (sm_80 fp32, 4-12 bytes). The
     first base config of the 128 and 256 buckets is also compiled in bf16 (wgmma there too;
-    same code and registers as fp16 but for the MMA type). Plus the delta preprocess kernel.
+    same code and registers as fp16 but for the MMA type). Plus the delta preprocess and the
+    key-range kernels.
     """
     jobs = set()
     for (kernel, table_arch, dclass, bucket, fclass), configs in CONFIGS.items():
@@ -1361,6 +1415,7 @@ def compile_jobs(arch: int = 90) -> list[tuple]:
     for bucket in (64, 128, 256):
         config = (max(16, 8192 // bucket), 0, 4, 1)
         jobs.append(("pre", "float16", bucket, config, "base", arch, 0))  # no features
+    jobs.append(("kv_range", "float16", 64, (0, KV_RANGE_BLOCK, 4, 1), "base", arch, 0))
     return jobs
 
 
@@ -1392,7 +1447,8 @@ def check_compile_report(report: list[dict]) -> list[str]:
             problems.append(f"{name}: spills {r['spill_stores']}/{r['spill_loads']} bytes")
         if r["shared"] > MAX_SHARED[r["arch"]]:
             problems.append(f"{name}: {r['shared']} bytes of shared memory")
-        needs_wgmma = r["arch"] == 90 and r["dtype"] != "float32" and r["kernel"] != "pre"
+        needs_wgmma = r["arch"] == 90 and r["dtype"] != "float32"
+        needs_wgmma = needs_wgmma and r["kernel"] not in _HELPER_KERNELS
         if needs_wgmma and not r["wgmma"]:
             problems.append(f"{name}: no wgmma in the PTX")
     return problems

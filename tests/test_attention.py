@@ -410,6 +410,54 @@ def test_configs_that_spill_with_one_triton_version_are_left_out_under_it(monkey
     assert all(spills <= named for spills in kernels._VERSION_SPILLS.values())
 
 
+def test_tuned_config_is_launched_directly_after_the_first_call(monkeypatch):
+    # Triton's Autotuner.run costs ~60 us of host time a call: after the tuned first call of a
+    # key, _launch runs the chosen config itself; another key (a tensor dtype, a sequence
+    # bucket, a feature) goes through the tuner again.
+    import types
+
+    import triton
+
+    from fastformer.kernels import attention as kernels
+
+    launches = []
+
+    class Recorder:  # stands for `kernel[grid](*args, **kwargs)`
+        best_config = triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=3)
+
+        def __init__(self, how):
+            self.how = how
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.how, args, kwargs))
+
+    monkeypatch.setattr(kernels, "INTERPRETED", False)
+    monkeypatch.setattr(kernels, "KERNELS", {**kernels.KERNELS, "fwd": Recorder("direct")})
+    monkeypatch.setattr(kernels, "_autotuned", lambda *key: Recorder("tuner"))
+    monkeypatch.setattr(kernels, "arch_family", lambda device: 90)
+    monkeypatch.setattr(kernels, "_TUNED", {})
+    q = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=F16)
+    iq, ik = kernels._SEQ_BUCKET_ARGS["fwd"]
+    meta = {"HEAD_D": 64, "HEAD_DV": 64, "IS_CAUSAL": False, "MASK_KIND": 0, "HAS_KPM": False,
+            "HAS_DROPOUT": False}  # fmt: skip
+
+    def launch(mask_dtype=F16, seq_q=512, seq_k=512, **features):
+        args = [torch.empty(1, dtype=F16), torch.empty(1, dtype=mask_dtype)] + [3] * 40
+        args[iq], args[ik] = seq_q, seq_k
+        kernels._launch("fwd", None, tuple(args), {**meta, **features}, q, None)
+        assert all(a is b for a, b in zip(launches[-1][1], args, strict=True))
+        return launches[-1]
+
+    first = launch()
+    assert first[0] == "tuner" and first[2] == meta
+    how, _, kwargs = launch()
+    assert how == "direct" and kwargs == {**meta, **Recorder.best_config.all_kwargs()}
+    assert launch(mask_dtype=F32)[0] == "tuner"
+    assert launch(seq_q=1024)[0] == launch(seq_k=64)[0] == "tuner"
+    assert launch(IS_CAUSAL=True)[0] == "tuner"
+    assert launch(IS_CAUSAL=True)[0] == launch(seq_q=1024)[0] == "direct"
+
+
 def test_key_padding_alone_tunes_over_the_base_configs_too():
     # Key padding without attn_mask is its own feature class: the masked configs plus every base
     # config that compiles without spills for it (the compile report checks them all).
