@@ -590,3 +590,30 @@ def test_time_op_times_slow_cuda_calls_with_three_events(monkeypatch):
     monkeypatch.setattr(timing, "time_cuda_events", lambda fn, budget, device: 1.0)
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: 0.5)
     assert timing.time_op(lambda: None, cuda, timing.GPU_DEFAULT) == 0.5
+
+
+def test_host_time_is_the_time_to_return():
+    import time
+
+    from fastformer.cli import timing
+
+    ms = timing.host_time(lambda: time.sleep(0.02), torch.device("cpu"), reps=3)
+    assert 20.0 <= ms < 200.0
+
+
+def test_model_report_shows_host_time_where_measured():
+    variant = dict(train_tokens_per_s=1000.0, train_step_ms=70.0, infer_tokens_per_s=3000.0)
+    variant.update(infer_ms=20.0, peak_memory_bytes=2**30)
+    model = {
+        "config": dict(name="base", d_model=512, nhead=8, num_encoder_layers=6,
+                       num_decoder_layers=6, dim_feedforward=2048, dropout=0.1, vocab=32000,
+                       batch=64, max_len=256),
+        "tokens_per_batch": 24000, "padding_fraction": 0.25, "dtype": "bfloat16",
+        "parity": {"skipped": "test"}, "variants": {"eager": dict(variant)},
+    }  # fmt: skip
+    text = "\n".join(R.model_lines(model))
+    assert "| eager | 1000 | 70.0 | 3000 | 20.0 | 1024 |" in text and "(host)" not in text
+    model["variants"]["eager"].update(train_host_ms=65.4, infer_host_ms=5.2)
+    text = "\n".join(R.model_lines(model))
+    assert "| eager | 1000 | 70.0 (65.4) | 3000 | 20.0 (5.2) | 1024 |" in text
+    assert "(host): milliseconds" in text

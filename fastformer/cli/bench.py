@@ -219,15 +219,21 @@ def _measure_variant(name, model, loss_fn, forward_fn, src, tgt, device, pacer) 
     first_s = time.perf_counter() - start
     train_ms = timing.time_step(train_step, device, pacer.current())
     peak, method = timing.peak_memory(train_step, device)
+    host = {}
+    if device.type == "cuda":  # on CPU the host time is the step time
+        host["train_host_ms"] = timing.host_time(train_step, device)
     model.eval()
     infer_step()
     infer_ms = timing.time_step(infer_step, device, pacer.current())
+    if device.type == "cuda":
+        host["infer_host_ms"] = timing.host_time(infer_step, device)
     tokens = _tokens(src, tgt)
     return {
         "train_step_ms": train_ms,
         "train_tokens_per_s": tokens / train_ms * 1e3,
         "infer_ms": infer_ms,
         "infer_tokens_per_s": tokens / infer_ms * 1e3,
+        **host,
         "peak_memory_bytes": peak,
         "peak_memory_method": method,
         "first_step_s": first_s,

@@ -152,7 +152,12 @@ def model_lines(model: dict[str, Any]) -> list[str]:
         f"{model['tokens_per_batch']} real tokens (src + tgt), "
         f"{model['padding_fraction']:.0%} padding, {model['dtype']}.",
         "",
-        "| variant | train tokens/s | train step ms | inference tokens/s | inference ms | peak memory MiB |",
+    ]
+    host = any("train_host_ms" in v for v in model["variants"].values())
+    ms = "ms (host)" if host else "ms"
+    lines += [
+        f"| variant | train tokens/s | train step {ms} | inference tokens/s | inference {ms} "
+        "| peak memory MiB |",
         "|---|---|---|---|---|---|",
     ]
     for name, v in model["variants"].items():
@@ -160,10 +165,17 @@ def model_lines(model: dict[str, Any]) -> list[str]:
             lines.append(f"| {name} | {v.get('skipped') or v.get('error')} | | | | |")
             continue
         lines.append(
-            f"| {name} | {v['train_tokens_per_s']:.0f} | {v['train_step_ms']:.1f} | "
-            f"{v['infer_tokens_per_s']:.0f} | {v['infer_ms']:.1f} | "
+            f"| {name} | {v['train_tokens_per_s']:.0f} | {v['train_step_ms']:.1f}"
+            f"{_host(v, 'train_host_ms')} | {v['infer_tokens_per_s']:.0f} | "
+            f"{v['infer_ms']:.1f}{_host(v, 'infer_host_ms')} | "
             f"{v['peak_memory_bytes'] / 2**20:.0f} |"
         )
+    if host:
+        lines += [
+            "",
+            "(host): milliseconds for the step's Python to return, the GPU idle at its start and "
+            "not waited for; near the step time, the host sets the pace, not the GPU.",
+        ]
     par = model["parity"]
     if par.get("passed") is None:
         lines += ["", f"Parity: not checked ({par.get('skipped')})."]
@@ -179,6 +191,10 @@ def model_lines(model: dict[str, Any]) -> list[str]:
         ]
         lines += [f"- {f}" for f in par["failed"]]
     return lines
+
+
+def _host(variant: dict[str, Any], key: str) -> str:
+    return f" ({variant[key]:.1f})" if key in variant else ""
 
 
 def _memory_lines(rows: list[dict[str, Any]], peers: list[str]) -> list[str]:

@@ -126,6 +126,21 @@ def time_step(fn: Callable[[], object], device: torch.device, budget: Budget) ->
     return time_cpu(fn, budget)
 
 
+def host_time(fn: Callable[[], object], device: torch.device, reps: int = 3) -> float:
+    """Median milliseconds for `fn()` to return on the host, the device idle at its start and
+    not waited for at its end (CUDA: the queue is drained before each call). Near the device
+    time of the same call, the host (Python, launches) sets the pace, not the GPU; well below,
+    the GPU does. (A queue that fills up also blocks the host: then the two agree either way.)"""
+    samples = []
+    for _ in range(reps):
+        _synchronize(device)
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    _synchronize(device)
+    return statistics.median(samples)
+
+
 @contextlib.contextmanager
 def _quiet_stderr() -> Iterator[None]:
     """Silence the profiler's native start/stop chatter on file descriptor 2."""
