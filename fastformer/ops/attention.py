@@ -520,10 +520,12 @@ def _attention_op(
     return _forward(query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale)
 
 
-def _forward(query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale):
+def _forward(
+    query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale, backend=None
+):  # fmt: skip
     seed = rng.draw_seed(query.device) if dropout_p > 0 else 0
     args = (query, key, value, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale)
-    if _backend(query, key, value, attn_mask) == "triton":
+    if (backend or _backend(query, key, value, attn_mask)) == "triton":
         out, lse = _kernels().attention_forward(*args)
     else:
         out, lse = _torch_forward(*args)
@@ -562,11 +564,11 @@ def _attention_backward_op(
 
 def _backward_kernels(
     grad_out, grad_lse, query, key, value, out, lse, attn_mask, key_padding_mask, seed,
-    dropout_p, is_causal, scale, mask_grad,
+    dropout_p, is_causal, scale, mask_grad, backend=None,
 ):  # fmt: skip
     args = (grad_out, grad_lse, query, key, value, out, lse, attn_mask, key_padding_mask,
             int(seed), dropout_p, is_causal, scale, mask_grad)  # fmt: skip
-    if _backend(query, key, value, attn_mask) == "triton":
+    if (backend or _backend(query, key, value, attn_mask)) == "triton":
         dq, dk, dv, dmask = _kernels().attention_backward(*args)
     else:
         dq, dk, dv, dmask = _torch_backward(*args)
@@ -633,11 +635,13 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale):
         inputs = (query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale)
-        output = _forward(*inputs)
+        ctx.backend = _backend(query, key, value, attn_mask)  # the backward runs the same one
+        output = _forward(*inputs, backend=ctx.backend)
         _setup_context(ctx, inputs, output)
         ctx.set_materialize_grads(False)  # no zero LSE cotangent when only out is used
         return output[0], output[1]
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        return _grads(ctx, grad_out, grad_lse, _backward_kernels)
+        run = lambda *args: _backward_kernels(*args, backend=ctx.backend)  # noqa: E731
+        return _grads(ctx, grad_out, grad_lse, run)

@@ -305,9 +305,15 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return _CAPABILITY[index]
 
 
-def _forward(x, w1, b1, w2, b2, activation, dropout_p, needs_grad) -> tuple[Tensor, Tensor, int]:
-    """(out, saved, seed as an int) through the selected backend."""
-    backend = select("ffn", FfnInputs(x.device, x.dtype))
+def _backend(x: Tensor) -> str:
+    return select("ffn", FfnInputs(x.device, x.dtype))
+
+
+def _forward(
+    x, w1, b1, w2, b2, activation, dropout_p, needs_grad, backend=None
+) -> tuple[Tensor, Tensor, int]:
+    """(out, saved, seed as an int) through `backend` (default: the selected one)."""
+    backend = backend or _backend(x)
     seed = rng.draw_seed(x.device) if dropout_p > 0 else 0
     if backend == "cpp":
         fused = x.is_cuda and use_fused_epilogue(
@@ -345,8 +351,10 @@ def _ffn_grad_op(
     return _grad(grad_out, x, w1, w2, saved, seed, activation, dropout_p)
 
 
-def _grad(grad_out, x, w1, w2, saved, seed, activation, dropout_p) -> tuple[Tensor, ...]:
-    backend = select("ffn", FfnInputs(x.device, x.dtype))
+def _grad(
+    grad_out, x, w1, w2, saved, seed, activation, dropout_p, backend=None
+) -> tuple[Tensor, ...]:
+    backend = backend or _backend(x)
     if backend == "cpp":
         return torch.ops.fastformer.ffn_backward(
             grad_out.contiguous(), x, w1, w2, saved, activation, dropout_p, int(seed)
@@ -411,14 +419,16 @@ class _FfnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, activation, dropout_p):
         inputs = (x, w1, b1, w2, b2, activation, dropout_p)
-        out, saved, seed = _forward(*inputs, needs_grad=True)
+        # The backward runs the forward's backend (its saved tensor is that backend's).
+        ctx.backend = _backend(x)
+        out, saved, seed = _forward(*inputs, needs_grad=True, backend=ctx.backend)
         seed = _NO_SEED if seed == 0 else torch.tensor(seed, dtype=torch.int64)
         _save(ctx, inputs, (out, saved, seed))
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        return _grads(ctx, grad_out, _grad)
+        return _grads(ctx, grad_out, lambda *args: _grad(*args, backend=ctx.backend))
 
 
 # --------------------------------------------------------------------------- torch backend
