@@ -731,9 +731,10 @@ class Config(NamedTuple):
 # by (kernel, arch family, dtype class, head-dim bucket, feature class). The feature class
 # matters because dropout (a Philox call per 8 scores) and mask tiles cost registers: "base" = no
 # attn_mask / padding / dropout (causal allowed), "padded" = key padding alone, "masked" =
-# attn_mask (with or without key padding), "dropout" = dropout with anything. Every entry is
-# checked by compile_report() in CI: 0 spill bytes with Triton 3.6 and 3.8, smem within the
-# arch's limit, wgmma for fp16/bf16 on sm_90.
+# attn_mask (with or without key padding), "dropout" = dropout with anything; "plain" = base
+# without causal, only where _PLAIN_EXTRA has configs for it. Every entry is checked by
+# compile_report() in CI: 0 spill bytes with Triton 3.6 and 3.8, smem within the arch's limit,
+# wgmma for fp16/bf16 on sm_90.
 INTERPRET_CONFIG = Config(32, 32, 4, 1)
 FEATURE_CLASSES = ("base", "padded", "masked", "dropout")
 _C = Config
@@ -768,10 +769,15 @@ _SM90 = {
                             [_QK(32, 128, 8, 3), _QK(64, 64, 4, 3), _QK(128, 64, 8, 2),
                              _C(32, 128, 8, 3)]),
     # dropout: (16, 128, 8, 2) spilled 8 bytes with the previous dropout scheme's tile.
-    ("dkdv", "16bit", 128): ([_C(32, 128, 8, 2), _C(32, 64, 8, 2)], [_C(32, 64, 8, 2)],
-                             [_C(32, 64, 8, 2), _QK(32, 64, 8, 2)]),
+    # base: (128, 64) query x key tiles, 14.7 SASS instructions a score in the key loop (no
+    # mask) against 17.6 for (32, 128, 8, 2) (sm_90, Triton 3.6).
+    ("dkdv", "16bit", 128): ([_C(32, 128, 8, 2), _C(32, 64, 8, 2), _QK(128, 64, 8, 2)],
+                             [_C(32, 64, 8, 2)], [_C(32, 64, 8, 2), _QK(32, 64, 8, 2)]),
     ("dkdv", "16bit", 256): ([_C(32, 64, 8, 2)], [_C(16, 64, 8, 2)], [_C(16, 64, 8, 2)]),
-    ("dq", "16bit", 64): ([_C(128, 32, 4, 3), _C(128, 64, 8, 2)], [_C(128, 32, 8, 3)],
+    # base: 128-key tiles, 6.8 SASS instructions a score in the key loop (no mask) against 8.3
+    # for (128, 64, 8, 2) and 9.2 for (128, 32, 4, 3) (sm_90, Triton 3.6); 252 registers.
+    ("dq", "16bit", 64): ([_C(128, 32, 4, 3), _C(128, 64, 8, 2), _C(128, 128, 8, 3)],
+                          [_C(128, 32, 8, 3)],
                           [_C(128, 32, 8, 3), _C(64, 32, 4, 3), _C(128, 64, 8, 2)]),
     ("dq", "16bit", 128): ([_C(128, 32, 8, 2), _C(128, 64, 8, 2)], [_C(128, 32, 8, 2)],
                            [_C(128, 32, 8, 2), _C(64, 32, 4, 3)]),
@@ -851,6 +857,7 @@ _VERSION_SPILLS = {
         ("dkdv", 90, 64, "dropout", _QK(64, 64, 4, 3)),
         ("dkdv", 90, 64, "dropout", _QK(128, 64, 8, 2)),
         ("dkdv", 90, 128, "dropout", _C(32, 64, 8, 2)),
+        ("dkdv", 90, 128, "padded", _QK(128, 64, 8, 2)),
     },
 }
 
@@ -862,13 +869,32 @@ def _without_version_spills(key: tuple, configs: list[Config]) -> list[Config]:
     return [c for c in configs if (kernel, arch, bucket, fclass, c) not in spills]
 
 
+# Non-causal calls without masks, padding or dropout ("plain") also try these: tiles that spill
+# with the causal diagonal's mask (4-24 bytes) but not without it. (arch, kernel, dclass, bucket)
+# -> configs. dK/dV (128 x 128) query x key tiles: 9.4 SASS instructions a score in the key loop
+# against 12.4 for (64, 128, 8, 2) and 15.9 for (32, 128, 8, 3) (sm_90, Triton 3.6).
+_PLAIN_EXTRA = {
+    (90, "dkdv", "16bit", 64): [_QK(128, 128, 8, 3), _QK(128, 128, 8, 2)],
+}
+
+
+def listed_configs(kernel: str, arch: int, dclass: str, bucket: int, fclass: str) -> list[Config]:
+    """The tables' configs of one CONFIGS key, before the Triton-version exclusions."""
+    table = _SM90 if arch == 90 else _SM80
+    lists = _with_padded(arch, kernel, bucket, table[(kernel, dclass, bucket)])
+    if fclass == "plain":
+        return lists[0] + _PLAIN_EXTRA[(arch, kernel, dclass, bucket)]
+    return lists[FEATURE_CLASSES.index(fclass)]
+
+
 CONFIGS: dict[tuple[str, int, str, int, str], list[Config]] = {
-    (kernel, arch, dclass, bucket, fclass): _without_version_spills(
-        (kernel, arch, dclass, bucket, fclass), configs
-    )
-    for arch, table in ((90, _SM90), (80, _SM80))
-    for (kernel, dclass, bucket), lists in table.items()
-    for fclass, configs in zip(FEATURE_CLASSES, _with_padded(arch, kernel, bucket, lists))
+    key: _without_version_spills(key, listed_configs(*key))
+    for key in [
+        (kernel, arch, dclass, bucket, fclass)
+        for arch, table in ((90, _SM90), (80, _SM80))
+        for kernel, dclass, bucket in table
+        for fclass in FEATURE_CLASSES
+    ] + [(kernel, arch, dclass, bucket, "plain") for arch, kernel, dclass, bucket in _PLAIN_EXTRA]
 }
 # fmt: on
 KERNELS = {"fwd": attn_fwd, "dkdv": attn_bwd_dkdv, "dq": attn_bwd_dq}
@@ -946,6 +972,13 @@ def feature_class(mask_kind: int, has_kpm: bool, has_dropout: bool) -> str:
     return "padded" if has_kpm else "base"
 
 
+def config_class(kernel: str, arch: int, dclass: str, bucket: int, meta: dict) -> str:
+    """The feature class whose CONFIGS list tunes a launch with these constants."""
+    fclass = feature_class(meta["MASK_KIND"], meta["HAS_KPM"], meta["HAS_DROPOUT"])
+    plain = fclass == "base" and not meta["IS_CAUSAL"]
+    return "plain" if plain and (kernel, arch, dclass, bucket, "plain") in CONFIGS else fclass
+
+
 def _constexprs(kernel: str, c: Config) -> dict:
     # The launch constants a config sets: its tiles, and dK/dV's tile orientation.
     blocks = {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}
@@ -977,9 +1010,11 @@ def _launch(
     if best is not None:
         KERNELS[kernel][grid](*args, **meta, **best)
         return
+    arch, dclass = arch_family(q.device), dtype_class(q.dtype)
     bucket = dim_bucket(meta["HEAD_D"], meta["HEAD_DV"])
-    fclass = feature_class(meta["MASK_KIND"], meta["HAS_KPM"], meta["HAS_DROPOUT"])
-    tuned = _autotuned(kernel, arch_family(q.device), dtype_class(q.dtype), bucket, fclass)
+    tuned = _autotuned(
+        kernel, arch, dclass, bucket, config_class(kernel, arch, dclass, bucket, meta)
+    )
     tuned[grid](*args, **meta)  # tunes on the first call of its key
     _TUNED[key] = tuned.best_config.all_kwargs()
 
@@ -1266,6 +1301,7 @@ CHECK_VARIANTS = {
     "padded": Variant("padding", True, MASK_NONE, True, False),
     "masked": Variant("masks", True, MASK_FLOAT, True, False),
     "dropout": Variant("all", True, MASK_FLOAT, True, True),
+    "plain": Variant("plain", False, MASK_NONE, False, False),
 }
 
 

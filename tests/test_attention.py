@@ -197,11 +197,11 @@ def test_gradient_of_one_output_alone(use):
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter tile config is a CPU-test knob")
-@pytest.mark.parametrize("blocks", [(16, 32), (64, 16)])
+@pytest.mark.parametrize("blocks", [(16, 32), (64, 16), (128, 128)])
 @pytest.mark.parametrize("qk_tiles", [False, True], ids=["kq_tiles", "qk_tiles"])
 def test_parity_other_tile_shapes(monkeypatch, blocks, qk_tiles):
     # GPU configs have BLOCK_M != BLOCK_N: the causal / padding loop bounds must hold for them,
-    # with dK/dV on (key x query) and on (query x key) tiles.
+    # with dK/dV on (key x query) and on (query x key) tiles; and the largest GPU tiles.
     from fastformer.kernels import attention as kernels
 
     monkeypatch.setattr(kernels, "INTERPRET_CONFIG", kernels.Config(*blocks, 4, 1, qk_tiles))
@@ -379,14 +379,6 @@ def test_dropout_blocks_fit_every_tile_config():
         assert c.block_n == 16 or c.block_n % 32 == 0, c
 
 
-def _listed_configs(kernels, key: tuple) -> list:
-    # A CONFIGS key's list before any Triton-version exclusion.
-    kernel, arch, dclass, bucket, fclass = key
-    table = kernels._SM90 if arch == 90 else kernels._SM80
-    lists = kernels._with_padded(arch, kernel, bucket, table[(kernel, dclass, bucket)])
-    return lists[kernels.FEATURE_CLASSES.index(fclass)]
-
-
 @pytest.mark.parametrize("version", ["3.6.0", "3.8.0"])
 def test_configs_that_spill_with_one_triton_version_are_left_out_under_it(monkeypatch, version):
     # _VERSION_SPILLS names (kernel, arch, bucket, feature class, config): only that list of
@@ -399,7 +391,7 @@ def test_configs_that_spill_with_one_triton_version_are_left_out_under_it(monkey
     spills = kernels._VERSION_SPILLS.get(tuple(int(x) for x in version.split(".")[:2]), set())
     named, all_dropped = set(), set()
     for key in kernels.CONFIGS:
-        listed = _listed_configs(kernels, key)
+        listed = kernels.listed_configs(*key)
         kept = kernels._without_version_spills(key, listed)
         kernel, arch, _, bucket, fclass = key
         dropped = {(kernel, arch, bucket, fclass, c) for c in set(listed) - set(kept)}
@@ -479,6 +471,25 @@ def test_key_padding_alone_tunes_over_the_base_configs_too():
         assert not any((kernel, bucket, c) in spills for c in padded if c not in masked)
         grown += len(padded) > len(masked)
     assert grown >= 10  # most 16-bit entries gained base configs
+
+
+def test_plain_calls_also_tune_over_tiles_that_spill_only_with_the_causal_mask():
+    # Non-causal calls without masks, padding or dropout use the "plain" list where it exists:
+    # the base configs plus _PLAIN_EXTRA; every other launch keeps its feature class.
+    from fastformer.kernels import attention as kernels
+
+    plain = dict(MASK_KIND=kernels.MASK_NONE, HAS_KPM=False, HAS_DROPOUT=False, IS_CAUSAL=False)
+    for arch, kernel, dclass, bucket in kernels._PLAIN_EXTRA:
+        key = (kernel, arch, dclass, bucket)
+        assert kernels.config_class(*key, plain) == "plain"
+        assert kernels.config_class(*key, {**plain, "IS_CAUSAL": True}) == "base"
+        assert kernels.config_class(*key, {**plain, "HAS_KPM": True}) == "padded"
+        base = kernels.listed_configs(*key, "base")
+        extra = kernels._PLAIN_EXTRA[(arch, kernel, dclass, bucket)]
+        assert kernels.listed_configs(*key, "plain") == base + extra
+        assert not set(extra) & set(base)
+    assert kernels.config_class("fwd", 90, "16bit", 64, plain) == "base"  # no plain list
+    assert kernels.CHECK_VARIANTS["plain"].is_causal is False  # what the compile check builds
 
 
 def test_dropout_same_seed_identical_and_calls_differ():
