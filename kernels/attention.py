@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import os
 import re
 import subprocess
@@ -1012,11 +1013,43 @@ def _launch(
         return
     arch, dclass = arch_family(q.device), dtype_class(q.dtype)
     bucket = dim_bucket(meta["HEAD_D"], meta["HEAD_DV"])
-    tuned = _autotuned(
-        kernel, arch, dclass, bucket, config_class(kernel, arch, dclass, bucket, meta)
-    )
+    fclass = config_class(kernel, arch, dclass, bucket, meta)
+    tuned = _autotuned(kernel, arch, dclass, bucket, fclass)
+    known = len(tuned.cache)
     tuned[grid](*args, **meta)  # tunes on the first call of its key
     _TUNED[key] = tuned.best_config.all_kwargs()
+    timed = len(tuned.configs) > 1 and len(tuned.cache) > known  # it benchmarked just now
+    _log_tuning(kernel, fclass, key, tuned.best_config, tuned.configs_timings if timed else None)
+
+
+def _config_name(config) -> str:
+    # A triton.Config as "BLOCK_M x BLOCK_N, warps w, stages s[, qk]".
+    kw = config.kwargs
+    qk = ", qk" if kw.get("QK_TILES") else ""
+    return f"{kw['BLOCK_M']}x{kw['BLOCK_N']} w{config.num_warps} s{config.num_stages}{qk}"
+
+
+def _log_tuning(kernel: str, fclass: str, key: tuple, best, timings: dict | None) -> None:
+    _, device, seq_q, seq_k, *rest = key
+    meta = dict(item for item in rest if isinstance(item, tuple))
+    dtype = next(item for item in rest if isinstance(item, torch.dtype))  # the query's
+    entry = {"kernel": kernel, "feature_class": fclass, "device": str(device), "dtype": str(dtype)}
+    entry.update(seq_q_bucket=seq_q, seq_k_bucket=seq_k, **meta)
+    entry["chosen"] = _config_name(best)
+    if timings:
+        entry["ms"] = {_config_name(c): _median_ms(t) for c, t in timings.items()}
+    TUNING_LOG.append(entry)
+
+
+def _median_ms(timing) -> float | None:
+    # The autotuner's timing of one config: [median, p20, p80] ms, or inf when it did not fit.
+    ms = float(timing[0] if isinstance(timing, (list, tuple)) else timing)
+    return ms if math.isfinite(ms) else None
+
+
+# What each autotuned key chose, and (when it benchmarked) every candidate's median ms: the
+# bench stores it, so a GPU run shows which configs win without a profiler.
+TUNING_LOG: list[dict] = []
 
 
 # Launch kwargs of the config Triton's autotuner chose, by _tuned_key. Later calls launch it

@@ -414,20 +414,28 @@ def test_tuned_config_is_launched_directly_after_the_first_call(monkeypatch):
 
     launches = []
 
-    class Recorder:  # stands for `kernel[grid](*args, **kwargs)`
+    class Recorder:  # stands for `kernel[grid](*args, **kwargs)`, or an autotuner
         best_config = triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=3)
+        other = triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=2)
+        configs = [best_config, other]
+        configs_timings = {best_config: [1.5, 1.4, 1.6], other: [float("inf")] * 3}
 
         def __init__(self, how):
-            self.how = how
+            self.how, self.cache = how, {}
 
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((self.how, args, kwargs))
+            def run(*args, **kwargs):
+                launches.append((self.how, args, kwargs))
+                self.cache[len(self.cache)] = self.best_config  # the tuner benchmarked
+
+            return run
 
     monkeypatch.setattr(kernels, "INTERPRETED", False)
     monkeypatch.setattr(kernels, "KERNELS", {**kernels.KERNELS, "fwd": Recorder("direct")})
     monkeypatch.setattr(kernels, "_autotuned", lambda *key: Recorder("tuner"))
     monkeypatch.setattr(kernels, "arch_family", lambda device: 90)
     monkeypatch.setattr(kernels, "_TUNED", {})
+    monkeypatch.setattr(kernels, "TUNING_LOG", [])
     q = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=F16)
     iq, ik = kernels._SEQ_BUCKET_ARGS["fwd"]
     meta = {"HEAD_D": 64, "HEAD_DV": 64, "IS_CAUSAL": False, "MASK_KIND": 0, "HAS_KPM": False,
@@ -448,6 +456,14 @@ def test_tuned_config_is_launched_directly_after_the_first_call(monkeypatch):
     assert launch(seq_q=1024)[0] == launch(seq_k=64)[0] == "tuner"
     assert launch(IS_CAUSAL=True)[0] == "tuner"
     assert launch(IS_CAUSAL=True)[0] == launch(seq_q=1024)[0] == "direct"
+    # One log entry per tuned key: what it chose and each candidate's time (None: did not fit).
+    assert len(kernels.TUNING_LOG) == 5
+    entry = kernels.TUNING_LOG[0]
+    assert entry["kernel"] == "fwd" and entry["feature_class"] == "base"
+    assert entry["seq_q_bucket"] == 512 and entry["dtype"] == "torch.float16"
+    assert entry["IS_CAUSAL"] is False and entry["HEAD_D"] == 64
+    assert entry["chosen"] == "64x32 w4 s3"
+    assert entry["ms"] == {"64x32 w4 s3": 1.5, "128x64 w8 s2": None}
 
 
 def test_key_padding_alone_tunes_over_the_base_configs_too():

@@ -617,3 +617,18 @@ def test_model_report_shows_host_time_where_measured():
     text = "\n".join(R.model_lines(model))
     assert "| eager | 1000 | 70.0 (65.4) | 3000 | 20.0 (5.2) | 1024 |" in text
     assert "(host): milliseconds" in text
+
+
+def test_attention_tuning_is_stored_and_reported(monkeypatch):
+    from fastformer.kernels import attention as kernels
+
+    entry = dict(kernel="dkdv", feature_class="plain", device="cuda:0", dtype="torch.bfloat16")
+    entry.update(seq_q_bucket=2048, seq_k_bucket=2048, HEAD_D=64, IS_CAUSAL=False, MASK_KIND=0)
+    entry.update(HAS_KPM=False, HAS_DROPOUT=False, chosen="128x128 w8 s3, qk")
+    entry["ms"] = {"32x128 w8 s3": 1.61, "128x128 w8 s3, qk": 1.23, "128x128 w8 s2, qk": None}
+    monkeypatch.setattr(kernels, "TUNING_LOG", [entry])
+    assert B.attention_tuning() == [entry]
+    text = "\n".join(R.tuning_lines(B.attention_tuning()))
+    assert "| dkdv | plain | 64 | False | 0 | False | False | 2048 / 2048 | bfloat16 |" in text
+    assert "| 128x128 w8 s3, qk | 32x128 w8 s3: 1.61, 128x128 w8 s3, qk: 1.23, " in text
+    assert text.endswith("128x128 w8 s2, qk: - |")

@@ -431,6 +431,13 @@ def bench_op(
     return out
 
 
+def attention_tuning() -> list[dict[str, Any]]:
+    """What the attention autotuner chose for each key so far, with each candidate's time
+    (empty where the kernels never tuned: no GPU, or no attention call yet)."""
+    kernels = sys.modules.get("fastformer.kernels.attention")
+    return [dict(entry) for entry in getattr(kernels, "TUNING_LOG", [])]
+
+
 def op_backends() -> dict[str, Any]:
     """Which backend each op dispatches to by default here (as `info` reports it)."""
     from fastformer.cli.info import op_backends as backends
@@ -498,6 +505,9 @@ def measure(
             for key in keys[:-1]:
                 parent = parent[key]
             parent[keys[-1]] = part
+            tuning = attention_tuning()
+            if tuning:
+                results["tuning"] = {"attention": tuning}
             report.write_json(out_dir, results)
 
         return save

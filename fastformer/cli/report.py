@@ -292,9 +292,33 @@ def markdown(results: dict[str, Any], images: list[str]) -> str:
         lines += ["## Model", ""] + model_lines(results["model"]) + [""]
     for op, data in results["ops"].items():
         lines += [f"## {op}", ""] + op_lines(op, data["cases"]) + [""]
+    tuning = results.get("tuning", {}).get("attention")
+    if tuning:
+        lines += ["## Attention autotuning", ""] + tuning_lines(tuning) + [""]
     if images:
         lines += ["## Plots", ""] + [f"![{name}]({name})" for name in images] + [""]
     return "\n".join(lines)
+
+
+def tuning_lines(entries: list[dict[str, Any]]) -> list[str]:
+    """One row per autotuned (kernel, key): the config chosen and each candidate's ms."""
+    lines = [
+        "Config = BLOCK_M x BLOCK_N, warps, stages (qk: dK/dV on query x key tiles); ms = the "
+        "autotuner's median for that config (- = did not fit).",
+        "",
+        "| kernel | class | D | causal | mask | padding | dropout | seq q / k | dtype | chosen "
+        "| candidates ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for e in entries:
+        times = ", ".join(f"{c}: {_num(ms)}" for c, ms in e.get("ms", {}).items()) or "-"
+        lines.append(
+            f"| {e['kernel']} | {e['feature_class']} | {e.get('HEAD_D')} | {e.get('IS_CAUSAL')} "
+            f"| {e.get('MASK_KIND')} | {e.get('HAS_KPM')} | {e.get('HAS_DROPOUT')} "
+            f"| {e['seq_q_bucket']} / {e['seq_k_bucket']} | {e['dtype'].replace('torch.', '')} "
+            f"| {e['chosen']} | {times} |"
+        )
+    return lines
 
 
 def terminal_table(results: dict[str, Any]) -> str:
