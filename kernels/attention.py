@@ -1019,7 +1019,8 @@ def _launch(
     tuned[grid](*args, **meta)  # tunes on the first call of its key
     _TUNED[key] = tuned.best_config.all_kwargs()
     timed = len(tuned.configs) > 1 and len(tuned.cache) > known  # it benchmarked just now
-    _log_tuning(kernel, fclass, key, tuned.best_config, tuned.configs_timings if timed else None)
+    timings = getattr(tuned, "configs_timings", None) if timed else None
+    _log_tuning(kernel, fclass, key, tuned.best_config, timings)
 
 
 def _config_name(config) -> str:
