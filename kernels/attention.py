@@ -1102,15 +1102,26 @@ class _Padding(NamedTuple):
     strides: tuple[int, int]
 
 
-def _padding(kpm: torch.Tensor | None, dummy: torch.Tensor) -> _Padding:
+def _padding(
+    kpm: torch.Tensor | None, dummy: torch.Tensor, kv_range: torch.Tensor | None = None
+) -> _Padding:
     if kpm is None:
         return _Padding(dummy, dummy, (0, 0))
-    b, lk = kpm.shape
     kpm = kpm.view(torch.uint8)
+    if kv_range is None:
+        kv_range = key_range(kpm)
+    return _Padding(kpm, kv_range, (kpm.stride(0), kpm.stride(1)))
+
+
+def key_range(key_padding_mask: torch.Tensor) -> torch.Tensor:
+    """(B, 2) int32: each batch row's first kept key and last kept key + 1, (0, 0) when every
+    key is padding; one attn_kv_range launch. The forward's can serve its backward."""
+    kpm = key_padding_mask.view(torch.uint8)
+    b, lk = kpm.shape
     kv_range = torch.empty(b, 2, dtype=torch.int32, device=kpm.device)
     block = min(max(16, _next_power_of_2(lk)), KV_RANGE_BLOCK)
     attn_kv_range[(b,)](kpm, kv_range, lk, *kpm.stride(), BLOCK_N=block, num_warps=4)
-    return _Padding(kpm, kv_range, (kpm.stride(0), kpm.stride(1)))
+    return kv_range
 
 
 def slice_extent(x: torch.Tensor) -> int:
@@ -1154,6 +1165,7 @@ def attention_forward(
     is_causal: bool,
     scale: float,
     config: Config | None = None,
+    kv_range: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention forward; inputs are trusted (fastformer.ops.attention validates them).
 
@@ -1164,6 +1176,7 @@ def attention_forward(
         key_padding_mask: None or (B, Lk) bool, True = padding.
         seed: dropout seed (ignored when dropout_p == 0).
         config: fixed tile config instead of the autotuned/interpreter one (tests).
+        kv_range: key_range(key_padding_mask) when the caller has it already.
 
     Returns:
         out (B, H, Lq, Dv) in q's dtype, lse (B, H, Lq) fp32 (natural log; -inf when every key
@@ -1177,7 +1190,7 @@ def attention_forward(
     if out.numel() == 0 or lk == 0:  # nothing to compute, or every row fully masked
         return out.zero_(), lse.fill_(float("-inf"))
     mask = _attn_mask(attn_mask, (b, h, lq, lk), q)
-    pad = _padding(key_padding_mask, q)
+    pad = _padding(key_padding_mask, q, kv_range)
     meta = _meta(q, k, v, mask, key_padding_mask, dropout_p, is_causal)
     args = (
         q, k, v, out, lse, mask.tensor, pad.tensor, pad.kv_range, seed,
@@ -1220,6 +1233,7 @@ def attention_backward(
     scale: float,
     mask_grad: bool,
     config: Config | None = None,
+    kv_range: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of attention_forward's (out, lse) w.r.t. q, k, v and a float attn_mask.
 
@@ -1227,6 +1241,7 @@ def attention_backward(
         grad_out: (B, H, Lq, Dv) cotangent of out; grad_lse: None or (B, H, Lq) of lse.
         out, lse: what attention_forward returned for these inputs (same seed).
         mask_grad: also return d attn_mask (float mask only), shaped and typed like attn_mask.
+        kv_range: key_range(key_padding_mask) when the caller has it (the forward's).
 
     Returns:
         (dq, dk, dv, dmask or None), dq/dk/dv contiguous in the dtype and shape of q/k/v.
@@ -1251,7 +1266,7 @@ def attention_backward(
     else:
         _backward_kernels(
             grad_out, grad_lse, q, k, v, out, lse, attn_mask, key_padding_mask, seed, dropout_p,
-            is_causal, scale, dq, dk, dv_, ds, config,
+            is_causal, scale, dq, dk, dv_, ds, config, kv_range,
         )
     if group > 1:
         dk = dk.view(b, hkv, group, lk, d).sum(2).to(q.dtype)
@@ -1282,12 +1297,13 @@ def _backward_kernels(
     dv,
     ds,
     config,
+    kv_range,
 ) -> None:
     b, h, lq, _ = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     delta = _delta(out, grad_out, grad_lse)
     mask = _attn_mask(attn_mask, (b, h, lq, lk), q)
-    pad = _padding(key_padding_mask, q)
+    pad = _padding(key_padding_mask, q, kv_range)
     meta = _meta(q, k, v, mask, key_padding_mask, dropout_p, is_causal)
     common = (
         seed, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p), scale * LOG2E, scale,

@@ -508,6 +508,24 @@ def test_plain_calls_also_tune_over_tiles_that_spill_only_with_the_causal_mask()
     assert kernels.CHECK_VARIANTS["plain"].is_causal is False  # what the compile check builds
 
 
+def test_key_padding_range_is_computed_once_per_forward_and_backward(monkeypatch):
+    # One attn_kv_range launch serves the forward and its backward (eager autograd).
+    from fastformer.kernels import attention as kernels
+
+    calls = []
+    real = kernels.key_range
+    monkeypatch.setattr(kernels, "key_range", lambda kpm: calls.append(1) or real(kpm))
+    c = Case(lq=40, lk=70, d=16, kpm="edges", grad=True)
+    q, k, v = _qkv(c)
+    kpm = torch.zeros(c.b, c.lk, dtype=torch.bool)
+    kpm[:, :5] = kpm[:, -9:] = True
+    attn.scaled_dot_product_attention(q, k, v, key_padding_mask=kpm).sum().backward()
+    assert len(calls) == 1
+    with torch.no_grad():
+        attn.scaled_dot_product_attention(q, k, v, key_padding_mask=kpm)
+    assert len(calls) == 2
+
+
 def test_dropout_same_seed_identical_and_calls_differ():
     q, k, v = _qkv(Case(lq=33, lk=33, d=16, grad=False))
     torch.manual_seed(5)

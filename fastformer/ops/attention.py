@@ -521,12 +521,13 @@ def _attention_op(
 
 
 def _forward(
-    query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale, backend=None
+    query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale, backend=None,
+    kv_range=None,
 ):  # fmt: skip
     seed = rng.draw_seed(query.device) if dropout_p > 0 else 0
     args = (query, key, value, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale)
     if (backend or _backend(query, key, value, attn_mask)) == "triton":
-        out, lse = _kernels().attention_forward(*args)
+        out, lse = _kernels().attention_forward(*args, kv_range=kv_range)
     else:
         out, lse = _torch_forward(*args)
     return out, lse, torch.tensor(seed, dtype=torch.int64)
@@ -564,12 +565,12 @@ def _attention_backward_op(
 
 def _backward_kernels(
     grad_out, grad_lse, query, key, value, out, lse, attn_mask, key_padding_mask, seed,
-    dropout_p, is_causal, scale, mask_grad, backend=None,
+    dropout_p, is_causal, scale, mask_grad, backend=None, kv_range=None,
 ):  # fmt: skip
     args = (grad_out, grad_lse, query, key, value, out, lse, attn_mask, key_padding_mask,
             int(seed), dropout_p, is_causal, scale, mask_grad)  # fmt: skip
     if (backend or _backend(query, key, value, attn_mask)) == "triton":
-        dq, dk, dv, dmask = _kernels().attention_backward(*args)
+        dq, dk, dv, dmask = _kernels().attention_backward(*args, kv_range=kv_range)
     else:
         dq, dk, dv, dmask = _torch_backward(*args)
     return dq, dk, dv, query.new_empty(0) if dmask is None else dmask
@@ -636,12 +637,18 @@ class _AttentionFunction(torch.autograd.Function):
     def forward(ctx, query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale):
         inputs = (query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale)
         ctx.backend = _backend(query, key, value, attn_mask)  # the backward runs the same one
-        output = _forward(*inputs, backend=ctx.backend)
+        # The key-padding range (one small launch) serves the forward and the backward.
+        ctx.kv_range = None
+        if ctx.backend == "triton" and key_padding_mask is not None:
+            ctx.kv_range = _kernels().key_range(key_padding_mask)
+        output = _forward(*inputs, backend=ctx.backend, kv_range=ctx.kv_range)
         _setup_context(ctx, inputs, output)
         ctx.set_materialize_grads(False)  # no zero LSE cotangent when only out is used
         return output[0], output[1]
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        run = lambda *args: _backward_kernels(*args, backend=ctx.backend)  # noqa: E731
+        def run(*args):
+            return _backward_kernels(*args, backend=ctx.backend, kv_range=ctx.kv_range)
+
         return _grads(ctx, grad_out, grad_lse, run)
