@@ -517,7 +517,9 @@ def _attention_op(
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out, lse, seed): seed is a CPU int64 scalar, drawn here at run time when dropout_p > 0."""
-    return _forward(query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale)
+    args = (query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale)
+    out, lse, seed = _forward(*args)
+    return out, lse, torch.tensor(seed, dtype=torch.int64)
 
 
 def _forward(
@@ -530,7 +532,7 @@ def _forward(
         out, lse = _kernels().attention_forward(*args, kv_range=kv_range)
     else:
         out, lse = _torch_forward(*args)
-    return out, lse, torch.tensor(seed, dtype=torch.int64)
+    return out, lse, seed
 
 
 @_attention_op.register_fake
@@ -629,6 +631,9 @@ def _grads(ctx, grad_out, grad_lse, backward_fn) -> tuple:
 torch.library.register_autograd("fastformer::attention", _backward, setup_context=_setup_context)
 
 
+_NO_SEED = torch.zeros((), dtype=torch.int64)  # eager calls without dropout (never written)
+
+
 class _AttentionFunction(torch.autograd.Function):
     """Eager autograd of fastformer::attention: the same helpers without the custom-op dispatch
     (torch.compile traces the custom op; eager calls save its host time, as layer_norm does)."""
@@ -641,7 +646,9 @@ class _AttentionFunction(torch.autograd.Function):
         ctx.kv_range = None
         if ctx.backend == "triton" and key_padding_mask is not None:
             ctx.kv_range = _kernels().key_range(key_padding_mask)
-        output = _forward(*inputs, backend=ctx.backend, kv_range=ctx.kv_range)
+        out, lse, seed = _forward(*inputs, backend=ctx.backend, kv_range=ctx.kv_range)
+        seed = _NO_SEED if seed == 0 else torch.tensor(seed, dtype=torch.int64)
+        output = (out, lse, seed)
         _setup_context(ctx, inputs, output)
         ctx.set_materialize_grads(False)  # no zero LSE cotangent when only out is used
         return output[0], output[1]
