@@ -1127,7 +1127,8 @@ def key_range(key_padding_mask: torch.Tensor) -> torch.Tensor:
 def slice_extent(x: torch.Tensor) -> int:
     """Largest element offset inside one (batch, head) slice of a 4-D tensor: the kernels
     address within a slice in int32, so it must stay below INT32_LIMIT."""
-    return sum((n - 1) * abs(st) for n, st in zip(x.shape[2:], x.stride()[2:]) if n > 0)
+    (rows, cols), (row_stride, col_stride) = x.shape[2:], x.stride()[2:]
+    return max(rows - 1, 0) * abs(row_stride) + max(cols - 1, 0) * abs(col_stride)
 
 
 def _kernel_layout(x: torch.Tensor) -> torch.Tensor:

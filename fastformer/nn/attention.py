@@ -222,20 +222,22 @@ class MultiheadAttention(nn.MultiheadAttention):
         """q, k, v as (B, H, L, D) from (B, L, E) inputs (`bf`) or (L, B, E); one GEMM for all
         three in self-attention, one for k and v when key is value (usual cross-attention)."""
         e, h = self.embed_dim, self.num_heads
-        b_q = b_k = b_v = b_kv = None
-        if self.in_proj_bias is not None:
-            b_q, b_k, b_v = self.in_proj_bias.split(e)
-            b_kv = self.in_proj_bias[e:]
+        bias = self.in_proj_bias
+        if query is key and key is value and self._qkv_same_embed_dim:
+            # Self-attention, the usual case first: no bias slices (host time per call).
+            return _split_heads(nn.functional.linear(query, self.in_proj_weight, bias), 3, h, bf)
+        b_q = b_k = b_v = None
+        if bias is not None:
+            b_q, b_k, b_v = bias.split(e)
         if not self._qkv_same_embed_dim:
             q = nn.functional.linear(query, self.q_proj_weight, b_q)
             k = nn.functional.linear(key, self.k_proj_weight, b_k)
             v = nn.functional.linear(value, self.v_proj_weight, b_v)
             return [_split_heads(t, 1, h, bf)[0] for t in (q, k, v)]
         w = self.in_proj_weight
-        if query is key and key is value:
-            return _split_heads(nn.functional.linear(query, w, self.in_proj_bias), 3, h, bf)
         q = _split_heads(nn.functional.linear(query, w[:e], b_q), 1, h, bf)[0]
         if key is value:
+            b_kv = None if bias is None else bias[e:]
             k, v = _split_heads(nn.functional.linear(key, w[e:], b_kv), 2, h, bf)
             return [q, k, v]
         k = _split_heads(nn.functional.linear(key, w[e : 2 * e], b_k), 1, h, bf)[0]
