@@ -223,45 +223,81 @@ FF_INLINE void normalize_impl(const A* x, A* out, int64_t n, A mean, A rstd, con
   for (; j < n; ++j) out[j] = (x[j] - mean) * rstd * w[j] + b[j];
 }
 
-// xhat = (x - mean) * rstd, g = dy * w; returns (sum(g), sum(g * xhat)).
-template <typename A>
-FF_INLINE std::pair<A, A> bwd_prep_impl(const A* x, const A* dy, const A* w, A mean, A rstd,
-                                        A* xhat, A* g, int64_t n) {
+// One pass over a row of the backward, nothing stored but the dweight / dbias terms: with
+// xhat = (x - mean) * rstd and g = dy * w, returns (sum(g), sum(g * xhat)) and adds dy * xhat to
+// pw and dy to pb (when PW / PB). The dx pass recomputes xhat and g (the same operations, so the
+// same values) instead of storing and reloading them: two passes over the row, not three.
+template <typename A, bool PW, bool PB>
+FF_INLINE std::pair<A, A> bwd_sums_loop(const A* x, const A* dy, const A* w, A mean, A rstd,
+                                        A* pw, A* pb, int64_t n) {
   constexpr int64_t k = kLanes<A>;
   const Vec<A> m = vsplat(mean), r = vsplat(rstd);
   Vec<A> sg0 = vsplat<A>(0), sg1 = sg0, sx0 = sg0, sx1 = sg0;
   int64_t j = 0;
   for (; j + 2 * k <= n; j += 2 * k) {
+    const Vec<A> d0 = vload(dy + j), d1 = vload(dy + j + k);
     const Vec<A> xh0 = (vload(x + j) - m) * r, xh1 = (vload(x + j + k) - m) * r;
-    const Vec<A> g0 = vload(dy + j) * vload(w + j), g1 = vload(dy + j + k) * vload(w + j + k);
-    vstore(xhat + j, xh0);
-    vstore(xhat + j + k, xh1);
-    vstore(g + j, g0);
-    vstore(g + j + k, g1);
+    const Vec<A> g0 = d0 * vload(w + j), g1 = d1 * vload(w + j + k);
     sg0 = sg0 + g0;
     sg1 = sg1 + g1;
     sx0 = sx0 + g0 * xh0;
     sx1 = sx1 + g1 * xh1;
+    if constexpr (PW) {
+      vstore(pw + j, vload(pw + j) + d0 * xh0);
+      vstore(pw + j + k, vload(pw + j + k) + d1 * xh1);
+    }
+    if constexpr (PB) {
+      vstore(pb + j, vload(pb + j) + d0);
+      vstore(pb + j + k, vload(pb + j + k) + d1);
+    }
   }
   A sum_g = lane_sum<A>(sg0 + sg1), sum_gx = lane_sum<A>(sx0 + sx1);
   for (; j < n; ++j) {
-    xhat[j] = (x[j] - mean) * rstd;
-    g[j] = dy[j] * w[j];
-    sum_g += g[j];
-    sum_gx += g[j] * xhat[j];
+    const A xh = (x[j] - mean) * rstd, g = dy[j] * w[j];
+    sum_g += g;
+    sum_gx += g * xh;
+    if constexpr (PW) pw[j] += dy[j] * xh;
+    if constexpr (PB) pb[j] += dy[j];
   }
   return {sum_g, sum_gx};
 }
 
-// dx = rstd * (g - c_g - xhat * c_gx) (dx may be g).
 template <typename A>
-FF_INLINE void dx_impl(const A* g, const A* xhat, A* dx, int64_t n, A rstd, A c_g, A c_gx) {
-  constexpr int64_t k = kLanes<A>;
-  const Vec<A> r = vsplat(rstd), cg = vsplat(c_g), cgx = vsplat(c_gx);
-  int64_t j = 0;
-  for (; j + k <= n; j += k) vstore(dx + j, r * (vload(g + j) - cg - vload(xhat + j) * cgx));
-  for (; j < n; ++j) dx[j] = rstd * (g[j] - c_g - xhat[j] * c_gx);
+FF_INLINE std::pair<A, A> bwd_sums_impl(const A* x, const A* dy, const A* w, A mean, A rstd,
+                                        A* pw, A* pb, int64_t n) {
+  if (pw != nullptr && pb != nullptr) {
+    return bwd_sums_loop<A, true, true>(x, dy, w, mean, rstd, pw, pb, n);
+  }
+  if (pw != nullptr) return bwd_sums_loop<A, true, false>(x, dy, w, mean, rstd, pw, pb, n);
+  if (pb != nullptr) return bwd_sums_loop<A, false, true>(x, dy, w, mean, rstd, pw, pb, n);
+  return bwd_sums_loop<A, false, false>(x, dy, w, mean, rstd, pw, pb, n);
 }
+
+// dx = rstd * (g - c_g - xhat * c_gx), xhat and g recomputed from x and dy as in the sums pass.
+// Without FMA contraction: fused into fma(dy, w, -c_g), g - c_g would keep dy * w unrounded and
+// miss exact cancellations (hidden size 1: dx 2.7e-5 times rstd where 0 is exact).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+template <typename A>
+FF_INLINE void dx_impl(const A* x, const A* dy, const A* w, A* dx, int64_t n, A mean, A rstd,
+                       A c_g, A c_gx) {
+  constexpr int64_t k = kLanes<A>;
+  const Vec<A> m = vsplat(mean), r = vsplat(rstd), cg = vsplat(c_g), cgx = vsplat(c_gx);
+  int64_t j = 0;
+  for (; j + k <= n; j += k) {
+    const Vec<A> xh = (vload(x + j) - m) * r, g = vload(dy + j) * vload(w + j);
+    vstore(dx + j, r * (g - cg - xh * cgx));
+  }
+  for (; j < n; ++j) {
+    const A xh = (x[j] - mean) * rstd, g = dy[j] * w[j];
+    dx[j] = rstd * (g - c_g - xh * c_gx);
+  }
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
 
 // acc += a * b (b null: acc += a).
 template <typename A>
@@ -277,26 +313,6 @@ FF_INLINE void accumulate_impl(A* acc, const A* a, const A* b, int64_t n) {
   for (; j < n; ++j) acc[j] += a[j] * b[j];
 }
 
-// The dweight / dbias terms of one row: pw += dy * xhat, pb += dy (either may be null).
-template <typename A>
-FF_INLINE void partials_impl(A* pw, A* pb, const A* dy, const A* xhat, int64_t n) {
-  constexpr int64_t k = kLanes<A>;
-  int64_t j = 0;
-  if (pw != nullptr && pb != nullptr) {
-    for (; j + k <= n; j += k) {
-      const Vec<A> d = vload(dy + j);
-      vstore(pw + j, vload(pw + j) + d * vload(xhat + j));
-      vstore(pb + j, vload(pb + j) + d);
-    }
-    for (; j < n; ++j) {
-      pw[j] += dy[j] * xhat[j];
-      pb[j] += dy[j];
-    }
-    return;
-  }
-  if (pw != nullptr) accumulate_impl(pw, dy, xhat, n);
-  if (pb != nullptr) accumulate_impl(pb, dy, static_cast<const A*>(nullptr), n);
-}
 
 template <typename S, typename D>
 FF_INLINE void convert_impl(const S* src, D* dst, int64_t n) {
@@ -343,16 +359,9 @@ FF_INLINE void convert_impl(const float* src, c10::BFloat16* dst, int64_t n) {
                                    const A* b) {                                              \
     normalize_impl(x, out, n, mean, rstd, w, b);                                              \
   }                                                                                           \
-  FF_CPU_CLONES std::pair<A, A> row_bwd_prep(const A* x, const A* dy, const A* w, A mean,     \
-                                             A rstd, A* xhat, A* g, int64_t n) {              \
-    return bwd_prep_impl(x, dy, w, mean, rstd, xhat, g, n);                                   \
-  }                                                                                           \
-  FF_CPU_CLONES void row_dx(const A* g, const A* xhat, A* dx, int64_t n, A rstd, A c_g,       \
-                            A c_gx) {                                                         \
-    dx_impl(g, xhat, dx, n, rstd, c_g, c_gx);                                                 \
-  }                                                                                           \
-  FF_CPU_CLONES void row_partials(A* pw, A* pb, const A* dy, const A* xhat, int64_t n) {      \
-    partials_impl(pw, pb, dy, xhat, n);                                                       \
+  FF_CPU_CLONES std::pair<A, A> row_bwd_sums(const A* x, const A* dy, const A* w, A mean,     \
+                                             A rstd, A* pw, A* pb, int64_t n) {               \
+    return bwd_sums_impl(x, dy, w, mean, rstd, pw, pb, n);                                    \
   }                                                                                           \
   FF_CPU_CLONES void row_accumulate(A* acc, const A* a, const A* b, int64_t n) {              \
     accumulate_impl(acc, a, b, n);                                                            \
@@ -360,6 +369,24 @@ FF_INLINE void convert_impl(const float* src, c10::BFloat16* dst, int64_t n) {
 FF_ROW_OPS(float)
 FF_ROW_OPS(double)
 #undef FF_ROW_OPS
+
+// Compiled without FMA contraction, as dx_impl says why (the option must hold where it is
+// inlined).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+#define FF_DX_OP(A)                                                                          \
+  FF_CPU_CLONES void row_dx(const A* x, const A* dy, const A* w, A* dx, int64_t n, A mean,    \
+                            A rstd, A c_g, A c_gx) {                                          \
+    dx_impl(x, dy, w, dx, n, mean, rstd, c_g, c_gx);                                          \
+  }
+FF_DX_OP(float)
+FF_DX_OP(double)
+#undef FF_DX_OP
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
 
 #define FF_CONVERT_OPS(T)                                                                     \
   FF_CPU_CLONES void row_convert(const T* src, float* dst, int64_t n) {                       \
@@ -479,14 +506,16 @@ struct BwdCpu {
 
 // Fixed number of row blocks (a function of rows only): each block sums its rows' dweight /
 // dbias terms in row order, then the blocks' sums are added in block order. Deterministic for
-// any thread count.
-int64_t bwd_blocks(int64_t rows) { return std::min<int64_t>(rows, 64); }
+// any thread count. At least 8 rows a block: a block's partial rows are written and read back
+// once, which with a block per row was as much traffic as the input (64 x 4096: 11% of the
+// backward's time on one core of the CI VM), and at most 64 blocks to share among threads.
+int64_t bwd_blocks(int64_t rows) { return std::min<int64_t>(64, (rows + 7) / 8); }
 
 // Scratch rows of one backward task.
 template <typename A>
 struct BwdScratch {
-  explicit BwdScratch(int64_t n) : x(n), dy(n), xhat(n), g(n) {}
-  std::vector<A> x, dy, xhat, g;
+  explicit BwdScratch(int64_t n) : x(n), dy(n), g(n) {}
+  std::vector<A> x, dy, g;
 };
 
 // Gradient of pre -> dx: add dpre, write dres, apply the dropout mask (fused op only).
@@ -519,17 +548,16 @@ void bwd_row(const BwdCpu<T>& p, int64_t row, A mu, A r, const A* w, BwdScratch<
     x = s.x.data();
     dy = s.dy.data();
   }
-  const auto [sum_g, sum_gx] = row_bwd_prep(x, dy, w, mu, r, s.xhat.data(), s.g.data(), n);
-  if (pw != nullptr || pb != nullptr) row_partials(pw, pb, dy, s.xhat.data(), n);
+  const auto [sum_g, sum_gx] = row_bwd_sums(x, dy, w, mu, r, pw, pb, n);
   const A c_g = p.rms ? A(0) : sum_g / static_cast<A>(n);
   const A c_gx = sum_gx / static_cast<A>(n);
   if constexpr (std::is_same_v<T, A>) {
     if (!p.fused) {  // fp32 / fp64: straight into dx
-      row_dx(s.g.data(), s.xhat.data(), p.dx + off, n, r, c_g, c_gx);
+      row_dx(x, dy, w, p.dx + off, n, mu, r, c_g, c_gx);
       return;
     }
   }
-  row_dx(s.g.data(), s.xhat.data(), s.g.data(), n, r, c_g, c_gx);
+  row_dx(x, dy, w, s.g.data(), n, mu, r, c_g, c_gx);
   if (p.fused) fused_tail(p, off, s.g.data());
   row_convert(s.g.data(), p.dx + off, n);
 }
