@@ -1118,6 +1118,8 @@ def key_range(key_padding_mask: torch.Tensor) -> torch.Tensor:
     key is padding; one attn_kv_range launch. The forward's can serve its backward."""
     kpm = key_padding_mask.view(torch.uint8)
     b, lk = kpm.shape
+    if b == 0 or lk == 0:  # nothing to launch over; no key is kept
+        return torch.zeros(b, 2, dtype=torch.int32, device=kpm.device)
     kv_range = torch.empty(b, 2, dtype=torch.int32, device=kpm.device)
     block = min(max(16, _next_power_of_2(lk)), KV_RANGE_BLOCK)
     attn_kv_range[(b,)](kpm, kv_range, lk, *kpm.stride(), BLOCK_N=block, num_warps=4)

@@ -219,11 +219,23 @@ def test_lse_matches_reference_and_is_float32():
     assert max_abs_diff(lse, lse64) < 1e-4
 
 
+def test_batch_zero_with_key_padding():
+    q, k, v = (_randn((0, 2, 4, 16), seed=s, grad=True) for s in range(3))
+    kpm = torch.zeros(0, 4, dtype=torch.bool, device=DEVICE)
+    out = attn.scaled_dot_product_attention(q, k, v, key_padding_mask=kpm)
+    out.sum().backward()
+    assert out.shape == (0, 2, 4, 16) and q.grad.shape == q.shape
+
+
 @pytest.mark.parametrize("lq, lk", [(0, 5), (5, 0)])
-def test_empty_sequences(lq, lk):
+@pytest.mark.parametrize("padding", [False, True], ids=["", "kpm"])
+def test_empty_sequences(lq, lk, padding):
     q = _randn((2, 2, lq, 16), grad=True)
     k, v = _randn((2, 2, lk, 16), seed=1, grad=True), _randn((2, 2, lk, 8), seed=2, grad=True)
-    out, lse = attn.scaled_dot_product_attention_with_lse(q, k, v, dropout_p=0.1)
+    kpm = torch.zeros(2, lk, dtype=torch.bool, device=DEVICE) if padding else None
+    out, lse = attn.scaled_dot_product_attention_with_lse(
+        q, k, v, dropout_p=0.1, key_padding_mask=kpm
+    )
     assert out.shape == (2, 2, lq, 8) and torch.all(out == 0) and torch.all(torch.isneginf(lse))
     out.sum().backward()
     assert all(torch.all(t.grad == 0) for t in (q, k, v))
