@@ -43,6 +43,18 @@ def test_element_scheme_python_matches_cpp():
         assert torch.equal(rng.element_uniform_cpp(seed, offsets), expected), seed
 
 
+def test_words_python_matches_cpp():
+    # philox_words runs the compiled CPU kernel (attention's dropout_keep_mask uses it).
+    gen = torch.Generator().manual_seed(5)
+    for seed in _random_seeds(10):
+        offsets = _offsets(3000, gen)[:3000].view(30, 100)
+        words = torch.ops.fastformer.philox4x32(seed, offsets)
+        assert words.shape == (30, 100, 4) and words.dtype == torch.int64
+        for got, expected in zip(rng.philox_words(seed, offsets), rng.philox4x32(seed, offsets)):
+            assert torch.equal(got, expected), seed
+        assert torch.equal(words, torch.stack(rng.philox4x32(seed, offsets), -1)), seed
+
+
 def test_element_scheme_is_four_words_of_one_call():
     offsets = torch.arange(4000, dtype=torch.int64)
     words = torch.stack(rng.philox4x32(77, offsets // 4), -1)  # (n, 4)
@@ -158,3 +170,5 @@ def test_bad_input(seed, offsets, error):
 def test_cpp_op_rejects_wrong_dtype():
     with pytest.raises(RuntimeError, match="int64"):
         torch.ops.fastformer.philox_uniform(1, torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="philox4x32: offsets must be int64"):
+        torch.ops.fastformer.philox4x32(1, torch.zeros(3, dtype=torch.int32))

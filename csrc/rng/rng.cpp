@@ -1,5 +1,6 @@
 // torch.ops.fastformer.philox_uniform / element_uniform: CPU and CUDA kernels of the shared
-// dropout RNG (csrc/common/philox.h), so Python can regenerate any kernel's mask quickly.
+// dropout RNG (csrc/common/philox.h), so Python can regenerate any kernel's mask quickly;
+// philox4x32 (CPU): the raw words, for attention's keep-mask.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -17,9 +18,30 @@
 namespace fastformer {
 namespace {
 
-void check_offsets(const at::Tensor& offsets) {
-  TORCH_CHECK(offsets.scalar_type() == at::kLong,
-              "philox_uniform: offsets must be int64, got ", offsets.scalar_type());
+void check_offsets(const at::Tensor& offsets, const char* op = "philox_uniform") {
+  TORCH_CHECK(offsets.scalar_type() == at::kLong, op, ": offsets must be int64, got ",
+              offsets.scalar_type());
+}
+
+// The four words of each Philox call as int64 (uint32 values), shape offsets.shape + (4,):
+// fastformer.ops.rng.philox4x32 stacked, for attention's dropout_keep_mask on CPU.
+at::Tensor philox4x32_cpu(int64_t seed, const at::Tensor& offsets) {
+  check_offsets(offsets, "philox4x32");
+  const at::Tensor off = offsets.contiguous();
+  std::vector<int64_t> sizes(off.sizes().begin(), off.sizes().end());
+  sizes.push_back(4);
+  at::Tensor out = at::empty(sizes, off.options());
+  const int64_t* src = off.data_ptr<int64_t>();
+  int64_t* dst = out.data_ptr<int64_t>();
+  const auto key = static_cast<uint64_t>(seed);
+  at::parallel_for(0, off.numel(), 2048, [&](int64_t begin, int64_t end) {
+    uint32_t words[4];
+    for (int64_t i = begin; i < end; ++i) {
+      philox4x32(key, static_cast<uint64_t>(src[i]), words);
+      for (int k = 0; k < 4; ++k) dst[4 * i + k] = words[k];
+    }
+  });
+  return out;
 }
 
 template <bool kElement>
@@ -59,6 +81,7 @@ at::Tensor uniform_cuda(int64_t seed, const at::Tensor& offsets) {
 TORCH_LIBRARY_IMPL(fastformer, CPU, m) {
   m.impl("philox_uniform", &uniform_cpu<false>);
   m.impl("element_uniform", &uniform_cpu<true>);
+  m.impl("philox4x32", &philox4x32_cpu);
 }
 
 #ifdef FASTFORMER_WITH_CUDA

@@ -163,7 +163,7 @@ def dropout_keep_mask(
     bh = torch.arange(batch * heads, dtype=torch.int64, device=device) << 32
     ic = torch.arange(seq_q * calls, dtype=torch.int64, device=device)
     offsets = (bh[:, None] + ic[None, :]).view(batch * heads, seq_q, calls // 4, 4)
-    words = torch.stack(rng.philox4x32(seed, offsets), -1)  # (BH, Lq, g, c, w) uint32 values
+    words = torch.stack(rng.philox_words(seed, offsets), -1)  # (BH, Lq, g, c, w) uint32 values
     halves = torch.stack([words & 0xFFFF, words >> 16], -1)  # (BH, Lq, g, c, w, l)
     lanes = halves.transpose(3, 4).reshape(batch, heads, seq_q, calls * 8)[..., :seq_k]
     return lanes >= dropout_threshold(dropout_p)

@@ -157,6 +157,16 @@ def element_uniform_cpp(seed: int, offsets: torch.Tensor) -> torch.Tensor:
     return _compiled_op("element_uniform", seed, offsets)
 
 
+def philox_words(seed: int, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`philox4x32(seed, offsets)`, through the compiled CPU kernel torch.ops.fastformer.philox4x32
+    when fastformer._C has it and offsets are on the CPU (bit-identical, tests/test_rng.py, and
+    much faster than the int64 PyTorch arithmetic), else `philox4x32` itself."""
+    if offsets.device.type == "cpu" and _compiled_for(offsets.device, seed):
+        if hasattr(torch.ops.fastformer, "philox4x32"):
+            return tuple(_compiled_op("philox4x32", seed, offsets).unbind(-1))
+    return philox4x32(seed, offsets)
+
+
 def _register_fake() -> None:
     """Shape function of the compiled op, so traced code (torch.compile) can call it."""
     from fastformer._ext import load_extension
@@ -167,8 +177,13 @@ def _register_fake() -> None:
     def fake(seed: int, offsets: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(offsets, dtype=torch.float32)
 
+    def fake_words(seed: int, offsets: torch.Tensor) -> torch.Tensor:
+        return offsets.new_empty((*offsets.shape, 4))
+
     torch.library.register_fake("fastformer::philox_uniform", fake)
     torch.library.register_fake("fastformer::element_uniform", fake)
+    if hasattr(torch.ops.fastformer, "philox4x32"):
+        torch.library.register_fake("fastformer::philox4x32", fake_words)
 
 
 _register_fake()
