@@ -631,9 +631,6 @@ def _grads(ctx, grad_out, grad_lse, backward_fn) -> tuple:
 torch.library.register_autograd("fastformer::attention", _backward, setup_context=_setup_context)
 
 
-_NO_SEED = torch.zeros((), dtype=torch.int64)  # eager calls without dropout (never written)
-
-
 class _AttentionFunction(torch.autograd.Function):
     """Eager autograd of fastformer::attention: the same helpers without the custom-op dispatch
     (torch.compile traces the custom op; eager calls save its host time, as layer_norm does)."""
@@ -647,7 +644,7 @@ class _AttentionFunction(torch.autograd.Function):
         if ctx.backend == "triton" and key_padding_mask is not None:
             ctx.kv_range = _kernels().key_range(key_padding_mask)
         out, lse, seed = _forward(*inputs, backend=ctx.backend, kv_range=ctx.kv_range)
-        seed = _NO_SEED if seed == 0 else torch.tensor(seed, dtype=torch.int64)
+        seed = rng.seed_tensor(seed)
         output = (out, lse, seed)
         _setup_context(ctx, inputs, output)
         ctx.set_materialize_grads(False)  # no zero LSE cotangent when only out is used

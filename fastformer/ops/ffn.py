@@ -294,7 +294,6 @@ def _ffn_op(
     return out, saved, torch.tensor(seed, dtype=torch.int64)
 
 
-_NO_SEED = torch.zeros((), dtype=torch.int64)  # eager calls without dropout (never written)
 _CAPABILITY: dict[int, tuple[int, int]] = {}  # CUDA device index -> compute capability
 
 
@@ -422,7 +421,7 @@ class _FfnFunction(torch.autograd.Function):
         # The backward runs the forward's backend (its saved tensor is that backend's).
         ctx.backend = _backend(x)
         out, saved, seed = _forward(*inputs, needs_grad=True, backend=ctx.backend)
-        seed = _NO_SEED if seed == 0 else torch.tensor(seed, dtype=torch.int64)
+        seed = rng.seed_tensor(seed)
         _save(ctx, inputs, (out, saved, seed))
         return out
 

@@ -187,8 +187,6 @@ def _check_residual(fn: str, residual: object, x: Tensor) -> None:
 # the same forward and backward helpers through a plain autograd.Function, or without autograd
 # when no gradient is needed; the compile tests check both paths give the same bits.
 
-_NO_SEED = torch.zeros((), dtype=torch.int64)  # eager calls without dropout (never written)
-
 
 def _forward(
     x: Tensor,
@@ -321,7 +319,7 @@ class _LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, residual, eps, dropout_p, rms, store_pre):
         inputs = (x, weight, bias, residual, eps, dropout_p, rms, store_pre)
-        output = _forward(*inputs, seed=_NO_SEED)
+        output = _forward(*inputs, seed=rng.NO_SEED)
         _save(ctx, inputs, output)
         return output[0], output[1]
 
@@ -425,7 +423,7 @@ def _run_cpp(
     elif grad:
         out, pre = _LayerNormFunction.apply(*args)
     else:
-        out, pre = _forward(*args, seed=_NO_SEED)[:2]
+        out, pre = _forward(*args, seed=rng.NO_SEED)[:2]
     if x.dim() != 2:
         out = out.view(x.shape)
         pre = pre.view(x.shape) if prenorm else pre

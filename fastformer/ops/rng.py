@@ -19,6 +19,9 @@ _ROUNDS = 10
 # Triton's uint_to_uniform_float scale: the largest float with (2**31 - 1) * scale < 1.0f.
 _SCALE = 4.6566127342e-10
 SEED_BITS = 63
+# The seed tensor of eager calls without dropout, shared (never written): saves the host time of
+# a new CPU tensor per call.
+NO_SEED = torch.zeros((), dtype=torch.int64)
 
 
 def _mulhilo(const: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,6 +140,11 @@ def draw_seed(device: torch.device | str | None = None) -> int:
     return ((int(draw[0]) << 1) ^ int(draw[1])) & (2**SEED_BITS - 1)
 
 
+def seed_tensor(seed: int) -> torch.Tensor:
+    """`seed` as the CPU int64 scalar tensor the ops save for their backward (NO_SEED for 0)."""
+    return NO_SEED if seed == 0 else torch.tensor(seed, dtype=torch.int64)
+
+
 def _compiled_op(name: str, seed: int, offsets: torch.Tensor) -> torch.Tensor:
     from fastformer._ext import require_extension
 
@@ -161,9 +169,9 @@ def philox_words(seed: int, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """`philox4x32(seed, offsets)`, through the compiled CPU kernel torch.ops.fastformer.philox4x32
     when fastformer._C has it and offsets are on the CPU (bit-identical, tests/test_rng.py, and
     much faster than the int64 PyTorch arithmetic), else `philox4x32` itself."""
-    if offsets.device.type == "cpu" and _compiled_for(offsets.device, seed):
-        if hasattr(torch.ops.fastformer, "philox4x32"):
-            return tuple(_compiled_op("philox4x32", seed, offsets).unbind(-1))
+    cpu = offsets.device.type == "cpu" and _compiled_for(offsets.device, seed)
+    if cpu and hasattr(torch.ops.fastformer, "philox4x32"):
+        return tuple(_compiled_op("philox4x32", seed, offsets).unbind(-1))
     return philox4x32(seed, offsets)
 
 
