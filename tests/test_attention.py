@@ -163,8 +163,16 @@ CASES = {
 }
 
 
+def _use_backend(monkeypatch, backend: str) -> None:
+    if backend != "default":
+        monkeypatch.setenv("FASTFORMER_BACKEND_ATTENTION", backend)
+
+
+# "torch": on CPU without dropout, torch's CPU flash kernels fed with fastformer's masks.
+@pytest.mark.parametrize("backend", ["default", "torch"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_parity(name):
+def test_parity(monkeypatch, name, backend):
+    _use_backend(monkeypatch, backend)
     _parity(CASES[name])
 
 
@@ -172,8 +180,10 @@ def test_parity_head_dim_256_forward():
     _parity(Case(b=1, lq=33, lk=47, d=256, causal=True, grad=False))
 
 
-def test_parity_with_lse():
+@pytest.mark.parametrize("backend", ["default", "torch"])
+def test_parity_with_lse(monkeypatch, backend):
     # The lse output is differentiable too: its cotangent enters the backward through delta.
+    _use_backend(monkeypatch, backend)
     _parity(Case(lq=33, lk=65, d=32, causal=True, mask="float", kpm="random"), with_lse=True)
 
 
@@ -255,7 +265,10 @@ def test_strided_slices_past_int32_are_copied():
 # --------------------------------------------------------------------------- fully masked rows
 
 
-def test_fully_masked_rows_are_zero_with_zero_gradients():
+@pytest.mark.parametrize("backend", ["default", "torch"])
+@pytest.mark.parametrize("lse_grad", [True, False], ids=["out_and_lse", "out"])
+def test_fully_masked_rows_are_zero_with_zero_gradients(monkeypatch, backend, lse_grad):
+    _use_backend(monkeypatch, backend)
     b, h, lq, lk, d = 2, 2, 33, 40, 16
     q, k, v = (
         _randn(s, seed=i, grad=True)
@@ -266,7 +279,8 @@ def test_fully_masked_rows_are_zero_with_zero_gradients():
     mask = torch.ones(lq, lk, dtype=torch.bool, device=DEVICE)
     mask[5] = False  # row 5 of batch 0 sees nothing either
     out, lse = attn.scaled_dot_product_attention_with_lse(q, k, v, mask, key_padding_mask=kpm)
-    (out.sum() + lse.masked_fill(torch.isinf(lse), 0).sum()).backward()
+    loss = out.sum() + (lse.masked_fill(torch.isinf(lse), 0).sum() if lse_grad else 0)
+    loss.backward()
     assert torch.all(out[1] == 0) and torch.all(out[0, :, 5] == 0)
     assert torch.all(torch.isneginf(lse[1])) and torch.all(torch.isneginf(lse[0, :, 5]))
     assert torch.isfinite(lse[0, :, :5]).all()
@@ -276,8 +290,10 @@ def test_fully_masked_rows_are_zero_with_zero_gradients():
     assert torch.all(k.grad[1] == 0) and torch.all(v.grad[1] == 0)
 
 
-def test_fully_masked_rows_parity_float_mask():
+@pytest.mark.parametrize("backend", ["default", "torch"])
+def test_fully_masked_rows_parity_float_mask(monkeypatch, backend):
     # A float mask of -inf on whole rows (and causal with Lq > Lk leaves no row empty: mix both).
+    _use_backend(monkeypatch, backend)
     c = Case(lq=33, lk=40, d=16, mask="float", mask_shape="b1qk", causal=True, kpm="edges")
     q, k, v = _qkv(c)
     mask = _attn_mask(c).detach().clone()
@@ -599,7 +615,9 @@ def test_saved_tensors_are_linear_in_sequence_length():
     assert sizes and max(sizes) <= b * h * l * d < b * h * l * l
 
 
-def test_opcheck():
+@pytest.mark.parametrize("backend", ["default", "torch"])
+def test_opcheck(monkeypatch, backend):
+    _use_backend(monkeypatch, backend)
     c = Case(b=1, h=2, lq=9, lk=12, d=16, mask="float", kpm="random")
     q, k, v = _qkv(c)
     op = torch.ops.fastformer.attention.default
@@ -607,9 +625,13 @@ def test_opcheck():
     torch.library.opcheck(op, (q, k, v, None, None, 0.0, False, 0.25))
     q, k, v = (t.detach() for t in (q, k, v))  # the backward op itself has no autograd
     out, lse, seed = op(q, k, v, None, None, 0.0, False, 0.25)
-    grads = (torch.randn_like(out), torch.randn_like(lse))
-    args = (*grads, q, k, v, out, lse, None, None, seed, 0.0, False, 0.25, False)
-    torch.library.opcheck(torch.ops.fastformer.attention_backward.default, args)
+    # Without an lse gradient the torch backend runs torch's CPU flash backward, with one its
+    # written-out reference backward: check both.
+    for grad_lse in (None, torch.randn_like(lse)):
+        args = (torch.randn_like(out), grad_lse, q, k, v, out, lse, None, None, seed, 0.0)
+        torch.library.opcheck(
+            torch.ops.fastformer.attention_backward.default, (*args, False, 0.25, False)
+        )
 
 
 def test_torch_compile_fullgraph_matches_eager():
@@ -688,6 +710,61 @@ def test_interpreter_refuses_triton36_with_numpy24(
     assert (
         any("numpy<2.4" in r for r in dict(_dispatch.explain(attn.OP, None))["triton"]) == refused
     )
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_reference_backward_gradcheck_float64(dropout_p):
+    # The torch backend's backward where torch's CPU flash kernels do not apply (dropout, an lse
+    # gradient, a float mask's gradient), in float64 (which only these internals take): q, k, v,
+    # a float mask and both outputs, GQA, causal and rows without a key.
+    c = Case(b=2, h=4, hkv=2, lq=5, lk=6, d=3, mask="float", mask_shape="b1qk")
+    q, k, v = (t.detach().double().requires_grad_() for t in _qkv(c))
+    mask = _attn_mask(c).detach().double().requires_grad_()
+    kpm = torch.zeros(c.b, c.lk, dtype=torch.bool, device=DEVICE)
+    kpm[1, :3] = True  # with causal: rows 0-2 of batch 1 see no key
+    rest = (kpm, 1234, dropout_p, True, 0.4)
+
+    class Attention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, m):
+            ctx.save_for_backward(q, k, v, m)
+            return attn._reference_forward(q, k, v, m, *rest)
+
+        @staticmethod
+        def backward(ctx, grad_out, grad_lse):
+            q, k, v, m = ctx.saved_tensors
+            return attn._reference_backward(grad_out, grad_lse, q, k, v, m, *rest, True)
+
+    def fn(q, k, v, m):
+        out, lse = Attention.apply(q, k, v, m)
+        return out, lse.masked_fill(torch.isinf(lse), 0)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, mask))
+
+
+@pytest.mark.parametrize(
+    ("dropout_p", "mask", "flash"),
+    [(0.0, "float", True), (0.0, "", True), (0.2, "", False)],
+)
+def test_torch_backend_uses_cpu_flash_kernels_without_dropout(monkeypatch, dropout_p, mask, flash):
+    # The parity tests above hold whichever path runs; this pins which one does.
+    if DEVICE != "cpu" or attn._CPU_FLASH is None:
+        pytest.skip("torch's CPU flash kernels")
+    calls = []
+
+    def counting(op):
+        return lambda *a, **kw: calls.append(op) or op(*a, **kw)
+
+    monkeypatch.setattr(attn, "_CPU_FLASH", counting(attn._CPU_FLASH))
+    monkeypatch.setattr(attn, "_CPU_FLASH_BWD", counting(attn._CPU_FLASH_BWD))
+    _use_backend(monkeypatch, "torch")
+    c = Case(lq=9, lk=12, d=16, causal=True, mask=mask, kpm="random", grad=False)
+    q, k, v = (t.requires_grad_() for t in _qkv(c))
+    out = attn.scaled_dot_product_attention(
+        q, k, v, _attn_mask(c), dropout_p, True, key_padding_mask=_key_padding(c)
+    )
+    out.sum().backward()
+    assert len(calls) == (2 if flash else 0)
 
 
 def test_bfloat16_on_cpu_runs_the_torch_backend():

@@ -9,7 +9,9 @@ masks, and a query row with every key masked gives 0 (gradient 0), never NaN.
 
 Backends (fastformer.ops._dispatch, FASTFORMER_BACKEND_ATTENTION forces one): `triton`, the
 fused kernel of fastformer.kernels.attention (CUDA tensors, or CPU tensors under
-TRITON_INTERPRET=1), then `torch`, the eager reference fed with the same dropout mask.
+TRITON_INTERPRET=1), then `torch`: on CPU without dropout torch's own fused CPU attention (the
+kernels of SDPA's CPU flash path) fed with fastformer's masks, otherwise the eager reference fed
+with the same dropout mask.
 
 Dropout: each call draws a seed from the torch generator of the query's device (inside the
 custom op, so torch.compile never bakes it in). One Philox4x32-10 call gives 16 random bits to
@@ -453,8 +455,89 @@ register(OP, [Backend("triton", _triton_reasons), Backend("torch", _torch_reason
 # --------------------------------------------------------------------------- torch backend
 
 
+# torch's own fused CPU attention (SDPA's CPU flash kernels: tiled, fp32 accumulation, no
+# Lq x Lk scores held). Private aten ops, present in the torch versions fastformer supports; when
+# missing, the torch backend uses the reference for everything.
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BWD = getattr(
+    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None
+)
+
+
+def _cpu_flash_ok(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
+    """Whether torch's CPU flash kernels compute this call: no dropout (fastformer's Philox mask
+    cannot be fed to them), CPU, one head dim for q/k/v, no empty dimension."""
+    return (
+        _CPU_FLASH is not None
+        and _CPU_FLASH_BWD is not None
+        and dropout_p == 0
+        and q.device.type == "cpu"
+        and q.dtype in _DTYPES
+        and q.shape[-1] == v.shape[-1]
+        and q.numel() > 0
+        and k.numel() > 0
+    )
+
+
+def _cpu_flash_mask(q: Tensor, attn_mask, kpm, is_causal: bool):
+    """(additive 4-D mask in q's dtype or None, bool rows without any key or None) for the CPU
+    flash kernels, which take one float mask: a bool mask and key padding become -inf, as in
+    the reference, and a float mask is cast to q's dtype, as the reference adds it."""
+    if attn_mask is None and kpm is None:
+        return None, None  # causal alone leaves key 0 to every row
+    keep = None if attn_mask is None or attn_mask.is_floating_point() else attn_mask
+    if kpm is not None:
+        keep = ~kpm[:, None, None, :] if keep is None else keep & ~kpm[:, None, None, :]
+    add = torch.zeros((), dtype=q.dtype)
+    if attn_mask is not None and attn_mask.is_floating_point():
+        add = attn_mask.to(q.dtype)
+    mask = add if keep is None else torch.where(keep, add, float("-inf"))
+    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    visible = mask != float("-inf")
+    if is_causal:
+        lq, lk = q.shape[2], visible.shape[-1]
+        visible = visible & torch.ones(lq, lk, dtype=torch.bool).tril()
+    empty = ~visible.any(-1)
+    return mask, (empty if bool(empty.any()) else None)
+
+
+def _gqa_expand(q: Tensor, t: Tensor) -> Tensor:
+    groups = q.shape[1] // t.shape[1]
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _cpu_flash_forward(q, k, v, attn_mask, kpm, is_causal, scale):
+    mask, empty = _cpu_flash_mask(q, attn_mask, kpm, is_causal)
+    k, v = _gqa_expand(q, k), _gqa_expand(q, v)
+    out, lse = _CPU_FLASH(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
+    if empty is not None:  # the kernel leaves lse 0 there; the op's convention is -inf
+        lse = lse.masked_fill(empty, float("-inf"))
+    return out, lse.float()
+
+
+def _cpu_flash_backward(grad_out, q, k, v, out, lse, attn_mask, kpm, is_causal, scale):
+    mask, _ = _cpu_flash_mask(q, attn_mask, kpm, is_causal)
+    hkv = k.shape[1]
+    k, v = _gqa_expand(q, k), _gqa_expand(q, v)
+    # Rows without a key: back to the kernel's own lse 0 (with -inf, exp(-inf - lse) is NaN).
+    lse = lse.masked_fill(torch.isneginf(lse), 0.0)
+    grads = _CPU_FLASH_BWD(grad_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
+    dq, dk, dv = grads
+    if hkv != q.shape[1]:  # sum over the query heads each key/value head served
+        dk = dk.unflatten(1, (hkv, -1)).sum(2)
+        dv = dv.unflatten(1, (hkv, -1)).sum(2)
+    return dq, dk, dv
+
+
 def _torch_forward(q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scale):
-    """The eager reference with the Philox keep-mask of `seed` (materialized: fine here)."""
+    """torch's CPU flash kernels where they apply (`_cpu_flash_ok`), else the eager reference
+    with the Philox keep-mask of `seed` (materialized: fine here)."""
+    if _cpu_flash_ok(q, k, v, dropout_p):
+        return _cpu_flash_forward(q, k, v, attn_mask, kpm, is_causal, scale)
+    return _reference_forward(q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scale)
+
+
+def _reference_forward(q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scale):
     b, h, lq, _ = q.shape
     keep = None
     if dropout_p > 0:
@@ -472,30 +555,60 @@ def _torch_forward(q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scale):
         dropout_mask=keep,
         return_lse=True,
     )
-    return out, lse.float()
+    return out, lse  # float32 for 16-bit inputs
 
 
 def _torch_backward(
     grad_out, grad_lse, q, k, v, out, lse, attn_mask, kpm, seed, dropout_p, is_causal, scale,
     mask_grad,
 ):  # fmt: skip
-    """Gradients by torch.func.vjp through the recomputed reference (same keep-mask); the
-    arguments are those of kernels.attention.attention_backward (out and lse unused)."""
+    """Gradients through torch's CPU flash backward (from out and lse) where the forward used
+    it and only `out` has a gradient, else by `_reference_backward`; the arguments are those of
+    kernels.attention.attention_backward."""
+    no_lse_grad = grad_lse is None or not bool(grad_lse.any())
+    if _cpu_flash_ok(q, k, v, dropout_p) and no_lse_grad and not mask_grad:
+        dq, dk, dv = _cpu_flash_backward(
+            grad_out, q, k, v, out, lse, attn_mask, kpm, is_causal, scale
+        )
+        return dq, dk, dv, None
+    return _reference_backward(
+        grad_out, grad_lse, q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scale, mask_grad
+    )
 
-    # torch.func.vjp, not torch.autograd: inside a custom op the Autograd dispatch key is
-    # excluded, so tensors created here would not record a graph.
-    def forward(q, k, v, mask=attn_mask):
-        return _torch_forward(q, k, v, mask, kpm, seed, dropout_p, is_causal, scale)
 
-    primals = (q, k, v, attn_mask) if mask_grad else (q, k, v)
-    _, vjp = torch.func.vjp(forward, *primals)
-    if grad_lse is None:
-        grad_lse = torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
-    grads = vjp((grad_out, grad_lse))
-    # Contiguous like the fake kernel and the Triton backward: inductor checks the strides, and
-    # vjp returns gradients with the strides of q/k/v, which are often transposed views.
-    dq, dk, dv = (g.contiguous() for g in grads[:3])
-    return dq, dk, dv, grads[3].contiguous() if mask_grad else None
+def _reference_backward(
+    grad_out, grad_lse, q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scale, mask_grad
+):  # fmt: skip
+    """The reference's gradients written out, on its recomputed probabilities P and the same
+    keep-mask K (drop scale c): with S the masked scaled scores and O = (P * K * c) V,
+    dV = (P * K * c)^T dO, dP = (dO V^T) * K * c, dS = P * (dP - rowsum(P * dP) + dlse),
+    dQ = dS K_heads * scale, dK = dS^T Q * scale, d attn_mask = dS summed to its shape.
+    Explicit rather than autograd: inside a custom op the Autograd key is excluded, and
+    torch.func's wrapped tensors break the dispatch modes of fake tensors and opcheck."""
+    b, h, lq, _ = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    kh, vh = reference._repeat_kv_heads(q, k, v, hkv != h)
+    scores = reference._attention_scores(q, kh, attn_mask, is_causal, scale, kpm)
+    probs, _ = reference._safe_softmax(scores)
+    grad_probs = grad_out.to(probs.dtype) @ vh.transpose(-2, -1)
+    dropped = probs
+    if dropout_p > 0:
+        keep = dropout_keep_mask(seed, b, h, lq, lk, dropout_p, device=q.device)
+        dropped = reference._apply_keep_mask(probs, keep, dropout_p, "keep")
+        grad_probs = reference._apply_keep_mask(grad_probs, keep, dropout_p, "keep")
+    grad_v = dropped.transpose(-2, -1) @ grad_out.to(probs.dtype)
+    row = (probs * grad_probs).sum(-1, keepdim=True)
+    if grad_lse is not None:
+        row = row - grad_lse.to(probs.dtype)[..., None]
+    grad_scores = probs * (grad_probs - row)
+    grad_q = (grad_scores @ kh) * scale
+    grad_k = (grad_scores.transpose(-2, -1) @ q) * scale
+    if hkv != h:  # sum over the query heads each key/value head served
+        grad_k, grad_v = (g.unflatten(1, (hkv, -1)).sum(2) for g in (grad_k, grad_v))
+    grad_mask = None
+    if mask_grad:
+        grad_mask = grad_scores.sum_to_size(attn_mask.shape).to(attn_mask.dtype)
+    return grad_q, grad_k, grad_v, grad_mask
 
 
 # --------------------------------------------------------------------------- custom ops
@@ -519,7 +632,10 @@ def _attention_op(
     """(out, lse, seed): seed is a CPU int64 scalar, drawn here at run time when dropout_p > 0."""
     args = (query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale)
     out, lse, seed = _forward(*args)
-    return out, lse, torch.tensor(seed, dtype=torch.int64)
+    # Contiguous like the fake: inductor trusts its strides. The torch backend's tensors may
+    # be (B, L, H, D) views, kept in eager calls, where that layout is what a caller with
+    # (B, L, H * D) projections reshapes for free.
+    return out.contiguous(), lse.contiguous(), torch.tensor(seed, dtype=torch.int64)
 
 
 def _forward(
@@ -561,8 +677,9 @@ def _attention_backward_op(
     mask_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dmask); dmask is empty unless mask_grad (float attn_mask needing grad)."""
-    return _backward_kernels(grad_out, grad_lse, query, key, value, out, lse, attn_mask,
-                             key_padding_mask, seed, dropout_p, is_causal, scale, mask_grad)  # fmt: skip
+    grads = _backward_kernels(grad_out, grad_lse, query, key, value, out, lse, attn_mask,
+                              key_padding_mask, seed, dropout_p, is_causal, scale, mask_grad)  # fmt: skip
+    return tuple(g.contiguous() for g in grads)  # as the fake (see _attention_op)
 
 
 def _backward_kernels(
