@@ -565,8 +565,8 @@ def _torch_backward(
     """Gradients through torch's CPU flash backward (from out and lse) where the forward used
     it and only `out` has a gradient, else by `_reference_backward`; the arguments are those of
     kernels.attention.attention_backward."""
-    no_lse_grad = grad_lse is None or not bool(grad_lse.any())
-    if _cpu_flash_ok(q, k, v, dropout_p) and no_lse_grad and not mask_grad:
+    flash = _cpu_flash_ok(q, k, v, dropout_p) and not mask_grad  # CPU only: .any() never syncs
+    if flash and (grad_lse is None or not bool(grad_lse.any())):
         dq, dk, dv = _cpu_flash_backward(
             grad_out, q, k, v, out, lse, attn_mask, kpm, is_causal, scale
         )
