@@ -18,5 +18,5 @@ PyObject* PyInit__C(void) {
 TORCH_LIBRARY(fastformer, m) {
   m.def("philox_uniform(int seed, Tensor offsets) -> Tensor");
   m.def("element_uniform(int seed, Tensor offsets) -> Tensor");
-  m.def("philox4x32(int seed, Tensor offsets) -> Tensor");
+  m.def("attention_keep_mask(int seed, Tensor row_offsets, int seq_k, int threshold) -> Tensor");
 }

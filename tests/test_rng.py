@@ -43,16 +43,28 @@ def test_element_scheme_python_matches_cpp():
         assert torch.equal(rng.element_uniform_cpp(seed, offsets), expected), seed
 
 
-def test_words_python_matches_cpp():
-    # philox_words runs the compiled CPU kernel (attention's dropout_keep_mask uses it).
-    gen = torch.Generator().manual_seed(5)
-    for seed in _random_seeds(10):
-        offsets = _offsets(3000, gen)[:3000].view(30, 100)
-        words = torch.ops.fastformer.philox4x32(seed, offsets)
-        assert words.shape == (30, 100, 4) and words.dtype == torch.int64
-        for got, expected in zip(rng.philox_words(seed, offsets), rng.philox4x32(seed, offsets)):
-            assert torch.equal(got, expected), seed
-        assert torch.equal(words, torch.stack(rng.philox4x32(seed, offsets), -1)), seed
+@pytest.mark.parametrize(("seq_k", "dropout_p"), [(1, 0.5), (45, 0.1), (64, 0.9), (97, 0.0)])
+def test_attention_keep_mask_cpp_matches_python(monkeypatch, seq_k, dropout_p):
+    # attention's dropout_keep_mask on CPU runs the compiled kernel; the PyTorch spelling of the
+    # scheme (its path without the extension) must give the same bits.
+    from fastformer.ops import attention as attn
+
+    for seed in _random_seeds(4):
+        seed %= 2**63  # the compiled kernel's range; larger seeds take the PyTorch path
+        args = (seed, 2, 3, 17, seq_k, dropout_p)
+        assert rng.compiled_cpu_kernels(torch.device("cpu"), seed)
+        compiled = attn.dropout_keep_mask(*args)
+        with monkeypatch.context() as m:
+            m.setattr(rng, "compiled_cpu_kernels", lambda device, seed: False)
+            assert torch.equal(compiled, attn.dropout_keep_mask(*args)), seed
+
+
+def test_attention_keep_mask_cpp_errors():
+    rows = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="threshold must be in"):
+        torch.ops.fastformer.attention_keep_mask(1, rows, 4, 65537)
+    with pytest.raises(RuntimeError, match="seq_k must be >= 0"):
+        torch.ops.fastformer.attention_keep_mask(1, rows, -1, 10)
 
 
 def test_element_scheme_is_four_words_of_one_call():
@@ -170,5 +182,5 @@ def test_bad_input(seed, offsets, error):
 def test_cpp_op_rejects_wrong_dtype():
     with pytest.raises(RuntimeError, match="int64"):
         torch.ops.fastformer.philox_uniform(1, torch.zeros(3, dtype=torch.int32))
-    with pytest.raises(RuntimeError, match="philox4x32: offsets must be int64"):
-        torch.ops.fastformer.philox4x32(1, torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="attention_keep_mask: offsets must be int64"):
+        torch.ops.fastformer.attention_keep_mask(1, torch.zeros(3, dtype=torch.int32), 4, 10)

@@ -1,9 +1,12 @@
 // torch.ops.fastformer.philox_uniform / element_uniform: CPU and CUDA kernels of the shared
 // dropout RNG (csrc/common/philox.h), so Python can regenerate any kernel's mask quickly;
-// philox4x32 (CPU): the raw words, for attention's keep-mask.
+// attention_keep_mask (CPU): attention's dropout keep-mask, for its torch backend and tests.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
 
 #include "common/checks.h"
 #include "common/philox.h"
@@ -23,22 +26,39 @@ void check_offsets(const at::Tensor& offsets, const char* op = "philox_uniform")
               offsets.scalar_type());
 }
 
-// The four words of each Philox call as int64 (uint32 values), shape offsets.shape + (4,):
-// fastformer.ops.rng.philox4x32 stacked, for attention's dropout_keep_mask on CPU.
-at::Tensor philox4x32_cpu(int64_t seed, const at::Tensor& offsets) {
-  check_offsets(offsets, "philox4x32");
-  const at::Tensor off = offsets.contiguous();
-  std::vector<int64_t> sizes(off.sizes().begin(), off.sizes().end());
-  sizes.push_back(4);
-  at::Tensor out = at::empty(sizes, off.options());
-  const int64_t* src = off.data_ptr<int64_t>();
-  int64_t* dst = out.data_ptr<int64_t>();
+// Attention's dropout keep-mask (fastformer.ops.attention.dropout_keep_mask), shape
+// row_offsets.shape + (seq_k,): in row r, key column j = 32 g + 8 w + 2 c + l is kept when
+// 16-bit half l of word w of the Philox call at counter row_offsets[r] + 4 g + c is >= threshold.
+at::Tensor attention_keep_mask_cpu(int64_t seed, const at::Tensor& row_offsets, int64_t seq_k,
+                                   int64_t threshold) {
+  check_offsets(row_offsets, "attention_keep_mask");
+  TORCH_CHECK(seq_k >= 0, "attention_keep_mask: seq_k must be >= 0, got ", seq_k);
+  TORCH_CHECK(threshold >= 0 && threshold <= 65536,
+              "attention_keep_mask: threshold must be in [0, 65536], got ", threshold);
+  const at::Tensor rows = row_offsets.contiguous();
+  std::vector<int64_t> sizes(rows.sizes().begin(), rows.sizes().end());
+  sizes.push_back(seq_k);
+  at::Tensor out = at::empty(sizes, rows.options().dtype(at::kBool));
+  const int64_t* base = rows.data_ptr<int64_t>();
+  bool* dst = out.data_ptr<bool>();
   const auto key = static_cast<uint64_t>(seed);
-  at::parallel_for(0, off.numel(), 2048, [&](int64_t begin, int64_t end) {
+  const auto t = static_cast<uint32_t>(threshold);
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(seq_k, 1));
+  at::parallel_for(0, rows.numel(), grain, [&](int64_t begin, int64_t end) {
     uint32_t words[4];
-    for (int64_t i = begin; i < end; ++i) {
-      philox4x32(key, static_cast<uint64_t>(src[i]), words);
-      for (int k = 0; k < 4; ++k) dst[4 * i + k] = words[k];
+    for (int64_t r = begin; r < end; ++r) {
+      bool* row = dst + r * seq_k;
+      for (int64_t g = 0; 32 * g < seq_k; ++g) {
+        for (int c = 0; c < 4; ++c) {
+          philox4x32(key, static_cast<uint64_t>(base[r] + 4 * g + c), words);
+          for (int w = 0; w < 4; ++w) {
+            for (int l = 0; l < 2; ++l) {
+              const int64_t j = 32 * g + 8 * w + 2 * c + l;
+              if (j < seq_k) row[j] = ((words[w] >> (16 * l)) & 0xFFFFu) >= t;
+            }
+          }
+        }
+      }
     }
   });
   return out;
@@ -81,7 +101,7 @@ at::Tensor uniform_cuda(int64_t seed, const at::Tensor& offsets) {
 TORCH_LIBRARY_IMPL(fastformer, CPU, m) {
   m.impl("philox_uniform", &uniform_cpu<false>);
   m.impl("element_uniform", &uniform_cpu<true>);
-  m.impl("philox4x32", &philox4x32_cpu);
+  m.impl("attention_keep_mask", &attention_keep_mask_cpu);
 }
 
 #ifdef FASTFORMER_WITH_CUDA

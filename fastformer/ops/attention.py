@@ -154,7 +154,9 @@ def dropout_keep_mask(
 
     keep[b, h, i, j] = half l of word w of philox4x32(seed, ((b * heads + h) << 32) + i * C
     + 4 g + c) >= round(dropout_p * 65536), where j = 32 g + 8 w + 2 c + l and
-    C = dropout_calls(seq_k) (see the module docstring), computed in plain PyTorch on `device`.
+    C = dropout_calls(seq_k) (see the module docstring), computed on `device`: on CPU by the
+    compiled kernel torch.ops.fastformer.attention_keep_mask (tests/test_rng.py holds it equal to
+    the PyTorch spelling), elsewhere in plain PyTorch.
     """
     for name, n in (("batch", batch), ("heads", heads), ("seq_q", seq_q), ("seq_k", seq_k)):
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
@@ -163,9 +165,15 @@ def dropout_keep_mask(
     _check_dropout_size("dropout_keep_mask", seq_q, seq_k)
     calls = dropout_calls(seq_k)
     bh = torch.arange(batch * heads, dtype=torch.int64, device=device) << 32
+    if rng.compiled_cpu_kernels(torch.device("cpu" if device is None else device), seed):
+        rows = bh[:, None] + torch.arange(seq_q, dtype=torch.int64) * calls  # counter of (i, 0)
+        keep = torch.ops.fastformer.attention_keep_mask(
+            seed, rows, seq_k, dropout_threshold(dropout_p)
+        )
+        return keep.view(batch, heads, seq_q, seq_k)
     ic = torch.arange(seq_q * calls, dtype=torch.int64, device=device)
     offsets = (bh[:, None] + ic[None, :]).view(batch * heads, seq_q, calls // 4, 4)
-    words = torch.stack(rng.philox_words(seed, offsets), -1)  # (BH, Lq, g, c, w) uint32 values
+    words = torch.stack(rng.philox4x32(seed, offsets), -1)  # (BH, Lq, g, c, w) uint32 values
     halves = torch.stack([words & 0xFFFF, words >> 16], -1)  # (BH, Lq, g, c, w, l)
     lanes = halves.transpose(3, 4).reshape(batch, heads, seq_q, calls * 8)[..., :seq_k]
     return lanes >= dropout_threshold(dropout_p)
@@ -592,15 +600,16 @@ def _reference_backward(
     probs, _ = reference._safe_softmax(scores)
     grad_probs = grad_out.to(probs.dtype) @ vh.transpose(-2, -1)
     dropped = probs
-    if dropout_p > 0:
+    if dropout_p > 0:  # x * c where kept, else 0: two passes, not the reference's three
         keep = dropout_keep_mask(seed, b, h, lq, lk, dropout_p, device=q.device)
-        dropped = reference._apply_keep_mask(probs, keep, dropout_p, "keep")
-        grad_probs = reference._apply_keep_mask(grad_probs, keep, dropout_p, "keep")
+        c = 1.0 / (1.0 - dropout_p)
+        dropped = torch.where(keep, probs * c, 0.0)
+        grad_probs = torch.where(keep, grad_probs.mul_(c), 0.0)
     grad_v = dropped.transpose(-2, -1) @ grad_out.to(probs.dtype)
     row = (probs * grad_probs).sum(-1, keepdim=True)
     if grad_lse is not None:
         row = row - grad_lse.to(probs.dtype)[..., None]
-    grad_scores = probs * (grad_probs - row)
+    grad_scores = grad_probs.sub_(row).mul_(probs)
     grad_q = (grad_scores @ kh) * scale
     grad_k = (grad_scores.transpose(-2, -1) @ q) * scale
     if hkv != h:  # sum over the query heads each key/value head served

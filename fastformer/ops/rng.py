@@ -114,6 +114,12 @@ def _compiled_for(device: torch.device, seed: int) -> bool:
     return device.type == "cpu" or (device.type == "cuda" and cuda_kernels_compiled())
 
 
+def compiled_cpu_kernels(device: torch.device, seed: int) -> bool:
+    """Whether fastformer._C's CPU kernels serve `seed` on `device`: a CPU device, the extension
+    loaded, and a seed below 2**63 (they take it as an int64)."""
+    return device.type == "cpu" and _compiled_for(device, seed)
+
+
 def _mix64(x: int) -> int:
     # splitmix64 finaliser: turns (generator seed, offset) into a well-spread key.
     x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
@@ -165,16 +171,6 @@ def element_uniform_cpp(seed: int, offsets: torch.Tensor) -> torch.Tensor:
     return _compiled_op("element_uniform", seed, offsets)
 
 
-def philox_words(seed: int, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """`philox4x32(seed, offsets)`, through the compiled CPU kernel torch.ops.fastformer.philox4x32
-    when fastformer._C has it and offsets are on the CPU (bit-identical, tests/test_rng.py, and
-    much faster than the int64 PyTorch arithmetic), else `philox4x32` itself."""
-    cpu = offsets.device.type == "cpu" and _compiled_for(offsets.device, seed)
-    if cpu and hasattr(torch.ops.fastformer, "philox4x32"):
-        return tuple(_compiled_op("philox4x32", seed, offsets).unbind(-1))
-    return philox4x32(seed, offsets)
-
-
 def _register_fake() -> None:
     """Shape function of the compiled op, so traced code (torch.compile) can call it."""
     from fastformer._ext import load_extension
@@ -185,13 +181,12 @@ def _register_fake() -> None:
     def fake(seed: int, offsets: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(offsets, dtype=torch.float32)
 
-    def fake_words(seed: int, offsets: torch.Tensor) -> torch.Tensor:
-        return offsets.new_empty((*offsets.shape, 4))
+    def fake_keep(seed: int, row_offsets: torch.Tensor, seq_k: int, threshold: int):
+        return row_offsets.new_empty((*row_offsets.shape, seq_k), dtype=torch.bool)
 
     torch.library.register_fake("fastformer::philox_uniform", fake)
     torch.library.register_fake("fastformer::element_uniform", fake)
-    if hasattr(torch.ops.fastformer, "philox4x32"):
-        torch.library.register_fake("fastformer::philox4x32", fake_words)
+    torch.library.register_fake("fastformer::attention_keep_mask", fake_keep)
 
 
 _register_fake()
