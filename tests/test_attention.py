@@ -767,6 +767,22 @@ def test_torch_backend_uses_cpu_flash_kernels_without_dropout(monkeypatch, dropo
     assert len(calls) == (2 if flash else 0)
 
 
+@pytest.mark.parametrize("backend", ["default", "torch"])
+def test_strided_grad_out(monkeypatch, backend):
+    # A gradient whose last stride is not 1 (torch 2.11's CPU flash kernels misread those).
+    _use_backend(monkeypatch, backend)
+    c = Case(lq=33, lk=40, d=16, causal=True, kpm="random")
+    q, k, v = _qkv(c)
+    out = attn.scaled_dot_product_attention(
+        q, k, v, is_causal=True, key_padding_mask=_key_padding(c)
+    )
+    grad = _randn((*out.shape[:-1], 2 * out.shape[-1]), seed=5)[..., ::2]
+    strided = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+    dense = torch.autograd.grad(out, (q, k, v), grad.contiguous())
+    for a, b in zip(strided, dense):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
 def test_bfloat16_on_cpu_runs_the_torch_backend():
     if DEVICE != "cpu":
         pytest.skip("CPU-only routing")

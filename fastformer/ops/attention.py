@@ -514,9 +514,15 @@ def _gqa_expand(q: Tensor, t: Tensor) -> Tensor:
     return t if groups == 1 else t.repeat_interleave(groups, dim=1)
 
 
+def _unit_last(t: Tensor) -> Tensor:
+    # torch 2.11's CPU flash kernels read q, k and v as if their last stride were 1 (wrong
+    # results otherwise, measured; 2.14 reads them right). out and grad_out get the same care.
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _cpu_flash_forward(q, k, v, attn_mask, kpm, is_causal, scale):
     mask, empty = _cpu_flash_mask(q, attn_mask, kpm, is_causal)
-    k, v = _gqa_expand(q, k), _gqa_expand(q, v)
+    q, k, v = _unit_last(q), _unit_last(_gqa_expand(q, k)), _unit_last(_gqa_expand(q, v))
     out, lse = _CPU_FLASH(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
     if empty is not None:  # the kernel leaves lse 0 there; the op's convention is -inf
         lse = lse.masked_fill(empty, float("-inf"))
@@ -526,7 +532,8 @@ def _cpu_flash_forward(q, k, v, attn_mask, kpm, is_causal, scale):
 def _cpu_flash_backward(grad_out, q, k, v, out, lse, attn_mask, kpm, is_causal, scale):
     mask, _ = _cpu_flash_mask(q, attn_mask, kpm, is_causal)
     hkv = k.shape[1]
-    k, v = _gqa_expand(q, k), _gqa_expand(q, v)
+    q, k, v = _unit_last(q), _unit_last(_gqa_expand(q, k)), _unit_last(_gqa_expand(q, v))
+    grad_out, out = _unit_last(grad_out), _unit_last(out)
     # Rows without a key: back to the kernel's own lse 0 (with -inf, exp(-inf - lse) is NaN).
     lse = lse.masked_fill(torch.isneginf(lse), 0.0)
     grads = _CPU_FLASH_BWD(grad_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
