@@ -107,17 +107,4 @@ FF_HOST_DEVICE void for_each_keep(uint64_t seed, uint64_t first, float p, F&& f)
   }
 }
 
-// f(k, keep) for the n elements first .. first + n - 1 (any n and alignment): one Philox call
-// per aligned group of four, the unaligned edges per element. The CPU kernels use it, which
-// also tests for_each_keep, the GPU vector paths' helper, on every CI run.
-template <typename F>
-FF_HOST_DEVICE void for_each_keep_run(uint64_t seed, uint64_t first, int64_t n, float p, F&& f) {
-  int64_t k = 0;
-  for (; k < n && ((first + k) & 3) != 0; ++k) f(k, dropout_keep(seed, first + k, p));
-  for (; k + 4 <= n; k += 4) {
-    for_each_keep<4>(seed, first + k, p, [&](int e, bool keep) { f(k + e, keep); });
-  }
-  for (; k < n; ++k) f(k, dropout_keep(seed, first + k, p));
-}
-
 }  // namespace fastformer

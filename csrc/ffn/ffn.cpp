@@ -27,6 +27,7 @@
 
 #include "common/checks.h"
 #include "common/philox.h"
+#include "common/philox_cpu.h"
 #include "ffn/ffn.h"
 
 #ifdef FASTFORMER_WITH_CUDA
@@ -326,14 +327,6 @@ FF_ALWAYS_INLINE void backward_compute(FfnActivation act, Chunk<acc_t>& c, acc_t
   }
 }
 
-// m[i] = scale where element offset + i is kept, else 0.
-template <typename acc_t>
-FF_ALWAYS_INLINE void keep_multipliers(acc_t* m, int64_t n, uint64_t seed, int64_t offset,
-                                       float p, acc_t scale) {
-  for_each_keep_run(seed, static_cast<uint64_t>(offset), n, p,
-                    [&](int64_t i, bool keep) { m[i] = keep ? scale : acc_t(0); });
-}
-
 // The float instances, built per instruction set (FF_CPU_CLONES); double stays generic.
 FF_CPU_CLONES void forward_compute_f32(FfnActivation act, Chunk<float>& c, int64_t n) {
   forward_compute(act, c, n);
@@ -341,10 +334,6 @@ FF_CPU_CLONES void forward_compute_f32(FfnActivation act, Chunk<float>& c, int64
 FF_CPU_CLONES void backward_compute_f32(FfnActivation act, Chunk<float>& c, float scale,
                                         int64_t n) {
   backward_compute(act, c, scale, n);
-}
-FF_CPU_CLONES void keep_multipliers_f32(float* m, int64_t n, uint64_t seed, int64_t offset,
-                                        float p, float scale) {
-  keep_multipliers(m, n, seed, offset, p, scale);
 }
 void forward_compute_any(FfnActivation act, Chunk<float>& c, int64_t n) {
   forward_compute_f32(act, c, n);
@@ -362,12 +351,10 @@ void backward_compute_any(FfnActivation act, Chunk<double>& c, double scale, int
 // m = dropout multipliers of elements [offset, offset + n): 1/(1-p) kept, 0 dropped; 1 if p == 0.
 template <typename acc_t>
 void dropout_multipliers(acc_t* m, int64_t n, const Problem& pr, int64_t offset) {
-  if (pr.p == 0.f) {
-    std::fill(m, m + n, acc_t(1));
-  } else if constexpr (std::is_same_v<acc_t, float>) {
-    keep_multipliers_f32(m, n, pr.seed, offset, pr.p, static_cast<float>(pr.scale));
-  } else {
-    keep_multipliers(m, n, pr.seed, offset, pr.p, static_cast<acc_t>(pr.scale));
+  std::fill(m, m + n, acc_t(1));  // and 1 * scale is scale exactly
+  if (pr.p != 0.f) {
+    dropout_scale_cpu(m, n, pr.seed, static_cast<uint64_t>(offset), pr.p,
+                      static_cast<acc_t>(pr.scale));
   }
 }
 

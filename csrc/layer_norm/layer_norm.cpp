@@ -22,6 +22,7 @@
 
 #include "common/checks.h"
 #include "common/philox.h"
+#include "common/philox_cpu.h"
 #include "layer_norm/layer_norm_glue.h"
 
 #ifdef FASTFORMER_WITH_CUDA
@@ -438,9 +439,8 @@ void load_row(const FwdCpu<T>& p, int64_t row, A* v) {
   row_convert(p.x + off, v, p.cols);
   if (!p.fused) return;
   if (p.dropout_p > 0) {
-    const A scale = static_cast<A>(p.scale);
-    for_each_keep_run(p.seed, static_cast<uint64_t>(off), p.cols, p.dropout_p,
-                      [&](int64_t j, bool keep) { v[j] = keep ? v[j] * scale : A(0); });
+    dropout_scale_cpu(v, p.cols, p.seed, static_cast<uint64_t>(off), p.dropout_p,
+                      static_cast<A>(p.scale));
   }
   if (p.residual != nullptr) {
     for (int64_t j = 0; j < p.cols; ++j) v[j] += static_cast<A>(p.residual[off + j]);
@@ -527,9 +527,8 @@ void fused_tail(const BwdCpu<T>& p, int64_t off, A* g) {
   }
   if (p.dres != nullptr) row_convert(g, p.dres + off, n);
   if (p.dropout_p > 0) {
-    const A scale = static_cast<A>(p.scale);
-    for_each_keep_run(p.seed, static_cast<uint64_t>(off), n, p.dropout_p,
-                      [&](int64_t j, bool keep) { g[j] = keep ? g[j] * scale : A(0); });
+    dropout_scale_cpu(g, n, p.seed, static_cast<uint64_t>(off), p.dropout_p,
+                      static_cast<A>(p.scale));
   }
 }
 

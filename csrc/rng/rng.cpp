@@ -10,6 +10,7 @@
 
 #include "common/checks.h"
 #include "common/philox.h"
+#include "common/philox_cpu.h"
 
 #ifdef FASTFORMER_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -19,6 +20,72 @@
 #endif
 
 namespace fastformer {
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && __GNUC__ >= 11
+#define FF_PHILOX_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define FF_FORCE_INLINE inline __attribute__((always_inline))
+#else
+#define FF_PHILOX_CLONES
+#define FF_FORCE_INLINE inline
+#endif
+
+namespace {
+
+// Loops over independent Philox calls, which the compiler vectorizes across calls
+// (common/philox_cpu.h): words[4 * i + k] = word k of the call at counter first + i.
+FF_PHILOX_CLONES void philox_words_cpu(uint64_t seed, uint64_t first, int64_t calls,
+                                       uint32_t* words) {
+  for (int64_t i = 0; i < calls; ++i) {
+    uint32_t w[4];
+    philox4x32(seed, first + i, w);
+    for (int k = 0; k < 4; ++k) words[4 * i + k] = w[k];
+  }
+}
+
+// keep[4 * i + k] = dropout_keep(seed, 4 * (first_call + i) + k, p), for i < calls.
+FF_PHILOX_CLONES void element_keep_cpu(uint64_t seed, uint64_t first_call, int64_t calls,
+                                       float p, uint8_t* keep) {
+  for (int64_t i = 0; i < calls; ++i) {
+    uint32_t w[4];
+    philox4x32(seed, first_call + i, w);
+    for (int k = 0; k < 4; ++k) keep[4 * i + k] = uint_to_uniform(w[k]) >= p;
+  }
+}
+
+// v[k] = keep ? v[k] * scale : 0 for the n elements first .. first + n - 1 (any n and
+// alignment): aligned groups of four in blocks of element_keep_cpu, the edges one by one.
+// Inlined into each clone of dropout_scale_cpu, so its loop is built for that clone's ISA.
+template <typename A>
+FF_FORCE_INLINE void dropout_scale_impl(A* v, int64_t n, uint64_t seed, uint64_t first, float p,
+                                        A scale) {
+  constexpr int64_t kCalls = 64;
+  uint8_t keep[4 * kCalls];
+  int64_t k = 0;
+  for (; k < n && ((first + k) & 3) != 0; ++k) {
+    v[k] = dropout_keep(seed, first + k, p) ? v[k] * scale : A(0);
+  }
+  while (k + 4 <= n) {
+    const int64_t calls = std::min(kCalls, (n - k) / 4);
+    element_keep_cpu(seed, (first + k) >> 2, calls, p, keep);
+    for (int64_t e = 0; e < 4 * calls; ++e) v[k + e] = keep[e] ? v[k + e] * scale : A(0);
+    k += 4 * calls;
+  }
+  for (; k < n; ++k) v[k] = dropout_keep(seed, first + k, p) ? v[k] * scale : A(0);
+}
+
+}  // namespace
+
+FF_PHILOX_CLONES void dropout_scale_cpu(float* v, int64_t n, uint64_t seed, uint64_t first,
+                                        float p, float scale) {
+  dropout_scale_impl(v, n, seed, first, p, scale);
+}
+
+void dropout_scale_cpu(double* v, int64_t n, uint64_t seed, uint64_t first, float p,
+                       double scale) {
+  dropout_scale_impl(v, n, seed, first, p, scale);
+}
+
 namespace {
 
 void check_offsets(const at::Tensor& offsets, const char* op = "philox_uniform") {
@@ -44,20 +111,15 @@ at::Tensor attention_keep_mask_cpu(int64_t seed, const at::Tensor& row_offsets, 
   const auto key = static_cast<uint64_t>(seed);
   const auto t = static_cast<uint32_t>(threshold);
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(seq_k, 1));
+  const int64_t calls = 4 * ((seq_k + 31) / 32);  // a row's calls are consecutive counters
   at::parallel_for(0, rows.numel(), grain, [&](int64_t begin, int64_t end) {
-    uint32_t words[4];
+    std::vector<uint32_t> words(4 * calls);
     for (int64_t r = begin; r < end; ++r) {
+      philox_words_cpu(key, static_cast<uint64_t>(base[r]), calls, words.data());
       bool* row = dst + r * seq_k;
-      for (int64_t g = 0; 32 * g < seq_k; ++g) {
-        for (int c = 0; c < 4; ++c) {
-          philox4x32(key, static_cast<uint64_t>(base[r] + 4 * g + c), words);
-          for (int w = 0; w < 4; ++w) {
-            for (int l = 0; l < 2; ++l) {
-              const int64_t j = 32 * g + 8 * w + 2 * c + l;
-              if (j < seq_k) row[j] = ((words[w] >> (16 * l)) & 0xFFFFu) >= t;
-            }
-          }
-        }
+      for (int64_t j = 0; j < seq_k; ++j) {  // j = 32 g + 8 w + 2 c + l: call 4 g + c, word w
+        const int64_t call = 4 * (j / 32) + (j / 2) % 4, w = (j / 8) % 4, l = j % 2;
+        row[j] = ((words[4 * call + w] >> (16 * l)) & 0xFFFFu) >= t;
       }
     }
   });
