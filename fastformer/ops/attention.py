@@ -487,7 +487,7 @@ def _cpu_flash_ok(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
     )
 
 
-def _cpu_flash_mask(q: Tensor, attn_mask, kpm, is_causal: bool):
+def _cpu_flash_mask(q: Tensor, k: Tensor, attn_mask, kpm, is_causal: bool):
     """(additive 4-D mask in q's dtype or None, bool rows without any key or None) for the CPU
     flash kernels, which take one float mask: a bool mask and key padding become -inf, as in
     the reference, and a float mask is cast to q's dtype, as the reference adds it."""
@@ -503,8 +503,7 @@ def _cpu_flash_mask(q: Tensor, attn_mask, kpm, is_causal: bool):
     mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
     visible = mask != float("-inf")
     if is_causal:
-        lq, lk = q.shape[2], visible.shape[-1]
-        visible = visible & torch.ones(lq, lk, dtype=torch.bool).tril()
+        visible = visible & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
     empty = ~visible.any(-1)
     return mask, (empty if bool(empty.any()) else None)
 
@@ -521,7 +520,7 @@ def _unit_last(t: Tensor) -> Tensor:
 
 
 def _cpu_flash_forward(q, k, v, attn_mask, kpm, is_causal, scale):
-    mask, empty = _cpu_flash_mask(q, attn_mask, kpm, is_causal)
+    mask, empty = _cpu_flash_mask(q, k, attn_mask, kpm, is_causal)
     q, k, v = _unit_last(q), _unit_last(_gqa_expand(q, k)), _unit_last(_gqa_expand(q, v))
     out, lse = _CPU_FLASH(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
     if empty is not None:  # the kernel leaves lse 0 there; the op's convention is -inf
@@ -530,7 +529,7 @@ def _cpu_flash_forward(q, k, v, attn_mask, kpm, is_causal, scale):
 
 
 def _cpu_flash_backward(grad_out, q, k, v, out, lse, attn_mask, kpm, is_causal, scale):
-    mask, _ = _cpu_flash_mask(q, attn_mask, kpm, is_causal)
+    mask, _ = _cpu_flash_mask(q, k, attn_mask, kpm, is_causal)
     hkv = k.shape[1]
     q, k, v = _unit_last(q), _unit_last(_gqa_expand(q, k)), _unit_last(_gqa_expand(q, v))
     grad_out, out = _unit_last(grad_out), _unit_last(out)
