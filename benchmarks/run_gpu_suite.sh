@@ -92,6 +92,12 @@ i = e.build_info()
 assert i and i.get("torch") == torch.__version__ and i.get("cuda_compiled"), f"build info {i}"
 assert e.sources_match(), "built from other csrc/ sources than these (or not recorded)"
 assert e.extension_error() is None, e.extension_error()'
+# A build made ahead of time on another machine (PREBUILT_DIR, default .gpu-prebuilt/: an ignored
+# folder a session carries to the GPU machine) is copied in first; the same check decides.
+PREBUILT_DIR="${PREBUILT_DIR:-.gpu-prebuilt}"
+if [ ! -f fastformer/_build_info.json ] && [ -f "$PREBUILT_DIR/_build_info.json" ]; then
+    cp "$PREBUILT_DIR"/_C*.so "$PREBUILT_DIR/_build_info.json" fastformer/
+fi
 # (In a subshell: a stale build counts as no failed stage.)
 if [ -f fastformer/_build_info.json ] && (in_place; stage prebuilt 30 "$PY" -c "$PREBUILT_OK"); then
     in_place

@@ -31,16 +31,24 @@ exit 0
 
 
 def _run_suite(
-    tmp_path: Path, pip_rc: int, prebuilt_rc: int | None = None, **extra_env: str
+    tmp_path: Path,
+    pip_rc: int,
+    prebuilt_rc: int | None = None,
+    carried: bool = False,
+    **extra_env: str,
 ) -> tuple[subprocess.CompletedProcess, list[str]]:
     """Run the suite with the stub; prebuilt_rc: None = no build in place, else the exit
-    status of the check of the build in place; extra_env: more environment variables."""
+    status of the check of the build in place (carried: that build waits in .gpu-prebuilt/
+    instead of fastformer/); extra_env: more environment variables."""
     root = tmp_path / "repo"
     (root / "benchmarks").mkdir(parents=True)
     (root / "fastformer").mkdir()
     (root / "kernels").mkdir()
     if prebuilt_rc is not None:
-        (root / "fastformer" / "_build_info.json").write_text("{}")
+        where = root / (".gpu-prebuilt" if carried else "fastformer")
+        where.mkdir(exist_ok=True)
+        (where / "_build_info.json").write_text("{}")
+        (where / "_C.cpython-312-x86_64-linux-gnu.so").write_text("")
     shutil.copy(SCRIPT, root / "benchmarks")
     stub = tmp_path / "python"
     stub.write_text(STUB)
@@ -118,6 +126,16 @@ def test_suite_uses_a_matching_build_in_place_and_rebuilds_a_stale_one(tmp_path,
     later = [c for c in calls if "fastformer check" in c or "fastformer bench" in c]
     in_place = [c.split(" ")[1] == f"PYTHONPATH={root}" for c in later]
     assert later and all(in_place) if prebuilt_rc == 0 else not any(in_place)
+
+
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
+def test_suite_copies_a_carried_build_in_before_the_check(tmp_path):
+    done, calls = _run_suite(tmp_path, pip_rc=0, prebuilt_rc=0, carried=True)
+    assert done.returncode == 1, done.stdout + done.stderr  # only the failing shard counts
+    fastformer = tmp_path / "repo" / "fastformer"
+    assert (fastformer / "_build_info.json").exists()
+    assert (fastformer / "_C.cpython-312-x86_64-linux-gnu.so").exists()
+    assert not any("-m pip install" in c for c in calls)
 
 
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
