@@ -126,6 +126,25 @@ at::Tensor attention_keep_mask_cpu(int64_t seed, const at::Tensor& row_offsets, 
   return out;
 }
 
+// dst[i] = element_uniform (element) or philox_uniform of offsets[i], i < n: one independent
+// call an element, vectorized across elements like the loops above.
+template <bool kElement>
+FF_FORCE_INLINE void uniform_loop(uint64_t seed, const int64_t* offsets, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) {
+    const auto offset = static_cast<uint64_t>(offsets[i]);
+    dst[i] = kElement ? element_uniform(seed, offset) : philox_uniform(seed, offset);
+  }
+}
+
+FF_PHILOX_CLONES void uniform_run(uint64_t seed, const int64_t* offsets, int64_t n, bool element,
+                                  float* dst) {
+  if (element) {
+    uniform_loop<true>(seed, offsets, n, dst);
+  } else {
+    uniform_loop<false>(seed, offsets, n, dst);
+  }
+}
+
 template <bool kElement>
 at::Tensor uniform_cpu(int64_t seed, const at::Tensor& offsets) {
   check_offsets(offsets);
@@ -135,10 +154,7 @@ at::Tensor uniform_cpu(int64_t seed, const at::Tensor& offsets) {
   float* dst = out.data_ptr<float>();
   const auto key = static_cast<uint64_t>(seed);
   at::parallel_for(0, off.numel(), 4096, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const auto offset = static_cast<uint64_t>(src[i]);
-      dst[i] = kElement ? element_uniform(key, offset) : philox_uniform(key, offset);
-    }
+    uniform_run(key, src + begin, end - begin, kElement, dst + begin);
   });
   return out;
 }
