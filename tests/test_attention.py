@@ -769,7 +769,8 @@ def test_torch_backend_uses_cpu_flash_kernels_without_dropout(monkeypatch, dropo
 
 @pytest.mark.parametrize("backend", ["default", "torch"])
 def test_strided_grad_out(monkeypatch, backend):
-    # A gradient whose last stride is not 1 (torch 2.11's CPU flash kernels misread those).
+    # A gradient whose last stride is not 1 (on CPU the torch backend hands the flash kernels
+    # unit-stride tensors: torch 2.11's forward misreads a strided q, k or v).
     _use_backend(monkeypatch, backend)
     c = Case(lq=33, lk=40, d=16, causal=True, kpm="random")
     q, k, v = _qkv(c)
