@@ -487,12 +487,12 @@ def _cpu_flash_ok(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
     )
 
 
-def _cpu_flash_mask(q: Tensor, k: Tensor, attn_mask, kpm, is_causal: bool):
-    """(additive 4-D mask in q's dtype or None, bool rows without any key or None) for the CPU
-    flash kernels, which take one float mask: a bool mask and key padding become -inf, as in
-    the reference, and a float mask is cast to q's dtype, as the reference adds it."""
+def _cpu_flash_mask(q: Tensor, attn_mask, kpm) -> Tensor | None:
+    """The one additive 4-D mask (q's dtype) the CPU flash kernels take: a bool mask and key
+    padding become -inf, as in the reference, and a float mask is cast to q's dtype, as the
+    reference adds it."""
     if attn_mask is None and kpm is None:
-        return None, None  # causal alone leaves key 0 to every row
+        return None
     keep = None if attn_mask is None or attn_mask.is_floating_point() else attn_mask
     if kpm is not None:
         keep = ~kpm[:, None, None, :] if keep is None else keep & ~kpm[:, None, None, :]
@@ -500,47 +500,54 @@ def _cpu_flash_mask(q: Tensor, k: Tensor, attn_mask, kpm, is_causal: bool):
     if attn_mask is not None and attn_mask.is_floating_point():
         add = attn_mask.to(q.dtype)
     mask = add if keep is None else torch.where(keep, add, float("-inf"))
-    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+
+
+def _rows_without_key(mask: Tensor | None, lq: int, lk: int, is_causal: bool):
+    """Bool (.., Lq) of the query rows `mask` (and causality) leave no key, or None if none."""
+    if mask is None:
+        return None  # causal alone leaves key 0 to every row
     visible = mask != float("-inf")
     if is_causal:
-        visible = visible & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+        visible = visible & torch.ones(lq, lk, dtype=torch.bool).tril()
     empty = ~visible.any(-1)
-    return mask, (empty if bool(empty.any()) else None)
+    return empty if bool(empty.any()) else None
 
 
-def _gqa_expand(q: Tensor, t: Tensor) -> Tensor:
-    groups = q.shape[1] // t.shape[1]
-    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
-
-
-def _unit_last(t: Tensor) -> Tensor:
+def _flash_inputs(*tensors: Tensor) -> list[Tensor]:
     # torch 2.11's CPU flash kernels read q, k and v as if their last stride were 1 (wrong
     # results otherwise, measured; 2.14 reads them right). out and grad_out get the same care.
-    return t if t.stride(-1) == 1 else t.contiguous()
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
+def _sum_kv_groups(grad: Tensor, hkv: int) -> Tensor:
+    """A (B, H, L, D) gradient summed over the query heads each of the hkv key/value heads
+    served (GQA); unchanged when H == hkv."""
+    return grad if grad.shape[1] == hkv else grad.unflatten(1, (hkv, -1)).sum(2)
 
 
 def _cpu_flash_forward(q, k, v, attn_mask, kpm, is_causal, scale):
-    mask, empty = _cpu_flash_mask(q, k, attn_mask, kpm, is_causal)
-    q, k, v = _unit_last(q), _unit_last(_gqa_expand(q, k)), _unit_last(_gqa_expand(q, v))
+    mask = _cpu_flash_mask(q, attn_mask, kpm)
+    k, v = reference._repeat_kv_heads(q, k, v, k.shape[1] != q.shape[1])
+    q, k, v = _flash_inputs(q, k, v)
     out, lse = _CPU_FLASH(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
+    empty = _rows_without_key(mask, q.shape[2], k.shape[2], is_causal)
     if empty is not None:  # the kernel leaves lse 0 there; the op's convention is -inf
         lse = lse.masked_fill(empty, float("-inf"))
-    return out, lse.float()
+    return out, lse
 
 
 def _cpu_flash_backward(grad_out, q, k, v, out, lse, attn_mask, kpm, is_causal, scale):
-    mask, _ = _cpu_flash_mask(q, k, attn_mask, kpm, is_causal)
+    mask = _cpu_flash_mask(q, attn_mask, kpm)
     hkv = k.shape[1]
-    q, k, v = _unit_last(q), _unit_last(_gqa_expand(q, k)), _unit_last(_gqa_expand(q, v))
-    grad_out, out = _unit_last(grad_out), _unit_last(out)
+    k, v = reference._repeat_kv_heads(q, k, v, hkv != q.shape[1])
+    q, k, v, grad_out, out = _flash_inputs(q, k, v, grad_out, out)
     # Rows without a key: back to the kernel's own lse 0 (with -inf, exp(-inf - lse) is NaN).
     lse = lse.masked_fill(torch.isneginf(lse), 0.0)
-    grads = _CPU_FLASH_BWD(grad_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
-    dq, dk, dv = grads
-    if hkv != q.shape[1]:  # sum over the query heads each key/value head served
-        dk = dk.unflatten(1, (hkv, -1)).sum(2)
-        dv = dv.unflatten(1, (hkv, -1)).sum(2)
-    return dq, dk, dv
+    dq, dk, dv = _CPU_FLASH_BWD(
+        grad_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale
+    )
+    return dq, _sum_kv_groups(dk, hkv), _sum_kv_groups(dv, hkv)
 
 
 def _torch_forward(q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scale):
@@ -618,8 +625,7 @@ def _reference_backward(
     grad_scores = grad_probs.sub_(row).mul_(probs)
     grad_q = (grad_scores @ kh) * scale
     grad_k = (grad_scores.transpose(-2, -1) @ q) * scale
-    if hkv != h:  # sum over the query heads each key/value head served
-        grad_k, grad_v = (g.unflatten(1, (hkv, -1)).sum(2) for g in (grad_k, grad_v))
+    grad_k, grad_v = _sum_kv_groups(grad_k, hkv), _sum_kv_groups(grad_v, hkv)
     grad_mask = None
     if mask_grad:
         grad_mask = grad_scores.sum_to_size(attn_mask.shape).to(attn_mask.dtype)
