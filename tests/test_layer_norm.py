@@ -238,6 +238,28 @@ def test_dropout_add_layer_norm_matches_reference(prenorm, with_residual, rows, 
     assert_parity(compare_with_reference(fast, reference, [x, res, w, b], names=names))
 
 
+def test_outputs_of_fresh_pages_match_reference():
+    """Outputs over 32 MiB: glibc maps them fresh, so the CPU kernels prefault their pages
+    (csrc/common/prefault.h) before writing out, pre, dx and dres."""
+    x = _make((2100, 4096), scale=1.5)
+    res = _make((2100, 4096), seed=9)
+    w, b = _params(4096, "both")
+    seed = _seed_of_next_call(31)
+    keep = ln.dropout_add_layer_norm_keep_mask(seed, x.shape, 0.1)
+
+    def fast(x, res, w, b):
+        torch.manual_seed(31)
+        return ln.dropout_add_layer_norm(x, res, w, b, 1e-5, 0.1, True)
+
+    def reference(x, res, w, b):
+        out, pre = ref.dropout_add_layer_norm(x, res, w, b, 1e-5, 0.1, True, keep_mask=keep)
+        return out.to(x.dtype), pre
+
+    _assert_runs_cpp(x)
+    names = ["x", "residual", "weight", "bias"]
+    assert_parity(compare_with_reference(fast, reference, [x, res, w, b], names=names))
+
+
 def test_dropout_add_layer_norm_low_precision():
     x = _make((64, 256), torch.bfloat16)
     res = _make((64, 256), torch.bfloat16, seed=2)

@@ -28,6 +28,7 @@
 #include "common/checks.h"
 #include "common/philox.h"
 #include "common/philox_cpu.h"
+#include "common/prefault.h"
 #include "ffn/ffn.h"
 
 #ifdef FASTFORMER_WITH_CUDA
@@ -423,6 +424,7 @@ void forward_rows(const CpuPass<scalar_t>& s, int64_t row_begin, int64_t row_end
   using acc_t = at::opmath_type<scalar_t>;
   const Problem& pr = s.pr;
   Chunk<acc_t> c;
+  prefault_rows(s.g, pr.d_ff, row_begin, row_end);
   for (int64_t row = row_begin; row < row_end; ++row) {
     scalar_t* h_row = s.h + row * pr.width;
     for (int64_t c0 = 0; c0 < pr.d_ff; c0 += kChunk) {
@@ -466,6 +468,8 @@ void backward_chunk(const CpuPass<scalar_t>& s, Chunk<at::opmath_type<scalar_t>>
 template <typename scalar_t>
 void backward_rows(const CpuPass<scalar_t>& s, int64_t row_begin, int64_t row_end) {
   Chunk<at::opmath_type<scalar_t>> c;
+  prefault_rows(s.g, s.pr.d_ff, row_begin, row_end);
+  prefault_rows(s.dh, s.pr.width, row_begin, row_end);
   for (int64_t row = row_begin; row < row_end; ++row) {
     for (int64_t c0 = 0; c0 < s.pr.d_ff; c0 += kChunk) {
       backward_chunk(s, c, row, c0, std::min(kChunk, s.pr.d_ff - c0));

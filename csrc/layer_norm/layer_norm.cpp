@@ -23,6 +23,7 @@
 #include "common/checks.h"
 #include "common/philox.h"
 #include "common/philox_cpu.h"
+#include "common/prefault.h"
 #include "layer_norm/layer_norm_glue.h"
 
 #ifdef FASTFORMER_WITH_CUDA
@@ -463,6 +464,8 @@ void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
   A* rstd_out = rstd.data_ptr<A>();
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    prefault_rows(p.out, n, begin, end);
+    prefault_rows(p.pre, n, begin, end);
     std::vector<A> buf(n);
     for (int64_t row = begin; row < end; ++row) {
       const A* v = buf.data();
@@ -589,6 +592,9 @@ void bwd_cpu_kernel(const BwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
   const int64_t per_block = blocks == 0 ? 0 : (rows + blocks - 1) / blocks;
   std::vector<A> pw(want_w ? blocks * n : 0, A(0)), pb(want_b ? blocks * n : 0, A(0));
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t first = std::min(rows, begin * per_block), last = std::min(rows, end * per_block);
+    prefault_rows(p.dx, n, first, last);
+    prefault_rows(p.dres, n, first, last);
     BwdScratch<A> scratch(n);
     for (int64_t blk = begin; blk < end; ++blk) {
       A* bw = want_w ? pw.data() + blk * n : nullptr;
