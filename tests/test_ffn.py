@@ -116,6 +116,22 @@ def test_rank1_and_empty_x():
     assert torch.equal(w1.grad, torch.zeros_like(w1)) and torch.equal(b2.grad, torch.zeros(8))
 
 
+@pytest.mark.parametrize("lead", [(6,), (2, 3)])
+def test_output_can_be_changed_in_place(lead):
+    """A residual `out += x` on the output (not a view autograd forbids to modify), with the
+    gradients of the out-of-place sum."""
+    inputs = make_inputs(lead, 8, 12, "gelu")
+    out = ffn(*inputs, "gelu")
+    out += inputs[0]
+    out.square().sum().backward()
+    grads = [t.grad for t in inputs]
+    for t in inputs:
+        t.grad = None
+    (ffn(*inputs, "gelu") + inputs[0]).square().sum().backward()
+    for got, t in zip(grads, inputs):
+        torch.testing.assert_close(got, t.grad, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_gradcheck_float64(activation):
     inputs = make_inputs((2, 3), 5, 4, activation, torch.float64)
@@ -205,8 +221,9 @@ def test_saves_no_byte_mask(activation, saved_width):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         ffn(*inputs, activation, 0.3)
     shapes = sorted(tuple(t.shape) for t in saved)
-    # x, w1, w2, the activation (g for relu, else h), the seed -- no bool tensor of any size.
-    expected = sorted([(7, 16), inputs[1].shape, (16, 13), (7, saved_width), ()])
+    # x, w1, w2, the activation (g for relu, else h) -- no bool tensor of any size (the seed
+    # is kept as an int).
+    expected = sorted([(7, 16), inputs[1].shape, (16, 13), (7, saved_width)])
     assert shapes == sorted(tuple(s) for s in expected)
     assert not any(t.dtype == torch.bool for t in saved)
 

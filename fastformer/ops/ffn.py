@@ -40,7 +40,7 @@ from torch import Tensor
 from fastformer import reference
 from fastformer._ext import cuda_kernels_compiled, extension_error
 from fastformer.ops import rng
-from fastformer.ops._dispatch import Backend, register, select
+from fastformer.ops._dispatch import Backend, register, select_by_key
 
 __all__ = [
     "ACTIVATIONS",
@@ -255,16 +255,27 @@ def ffn(
         ``(..., d_out)`` in the dtype of ``x``. Differentiable in x, w1, b1, w2, b2 (first order).
     """
     _check_inputs(x, w1, b1, w2, b2, activation, dropout_p)
-    params = (x, w1, b1, w2, b2)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)
-    args = (x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, activation, float(dropout_p))
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad
+        or w1.requires_grad
+        or w2.requires_grad
+        or (b1 is not None and b1.requires_grad)
+        or (b2 is not None and b2.requires_grad)
+    )
+    dropout_p = float(dropout_p)
+    if needs_grad and not torch.compiler.is_compiling():
+        return _FfnFunction.apply(x, w1, b1, w2, b2, activation, dropout_p)
+    args = (_rows(x), w1, b1, w2, b2, activation, dropout_p)
     if torch.compiler.is_compiling():
         out = _ffn_op(*args, needs_grad)[0]
-    elif needs_grad:
-        out = _FfnFunction.apply(*args)
     else:
         out = _forward(*args, needs_grad=False)[0]
     return out.view(*x.shape[:-1], w2.shape[0])
+
+
+def _rows(t: Tensor) -> Tensor:
+    """`t` as a (tokens, features) matrix."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
 def _saved_shape(x: Tensor, w1: Tensor) -> tuple[int, int]:
@@ -305,7 +316,7 @@ def _capability(device: torch.device) -> tuple[int, int]:
 
 
 def _backend(x: Tensor) -> str:
-    return select("ffn", FfnInputs(x.device, x.dtype))
+    return select_by_key("ffn", (x.device.type, x.dtype), lambda: FfnInputs(x.device, x.dtype))
 
 
 def _forward(
@@ -372,62 +383,72 @@ def _ffn_grad_op_fake(grad_out, x, w1, w2, saved, seed, activation, dropout_p):
     )
 
 
-def _save(ctx, inputs, output) -> None:
+def _setup_context(ctx, inputs, output) -> None:
     x, w1, b1, w2, b2, activation, dropout_p = inputs[:7]
     _, saved, seed = output
     ctx.save_for_backward(x, w1, w2, saved, seed)
-    ctx.set_materialize_grads(False)
-    ctx.activation, ctx.dropout_p = activation, dropout_p
-    ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
-
-
-def _setup_context(ctx, inputs, output) -> None:
-    _save(ctx, inputs, output)
+    _keep_options(ctx, activation, dropout_p, b1, b2)
     # saved and seed are bookkeeping outputs: no gradient flows into them, and autograd should
     # not materialize a zero (tokens, width) tensor for them at every backward.
     ctx.mark_non_differentiable(*output[1:])
 
 
-def _grads(ctx, grad_out, grad_fn) -> tuple:
-    """Gradients of the 7 inputs of ffn's helpers (None for the non-tensors)."""
-    if grad_out is None:  # grads are not materialized: nothing flowed into `out`
-        return (None,) * 7
-    x, w1, w2, saved, seed = ctx.saved_tensors
+def _keep_options(ctx, activation: str, dropout_p: float, b1, b2) -> None:
+    ctx.set_materialize_grads(False)
+    ctx.activation, ctx.dropout_p = activation, dropout_p
+    ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
+
+
+def _input_grads(ctx, grads: tuple[Tensor, ...]) -> tuple:
+    """Gradients of the 7 inputs of ffn's helpers (None for absent biases and non-tensors)."""
+    dx, dw1, db1, dw2, db2 = grads
+    return dx, dw1, db1 if ctx.has_b1 else None, dw2, db2 if ctx.has_b2 else None, None, None
+
+
+def _check_saved(saved: Tensor) -> None:
     if saved.dim() != 2:
         raise RuntimeError(
             "fastformer::ffn ran with needs_grad=False, so it saved nothing to differentiate"
         )
-    dx, dw1, db1, dw2, db2 = grad_fn(
-        grad_out, x, w1, w2, saved, seed, ctx.activation, ctx.dropout_p
-    )
-    db1 = db1 if ctx.has_b1 else None
-    db2 = db2 if ctx.has_b2 else None
-    return dx, dw1, db1, dw2, db2, None, None
 
 
 def _backward(ctx, grad_out, _grad_saved, _grad_seed):
-    return (*_grads(ctx, grad_out, _ffn_grad_op), None)  # needs_grad gets None too
+    if grad_out is None:  # grads are not materialized: nothing flowed into `out`
+        return (None,) * 8
+    x, w1, w2, saved, seed = ctx.saved_tensors
+    _check_saved(saved)
+    grads = _ffn_grad_op(grad_out, x, w1, w2, saved, seed, ctx.activation, ctx.dropout_p)
+    return (*_input_grads(ctx, grads), None)  # needs_grad gets None too
 
 
 _ffn_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _FfnFunction(torch.autograd.Function):
-    """Eager autograd of fastformer::ffn: the same helpers, less the custom-op dispatch."""
+    """Eager autograd of fastformer::ffn: the same helpers, less the custom-op dispatch. It
+    takes x of any rank and flattens it inside, so that autograd records one node, not three
+    (reshape, op, view): host time, which a GPU kernel of the base model's size waits for."""
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, activation, dropout_p):
-        inputs = (x, w1, b1, w2, b2, activation, dropout_p)
         # The backward runs the forward's backend (its saved tensor is that backend's).
         ctx.backend = _backend(x)
-        out, saved, seed = _forward(*inputs, needs_grad=True, backend=ctx.backend)
-        seed = rng.seed_tensor(seed)
-        _save(ctx, inputs, (out, saved, seed))
-        return out
+        inputs = (_rows(x), w1, b1, w2, b2, activation, dropout_p)
+        out, saved, ctx.seed = _forward(*inputs, needs_grad=True, backend=ctx.backend)
+        ctx.save_for_backward(x, w1, w2, saved)
+        _keep_options(ctx, activation, dropout_p, b1, b2)
+        # Not out.view: autograd would forbid in-place changes to a view made in a Function.
+        return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], w2.shape[0]))
 
     @staticmethod
     def backward(ctx, grad_out):
-        return _grads(ctx, grad_out, lambda *args: _grad(*args, backend=ctx.backend))
+        if grad_out is None:
+            return (None,) * 7
+        x, w1, w2, saved = ctx.saved_tensors
+        _check_saved(saved)
+        args = (_rows(grad_out), _rows(x), w1, w2, saved, ctx.seed, ctx.activation)
+        grads = _grad(*args, ctx.dropout_p, backend=ctx.backend)
+        return _input_grads(ctx, (grads[0].view(x.shape), *grads[1:]))
 
 
 # --------------------------------------------------------------------------- torch backend

@@ -142,8 +142,8 @@ def draw_seed(device: torch.device | str | None = None) -> int:
         base, offset = gen.initial_seed(), gen.get_offset()
         gen.set_offset(offset + 4)
         return _mix64(_mix64(base) ^ offset) >> (64 - SEED_BITS)
-    draw = torch.randint(0, 2**62, (2,), generator=torch.default_generator)
-    return ((int(draw[0]) << 1) ^ int(draw[1])) & (2**SEED_BITS - 1)
+    draw = torch.randint(-(2**63), 2**63 - 1, (), generator=torch.default_generator)
+    return draw.item() & (2**SEED_BITS - 1)
 
 
 def seed_tensor(seed: int) -> torch.Tensor:
