@@ -215,18 +215,13 @@ def _seed_of_next_call(manual_seed):
     return rng.draw_seed("cpu")
 
 
-@pytest.mark.parametrize("prenorm", [False, True])
-@pytest.mark.parametrize("with_residual", [True, False])
-@pytest.mark.parametrize(("rows", "hidden", "p"), [(3, 7, 0.5), (100, 1024, 0.1), (4, 1023, 0.0)])
-def test_dropout_add_layer_norm_matches_reference(prenorm, with_residual, rows, hidden, p):
-    x = _make((2, rows, hidden), scale=1.5)
-    res = _make((2, rows, hidden), seed=9) if with_residual else None
-    w, b = _params(hidden, "both")
-    seed = _seed_of_next_call(123)
+def _fused_parity(x, res, w, b, p, prenorm, manual_seed=123, atol_floor=None):
+    """dropout_add_layer_norm against the reference given the keep-mask its call drew."""
+    seed = _seed_of_next_call(manual_seed)
     keep = ln.dropout_add_layer_norm_keep_mask(seed, x.shape, p) if p > 0 else None
 
     def fast(x, res, w, b):
-        torch.manual_seed(123)
+        torch.manual_seed(manual_seed)
         return ln.dropout_add_layer_norm(x, res, w, b, 1e-5, p, prenorm)
 
     def reference(x, res, w, b):
@@ -234,8 +229,18 @@ def test_dropout_add_layer_norm_matches_reference(prenorm, with_residual, rows, 
         return (out[0].to(x.dtype), out[1]) if prenorm else out.to(x.dtype)
 
     _assert_runs_cpp(x)
-    names = ["x", "residual", "weight", "bias"] if with_residual else ["x", "weight", "bias"]
-    assert_parity(compare_with_reference(fast, reference, [x, res, w, b], names=names))
+    names = ["x", "residual", "weight", "bias"] if res is not None else ["x", "weight", "bias"]
+    kwargs = {} if atol_floor is None else {"atol_floor": atol_floor}
+    assert_parity(compare_with_reference(fast, reference, [x, res, w, b], names=names, **kwargs))
+
+
+@pytest.mark.parametrize("prenorm", [False, True])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize(("rows", "hidden", "p"), [(3, 7, 0.5), (100, 1024, 0.1), (4, 1023, 0.0)])
+def test_dropout_add_layer_norm_matches_reference(prenorm, with_residual, rows, hidden, p):
+    x = _make((2, rows, hidden), scale=1.5)
+    res = _make((2, rows, hidden), seed=9) if with_residual else None
+    _fused_parity(x, res, *_params(hidden, "both"), p, prenorm)
 
 
 def test_outputs_of_fresh_pages_match_reference():
@@ -243,42 +248,14 @@ def test_outputs_of_fresh_pages_match_reference():
     (csrc/common/prefault.h) before writing out, pre, dx and dres."""
     x = _make((2100, 4096), scale=1.5)
     res = _make((2100, 4096), seed=9)
-    w, b = _params(4096, "both")
-    seed = _seed_of_next_call(31)
-    keep = ln.dropout_add_layer_norm_keep_mask(seed, x.shape, 0.1)
-
-    def fast(x, res, w, b):
-        torch.manual_seed(31)
-        return ln.dropout_add_layer_norm(x, res, w, b, 1e-5, 0.1, True)
-
-    def reference(x, res, w, b):
-        out, pre = ref.dropout_add_layer_norm(x, res, w, b, 1e-5, 0.1, True, keep_mask=keep)
-        return out.to(x.dtype), pre
-
-    _assert_runs_cpp(x)
-    names = ["x", "residual", "weight", "bias"]
-    assert_parity(compare_with_reference(fast, reference, [x, res, w, b], names=names))
+    _fused_parity(x, res, *_params(4096, "both"), 0.1, True, manual_seed=31)
 
 
 def test_dropout_add_layer_norm_low_precision():
     x = _make((64, 256), torch.bfloat16)
     res = _make((64, 256), torch.bfloat16, seed=2)
     w, b = _params(256, "both")  # fp32 parameters
-    seed = _seed_of_next_call(5)
-    keep = ln.dropout_add_layer_norm_keep_mask(seed, x.shape, 0.2)
-
-    def fast(x, res, w, b):
-        torch.manual_seed(5)
-        return ln.dropout_add_layer_norm(x, res, w, b, 1e-5, 0.2, True)
-
-    def reference(x, res, w, b):
-        out, pre = ref.dropout_add_layer_norm(x, res, w, b, 1e-5, 0.2, True, keep_mask=keep)
-        return out.to(x.dtype), pre
-
-    results = compare_with_reference(
-        fast, reference, [x, res, w, b], names=["x", "residual", "w", "b"], atol_floor=1e-2
-    )
-    assert_parity(results)
+    _fused_parity(x, res, w, b, 0.2, True, manual_seed=5, atol_floor=1e-2)
 
 
 def test_dropout_keep_rate_within_binomial_bound():
