@@ -437,6 +437,8 @@ class _FfnFunction(torch.autograd.Function):
         out, saved, ctx.seed = _forward(*inputs, needs_grad=True, backend=ctx.backend)
         ctx.save_for_backward(x, w1, w2, saved)
         _keep_options(ctx, activation, dropout_p, b1, b2)
+        if x.dim() == 2:
+            return out
         # Not out.view: autograd would forbid in-place changes to a view made in a Function.
         return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], w2.shape[0]))
 
@@ -448,7 +450,8 @@ class _FfnFunction(torch.autograd.Function):
         _check_saved(saved)
         args = (_rows(grad_out), _rows(x), w1, w2, saved, ctx.seed, ctx.activation)
         grads = _grad(*args, ctx.dropout_p, backend=ctx.backend)
-        return _input_grads(ctx, (grads[0].view(x.shape), *grads[1:]))
+        dx = grads[0] if x.dim() == 2 else grads[0].view(x.shape)
+        return _input_grads(ctx, (dx, *grads[1:]))
 
 
 # --------------------------------------------------------------------------- torch backend
