@@ -104,6 +104,17 @@ def test_layer_norm_noncontiguous_and_multidim():
     x = _make((3, 5, 4, 16))
     w, b = _make((4, 16), seed=5), _make((4, 16), seed=6)
     _ln_parity(x, (4, 16), w, b)
+    _ln_parity(_make((16,)), 16, *_params(16, "both"))  # one row: the kernels take (..., cols)
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (2, 0, 8)])
+def test_empty_batch(shape):
+    x = _make(shape)
+    w, b = _params(8, "both")
+    out = ln.layer_norm(x, 8, w, b)
+    assert out.shape == shape
+    out.sum().backward()
+    assert torch.equal(w.grad, torch.zeros(8)) and torch.equal(b.grad, torch.zeros(8))
 
 
 def test_layer_norm_matches_torch_and_eps():
@@ -114,15 +125,6 @@ def test_layer_norm_matches_torch_and_eps():
         torch.testing.assert_close(ln.layer_norm(x, 33, w, b, eps), expected)
         with torch.no_grad():  # the path without autograd
             torch.testing.assert_close(ln.layer_norm(x, 33, w, b, eps), expected)
-
-
-def test_empty_batch():
-    x = _make((0, 8))
-    w, b = _params(8, "both")
-    out = ln.layer_norm(x, 8, w, b)
-    assert out.shape == (0, 8)
-    out.sum().backward()
-    assert torch.equal(w.grad, torch.zeros(8)) and torch.equal(b.grad, torch.zeros(8))
 
 
 # --------------------------------------------------------------------------- rms_norm
@@ -435,8 +437,8 @@ def test_error_message_names_value_and_expectation():
 def test_compiled_op_rejects_bad_direct_calls():
     seed = torch.tensor(0)
     f = torch.ops.fastformer.layer_norm_fwd
-    with pytest.raises(RuntimeError, match="2-D"):
-        f(torch.randn(2, 3, 4), None, None, None, seed, 1e-5, 0.0, False, False)
+    with pytest.raises(RuntimeError, match="0-d"):
+        f(torch.randn(()), None, None, None, seed, 1e-5, 0.0, False, False)
     with pytest.raises(RuntimeError, match="weight must have shape"):
         f(torch.randn(2, 4), torch.randn(3), None, None, seed, 1e-5, 0.0, False, False)
     with pytest.raises(RuntimeError, match="eps"):

@@ -1,8 +1,9 @@
 // torch.ops.fastformer.layer_norm_fwd / layer_norm_bwd: LayerNorm, RMSNorm and the fused
 // dropout + residual-add + LayerNorm, CPU kernels here and CUDA glue for layer_norm_cuda.cu.
 //
-// Both ops work on a contiguous (rows, cols) matrix (fastformer/ops/layer_norm.py flattens the
-// leading dims into rows and the normalized dims into cols) and keep their statistics in the
+// Both ops take x as (..., cols) and work on it as a contiguous (rows, cols) matrix, every
+// leading dim a row (fastformer/ops/layer_norm.py flattens a normalized shape of several dims
+// into cols; ln_glue::rows_of / cols_of), and keep their statistics in the
 // accumulation dtype: fp32, or fp64 for fp64 inputs (CPU only; it lets gradcheck test these
 // kernels). Dropout keeps element i = row * cols + col when element_uniform(seed, i) >= p and
 // scales it by 1 / (1 - p); the backward regenerates that mask from the seed. The seed is a
@@ -38,8 +39,10 @@ namespace {
 
 using Tensors4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
+using ln_glue::cols_of;
 using ln_glue::dropout_scale;
 using ln_glue::param_dtype;
+using ln_glue::rows_of;
 
 // ------------------------------------------------------------------ checks
 
@@ -55,8 +58,8 @@ uint64_t seed_value(const at::Tensor& seed) {
 // A per-column parameter (weight or bias): (cols,), the input dtype or fp32, on x's device.
 void check_param(const c10::optional<at::Tensor>& p, const char* name, const at::Tensor& x) {
   if (!p.has_value()) return;
-  TORCH_CHECK(p->dim() == 1 && p->size(0) == x.size(1), "layer_norm: ", name,
-              " must have shape (", x.size(1), ",), got ", p->sizes());
+  TORCH_CHECK(p->dim() == 1 && p->size(0) == cols_of(x), "layer_norm: ", name,
+              " must have shape (", cols_of(x), ",), got ", p->sizes());
   TORCH_CHECK(p->scalar_type() == x.scalar_type() || p->scalar_type() == at::kFloat,
               "layer_norm: ", name, " must be ", x.scalar_type(), " or float32, got ",
               p->scalar_type());
@@ -64,7 +67,7 @@ void check_param(const c10::optional<at::Tensor>& p, const char* name, const at:
 }
 
 void check_x(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.dim() == 2, "layer_norm: ", name, " must be 2-D (rows, cols), got ", x.sizes());
+  TORCH_CHECK(x.dim() >= 1, "layer_norm: ", name, " must be (..., cols), got a 0-d tensor");
   const auto t = x.scalar_type();
   TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16 ||
                   (t == at::kDouble && x.device().is_cpu()),
@@ -629,8 +632,8 @@ bool is_fused(const c10::optional<at::Tensor>& residual, double dropout_p, bool 
 Tensors4 fwd_outputs(const at::Tensor& x, bool store_pre, bool rms) {
   const auto stats = x.options().dtype(stats_dtype(x));
   at::Tensor pre = store_pre ? at::empty_like(x) : at::empty({0}, x.options());
-  at::Tensor mean = rms ? at::empty({0}, stats) : at::empty({x.size(0)}, stats);
-  return {at::empty_like(x), pre, mean, at::empty({x.size(0)}, stats)};
+  at::Tensor mean = rms ? at::empty({0}, stats) : at::empty({rows_of(x)}, stats);
+  return {at::empty_like(x), pre, mean, at::empty({rows_of(x)}, stats)};
 }
 
 Tensors4 layer_norm_fwd_cpu(const at::Tensor& x_in, const c10::optional<at::Tensor>& weight,
@@ -648,14 +651,14 @@ Tensors4 layer_norm_fwd_cpu(const at::Tensor& x_in, const c10::optional<at::Tens
                       res.defined() ? res.data_ptr<T>() : nullptr,
                       out.data_ptr<T>(),
                       pre.numel() > 0 ? pre.data_ptr<T>() : nullptr,
-                      x.size(1),
+                      cols_of(x),
                       eps,
                       static_cast<float>(dropout_p),
                       dropout_scale(dropout_p),
                       seed_value(seed),
                       rms,
                       fused};
-    fwd_cpu_kernel<T>(p, weight, bias, x.size(0), mean, rstd);
+    fwd_cpu_kernel<T>(p, weight, bias, rows_of(x), mean, rstd);
   });
   return {out, pre, mean, rstd};
 }
@@ -686,11 +689,11 @@ void check_bwd(const at::Tensor& dy, const c10::optional<at::Tensor>& dpre, cons
   TORCH_CHECK(!need_dweight || weight.has_value(), "layer_norm: need_dweight without weight");
   TORCH_CHECK(!need_dbias || bias.has_value(), "layer_norm: need_dbias without bias");
   const auto st = stats_dtype(x);
-  TORCH_CHECK(rstd.numel() == x.size(0) && rstd.scalar_type() == st,
-              "layer_norm: rstd must be (", x.size(0), ",) ", st, ", got ", rstd.sizes(), " ",
+  TORCH_CHECK(rstd.numel() == rows_of(x) && rstd.scalar_type() == st,
+              "layer_norm: rstd must be (", rows_of(x), ",) ", st, ", got ", rstd.sizes(), " ",
               rstd.scalar_type());
-  TORCH_CHECK(rms || (mean.numel() == x.size(0) && mean.scalar_type() == st),
-              "layer_norm: mean must be (", x.size(0), ",) ", st, ", got ", mean.sizes(), " ",
+  TORCH_CHECK(rms || (mean.numel() == rows_of(x) && mean.scalar_type() == st),
+              "layer_norm: mean must be (", rows_of(x), ",) ", st, ", got ", mean.sizes(), " ",
               mean.scalar_type());
   FF_CHECK_DEVICE(rstd, x.device());
   if (!rms) FF_CHECK_DEVICE(mean, x.device());
@@ -702,8 +705,8 @@ Tensors4 bwd_outputs(const at::Tensor& x, const c10::optional<at::Tensor>& weigh
                      bool need_dbias) {
   const at::Tensor none = at::empty({0}, x.options());
   return {at::empty_like(x), has_residual ? at::empty_like(x) : none,
-          need_dweight ? at::empty({x.size(1)}, weight->options()) : none,
-          need_dbias ? at::empty({x.size(1)}, bias->options()) : none};
+          need_dweight ? at::empty({cols_of(x)}, weight->options()) : none,
+          need_dbias ? at::empty({cols_of(x)}, bias->options()) : none};
 }
 
 Tensors4 layer_norm_bwd_cpu(const at::Tensor& dy_in, const c10::optional<at::Tensor>& dpre_in,
@@ -726,13 +729,13 @@ Tensors4 layer_norm_bwd_cpu(const at::Tensor& dy_in, const c10::optional<at::Ten
                       x.data_ptr<T>(),
                       dx.data_ptr<T>(),
                       has_residual ? dres.data_ptr<T>() : nullptr,
-                      x.size(1),
+                      cols_of(x),
                       static_cast<float>(dropout_p),
                       dropout_scale(dropout_p),
                       seed_value(seed),
                       rms,
                       fused};
-    bwd_cpu_kernel<T>(p, weight, mean, rstd, x.size(0), dweight, dbias);
+    bwd_cpu_kernel<T>(p, weight, mean, rstd, rows_of(x), dweight, dbias);
   });
   return {dx, dres, dweight, dbias};
 }

@@ -22,6 +22,16 @@ inline at::ScalarType param_dtype(const c10::optional<at::Tensor>& weight,
   return x.scalar_type();
 }
 
+// The ops take x as (..., cols): LayerNorm over the last dim, every leading dim a row (a 1-D
+// x is one row). Callers pass the caller's own shape, so the outputs (empty_like(x)) have it too
+// and Python needs no reshape and view around the op (each an autograd node, host time).
+inline int64_t cols_of(const at::Tensor& x) { return x.size(-1); }
+inline int64_t rows_of(const at::Tensor& x) {
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
+  return rows;
+}
+
 // 1 / (1 - p) from the double p, rounded once to the accumulation dtype (as the reference's
 // `x * keep * scale` with a Python float scale).
 inline double dropout_scale(double p) { return 1.0 / (1.0 - p); }
@@ -60,8 +70,8 @@ template <typename Args>
 void set_common(Args& a, const at::Tensor& x, const c10::optional<at::Tensor>& weight,
                 const c10::optional<at::Tensor>& bias, uint64_t seed, double dropout_p, bool rms,
                 bool fused) {
-  a.rows = x.size(0);
-  a.cols = x.size(1);
+  a.rows = rows_of(x);
+  a.cols = cols_of(x);
   a.dropout_p = static_cast<float>(dropout_p);
   a.dropout_scale = static_cast<float>(dropout_scale(dropout_p));
   a.seed = seed;

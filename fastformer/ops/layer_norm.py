@@ -219,9 +219,10 @@ def _layer_norm_op(
     rms: bool,
     store_pre: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The compiled forward on a (rows, cols) input; draws the dropout seed (here, at run time).
+    """The compiled forward on a (..., cols) input (rows: the leading dims together); draws the
+    dropout seed (here, at run time).
 
-    Returns out (rows, cols), pre (rows, cols; (0,) unless stored), mean ((rows,); (0,) for
+    Returns out (x's shape), pre (x's shape; (0,) unless stored), mean ((rows,); (0,) for
     RMSNorm), rstd (rows,) and the seed as a 0-dim int64 CPU tensor.
     """
     return _forward(x, weight, bias, residual, eps, dropout_p, rms, store_pre)
@@ -238,7 +239,7 @@ def _stats_dtype(x: Tensor) -> torch.dtype:
 
 
 def _fwd_fake(x, weight, bias, residual, eps, dropout_p, rms, store_pre):
-    rows = x.shape[0]
+    rows = math.prod(x.shape[:-1])
     pre_shape = x.shape if store_pre else (0,)
     mean = x.new_empty((0,) if rms else (rows,), dtype=_stats_dtype(x))
     rstd = x.new_empty((rows,), dtype=_stats_dtype(x))
@@ -351,7 +352,7 @@ def _register_compiled_fakes() -> None:
     @torch.library.register_fake("fastformer::layer_norm_bwd")
     def _(dy, dpre, x, weight, bias, mean, rstd, seed, p, rms, fused, has_res, need_w, need_b):
         none = x.new_empty((0,))
-        cols = x.shape[1]
+        cols = x.shape[-1]
         return (
             torch.empty_like(x),
             torch.empty_like(x) if has_res else none,
@@ -391,8 +392,9 @@ def _grad_needed(*tensors: Tensor | None) -> bool:
 
 
 def _as_rows(t: Tensor, cols: int) -> Tensor:
-    """t as a (rows, cols) matrix (a view when t's layout allows)."""
-    return t if t.dim() == 2 and t.shape[1] == cols else t.reshape(-1, cols)
+    """t as the ops take it, (..., cols): itself when its last dim is cols, else flattened to
+    (rows, cols) (a normalized shape of several dims; a view when t's layout allows)."""
+    return t if t.dim() >= 1 and t.shape[-1] == cols else t.reshape(-1, cols)
 
 
 def _run_cpp(
@@ -424,7 +426,7 @@ def _run_cpp(
         out, pre = _LayerNormFunction.apply(*args)
     else:
         out, pre = _forward(*args, seed=rng.NO_SEED)[:2]
-    if x.dim() != 2:
+    if out.shape != x.shape:
         out = out.view(x.shape)
         pre = pre.view(x.shape) if prenorm else pre
     return (out, pre) if prenorm else out
