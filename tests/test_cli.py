@@ -575,6 +575,33 @@ def test_report_lists_peak_memory_where_measured():
     assert "Peak memory" not in "\n".join(R.op_lines("attention", [row]))
 
 
+def test_saved_bytes_counts_distinct_storages_beyond_the_inputs():
+    from fastformer.cli.timing import saved_bytes
+
+    x = torch.randn(10, 4, requires_grad=True)
+    w = torch.randn(4, 3, requires_grad=True)
+    assert saved_bytes(lambda x, w: x @ w, (x, w)) == 0  # mm saves only its inputs
+    # exp saves its result, sin its input: the same storage, counted once.
+    assert saved_bytes(lambda x: x.exp().sin(), (x,)) == 10 * 4 * 4
+
+
+def test_bench_reports_saved_bytes_per_token(bench_run):
+    """Issue 5: the FFN saves its activation and no dropout mask."""
+    code, out = bench_run
+    results = json.loads((out / "results.json").read_text())
+    assert "Saved for the backward beyond the inputs" in (out / "report.md").read_text()
+    if not _op_available("ffn"):
+        pytest.skip("the ffn op is not available")
+    for row in results["ops"]["ffn"]["cases"]:
+        if row["mode"] != "fwd+bwd":
+            continue
+        fast, eager = (row["impls"][k]["saved_bytes_per_token"] for k in ("fastformer", "torch"))
+        d_ff, p = row["params"]["d_ff"], row["params"]["dropout_p"]
+        assert fast == 4 * d_ff  # g (relu): one fp32 (tokens, d_ff) tensor
+        if p > 0:  # eager keeps relu's output, the bool mask and the dropout output
+            assert eager > fast
+
+
 def test_time_op_times_slow_cuda_calls_with_three_events(monkeypatch):
     """A CUDA call of SLOW_CALL_MS or more: the median of 3 event-timed calls (do_bench would
     spend 8); a shorter one: do_bench. (CUDA timing replaced: this machine may have no GPU.)"""

@@ -343,6 +343,9 @@ def _measure_impl(name, fn, bench, mode, device, pacer) -> dict[str, Any]:
     result = {"ms": ms, "first_call_s": first_s}
     if peak is not None:
         result["peak_memory_bytes"] = peak
+    if mode != "fwd":
+        saved = timing.saved_bytes(fn, bench.args)
+        result["saved_bytes_per_token"] = saved / max(bench.case.tokens, 1)
     return result
 
 

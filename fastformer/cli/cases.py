@@ -104,6 +104,11 @@ class AttentionCase:
         return name + (f"-drop{self.dropout_p:g}" if self.dropout_p else "")
 
     @property
+    def tokens(self) -> int:
+        """Query positions (batch x seq): what saved bytes are counted per."""
+        return self.batch * self.seq
+
+    @property
     def sweep(self) -> bool:
         """Part of the sequence-length sweep (plotted as TFLOP/s against seq)."""
         return not self.padding and not self.dropout_p
@@ -143,6 +148,11 @@ class LayerNormCase:
         """Short unique label, used in tables, plots and figure keys."""
         base = f"r{self.rows}n{self.hidden}"
         return base + (f"-add-drop{self.dropout_p:g}" if self.fused else "")
+
+    @property
+    def tokens(self) -> int:
+        """Rows: what saved bytes are counted per."""
+        return self.rows
 
     def bytes(self, mode: str, elem: int) -> float:
         """Minimum traffic: fwd reads x (and residual) and writes y; bwd reads x, dy and writes

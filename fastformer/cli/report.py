@@ -214,6 +214,23 @@ def _memory_lines(rows: list[dict[str, Any]], peers: list[str]) -> list[str]:
     return lines
 
 
+def _saved_lines(rows: list[dict[str, Any]], peers: list[str]) -> list[str]:
+    """Bytes per token each implementation saves for its backward beyond its inputs."""
+    measured = [r for r in rows if any("saved_bytes_per_token" in v for v in r["impls"].values())]
+    if not measured:
+        return []
+    head = ["case"] + peers
+    lines = ["", "Saved for the backward beyond the inputs, bytes per token:", ""]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in measured:
+        cells = [row["case"]]
+        for p in peers:
+            saved = row["impls"].get(p, {}).get("saved_bytes_per_token")
+            cells.append("-" if saved is None else f"{saved:.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def op_lines(op: str, rows: list[dict[str, Any]]) -> list[str]:
     """Markdown table of one op: ms per implementation, fastformer's rate and speedups."""
     peers = _peers(rows)
@@ -242,6 +259,7 @@ def op_lines(op: str, rows: list[dict[str, Any]]) -> list[str]:
     if not_run:
         reasons.add(f"{not_run} measurement(s) not run: past --max-seconds")
     lines += _memory_lines(rows, peers)
+    lines += _saved_lines(rows, peers)
     if reasons or errors:
         lines += ["", "Not measured:"] + [f"- {r}" for r in sorted(reasons | errors)]
     return lines
@@ -494,6 +512,9 @@ def figures(results: dict[str, Any]) -> dict[str, Figure]:
             for impl, res in row["impls"].items():
                 if "ms" in res:
                     out[f"{base}.{impl}.ms"] = Figure(res["ms"], "ms", False, impl == FAST)
+                if "saved_bytes_per_token" in res:
+                    saved = Figure(res["saved_bytes_per_token"], "B", False, False)
+                    out[f"{base}.{impl}.saved_bytes_per_token"] = saved
             for peer, ratio in row["speedup"].items():
                 out[f"{base}.speedup_vs_{peer}"] = Figure(ratio, "x", True, False)
     for key in ("copy_gbps", "gemm_tflops"):

@@ -182,3 +182,21 @@ def peak_memory(
         level += event.self_cpu_memory_usage
         peak = max(peak, level)
     return int(peak), "cpu profiler: peak tensor bytes above the step's start"
+
+
+def saved_bytes(fn: Callable[..., object], args: tuple) -> int:
+    """Bytes autograd keeps for the backward of `fn(*args)` beyond the inputs themselves: the
+    distinct storages of the tensors saved for the backward (`saved_tensors_hooks`) that no
+    tensor of `args` shares. Exact on any device (sizes, not allocator statistics)."""
+    inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in inputs:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(kept.values())
