@@ -286,6 +286,27 @@ def test_compiled_kernels_reject_bad_calls():
         torch.ops.fastformer.ffn_backward(x, x, w1, w2, torch.zeros(3, 7), "relu", 0.0, 0)
 
 
+@pytest.mark.parametrize("lead", [(5,), (2, 3), (2, 1, 3)])
+def test_compiled_ops_take_any_leading_dims(lead):
+    """(..., d_model) in, (..., d_out) out (not a view), the same bits as the (tokens, d_model)
+    call; the backward likewise."""
+    x, w1, b1, w2, b2 = (t.detach() for t in make_inputs(lead, 8, 6, "gelu"))
+    flat = x.reshape(-1, 8)
+    out, saved = torch.ops.fastformer.ffn_forward(x, w1, b1, w2, b2, "gelu", 0.2, 7)
+    out2, saved2 = torch.ops.fastformer.ffn_forward(flat, w1, b1, w2, b2, "gelu", 0.2, 7)
+    assert out.shape == (*lead, 8)
+    assert not out._is_view() and torch.equal(out.reshape(-1, 8), out2)
+    assert torch.equal(saved, saved2)
+    grad = torch.randn(out.shape)
+    grads = torch.ops.fastformer.ffn_backward(grad, x, w1, w2, saved, "gelu", 0.2, 7)
+    flat_grads = torch.ops.fastformer.ffn_backward(
+        grad.reshape(-1, 8), flat, w1, w2, saved, "gelu", 0.2, 7
+    )
+    assert grads[0].shape == x.shape and torch.equal(grads[0].reshape(-1, 8), flat_grads[0])
+    for got, want in zip(grads[1:], flat_grads[1:]):
+        assert torch.equal(got, want)
+
+
 # --------------------------------------------------------------------------- registration
 
 

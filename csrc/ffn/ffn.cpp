@@ -24,6 +24,7 @@
 #include <optional>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #include "common/checks.h"
 #include "common/philox.h"
@@ -81,7 +82,7 @@ Problem check_problem(const at::Tensor& x, const at::Tensor& w1, const at::Tenso
                       c10::string_view activation, double dropout_p, int64_t seed) {
   Problem pr{};
   pr.act = parse_activation(activation);
-  TORCH_CHECK(x.dim() == 2, "ffn: x must be 2-D (tokens, d_model), got ", x.sizes());
+  TORCH_CHECK(x.dim() == 2, "ffn: x must be (tokens, d_model) here, got ", x.sizes());
   TORCH_CHECK(w1.dim() == 2 && w1.size(1) == x.size(1), "ffn: w1 must be (width, ", x.size(1),
               "), got ", w1.sizes());
   TORCH_CHECK(!ffn_is_gated(pr.act) || w1.size(0) % 2 == 0, "ffn: gated activation ",
@@ -636,6 +637,48 @@ Backward ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, cons
 }
 #endif
 
+// ------------------------------------------------------------------ registered ops
+//
+// The registered ops take x as (..., d_model) and grad_out as (..., d_out), the shapes callers
+// hold: a (B, L, D) input then needs no reshape and view around the op (two more autograd nodes
+// in an eager call, host time). The implementations above work on (tokens, features) matrices.
+
+at::Tensor as_rows(const at::Tensor& t) { return t.dim() == 2 ? t : t.reshape({-1, t.size(-1)}); }
+
+// `rows` (tokens, n) with the leading dims of `like`. Not a view: autograd lets callers change
+// the op's output in place, as any op's.
+at::Tensor with_lead(const at::Tensor& rows, const at::Tensor& like) {
+  if (like.dim() == 2) return rows;
+  std::vector<int64_t> shape(like.sizes().begin(), like.sizes().end() - 1);
+  shape.push_back(rows.size(1));
+  return at::_unsafe_view(rows, shape);
+}
+
+void check_rank(const at::Tensor& t, const char* name, const char* last) {
+  TORCH_CHECK(t.dim() >= 1, "ffn: ", name, " must be (..., ", last, "), got a 0-d tensor");
+}
+
+template <auto Impl>
+Forward forward_op(const at::Tensor& x, const at::Tensor& w1, const OptTensor& b1,
+                   const at::Tensor& w2, const OptTensor& b2, c10::string_view activation,
+                   double dropout_p, int64_t seed, bool fused_epilogue) {
+  check_rank(x, "x", "d_model");
+  auto [out, saved] = Impl(as_rows(x), w1, b1, w2, b2, activation, dropout_p, seed,
+                           fused_epilogue);
+  return {with_lead(out, x), saved};
+}
+
+template <auto Impl>
+Backward backward_op(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w1,
+                     const at::Tensor& w2, const at::Tensor& saved, c10::string_view activation,
+                     double dropout_p, int64_t seed) {
+  check_rank(x, "x", "d_model");
+  check_rank(grad_out, "grad_out", "d_out");
+  auto [dx, dw1, db1, dw2, db2] =
+      Impl(as_rows(grad_out), as_rows(x), w1, w2, saved, activation, dropout_p, seed);
+  return {with_lead(dx, x), dw1, db1, dw2, db2};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fastformer, m) {
@@ -648,14 +691,14 @@ TORCH_LIBRARY_FRAGMENT(fastformer, m) {
 }
 
 TORCH_LIBRARY_IMPL(fastformer, CPU, m) {
-  m.impl("ffn_forward", &ffn_forward_cpu);
-  m.impl("ffn_backward", &ffn_backward_cpu);
+  m.impl("ffn_forward", &forward_op<ffn_forward_cpu>);
+  m.impl("ffn_backward", &backward_op<ffn_backward_cpu>);
 }
 
 #ifdef FASTFORMER_WITH_CUDA
 TORCH_LIBRARY_IMPL(fastformer, CUDA, m) {
-  m.impl("ffn_forward", &ffn_forward_cuda);
-  m.impl("ffn_backward", &ffn_backward_cuda);
+  m.impl("ffn_forward", &forward_op<ffn_forward_cuda>);
+  m.impl("ffn_backward", &backward_op<ffn_backward_cuda>);
 }
 #endif
 

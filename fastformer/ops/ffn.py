@@ -30,6 +30,7 @@ On CUDA, relu and gelu_tanh can run inside cuBLASLt's GEMM epilogue (``use_fused
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -263,14 +264,12 @@ def ffn(
         or (b2 is not None and b2.requires_grad)
     )
     dropout_p = float(dropout_p)
-    if needs_grad and not torch.compiler.is_compiling():
-        return _FfnFunction.apply(x, w1, b1, w2, b2, activation, dropout_p)
-    args = (_rows(x), w1, b1, w2, b2, activation, dropout_p)
     if torch.compiler.is_compiling():
-        out = _ffn_op(*args, needs_grad)[0]
-    else:
-        out = _forward(*args, needs_grad=False)[0]
-    return out.view(*x.shape[:-1], w2.shape[0])
+        out = _ffn_op(_rows(x), w1, b1, w2, b2, activation, dropout_p, needs_grad)[0]
+        return out.view(*x.shape[:-1], w2.shape[0])
+    if needs_grad:
+        return _FfnFunction.apply(x, w1, b1, w2, b2, activation, dropout_p)
+    return _forward(x, w1, b1, w2, b2, activation, dropout_p, needs_grad=False)[0]
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -280,7 +279,15 @@ def _rows(t: Tensor) -> Tensor:
 
 def _saved_shape(x: Tensor, w1: Tensor) -> tuple[int, int]:
     # (tokens, w1 rows): h, or for relu (never gated) dropout(relu(h)) of the same shape.
-    return (x.shape[0], w1.shape[0])
+    return (math.prod(x.shape[:-1]), w1.shape[0])
+
+
+def _with_lead(out: Tensor, x: Tensor) -> Tensor:
+    """(tokens, n) `out` with x's leading dims; not a view, so that callers may change it in
+    place (autograd forbids that for a view made inside an autograd.Function)."""
+    if x.dim() == 2:
+        return out
+    return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], out.shape[-1]))
 
 
 # torch.compile sees the custom op fastformer::ffn (one opaque op, seed drawn when the graph
@@ -322,10 +329,11 @@ def _backend(x: Tensor) -> str:
 def _forward(
     x, w1, b1, w2, b2, activation, dropout_p, needs_grad, backend=None
 ) -> tuple[Tensor, Tensor, int]:
-    """(out, saved, seed as an int) through `backend` (default: the selected one)."""
+    """(out (..., d_out), saved (tokens, width), seed as an int) for x (..., d_model) through
+    `backend` (default: the selected one)."""
     backend = backend or _backend(x)
     seed = rng.draw_seed(x.device) if dropout_p > 0 else 0
-    if backend == "cpp":
+    if backend == "cpp":  # the compiled op takes (..., d_model) itself
         fused = x.is_cuda and use_fused_epilogue(
             activation, _capability(x.device), needs_grad, epilogue_mode()
         )
@@ -333,7 +341,8 @@ def _forward(
             x.contiguous(), w1, b1, w2, b2, activation, dropout_p, seed, fused
         )
     else:
-        out, saved = _torch_forward(x, w1, b1, w2, b2, activation, dropout_p, seed)
+        out, saved = _torch_forward(_rows(x), w1, b1, w2, b2, activation, dropout_p, seed)
+        out = _with_lead(out, x)
     if not needs_grad:
         saved = x.new_empty(0)
     return out, saved, seed
@@ -365,11 +374,13 @@ def _grad(
     grad_out, x, w1, w2, saved, seed, activation, dropout_p, backend=None
 ) -> tuple[Tensor, ...]:
     backend = backend or _backend(x)
-    if backend == "cpp":
+    if backend == "cpp":  # (..., d_out) and (..., d_model) as they are
         return torch.ops.fastformer.ffn_backward(
             grad_out.contiguous(), x, w1, w2, saved, activation, dropout_p, int(seed)
         )
-    return _torch_backward(grad_out, x, w1, w2, saved, int(seed), activation, dropout_p)
+    args = (_rows(grad_out), _rows(x), w1, w2, saved, int(seed), activation, dropout_p)
+    dx, *rest = _torch_backward(*args)
+    return (dx.view(x.shape), *rest)
 
 
 @_ffn_grad_op.register_fake
@@ -426,21 +437,19 @@ _ffn_op.register_autograd(_backward, setup_context=_setup_context)
 
 class _FfnFunction(torch.autograd.Function):
     """Eager autograd of fastformer::ffn: the same helpers, less the custom-op dispatch. It
-    takes x of any rank and flattens it inside, so that autograd records one node, not three
-    (reshape, op, view): host time, which a GPU kernel of the base model's size waits for."""
+    takes x of any rank as it is (so do the compiled ops), so that autograd records one node,
+    not three (reshape, op, view): host time, which a GPU kernel of the base model's size waits
+    for."""
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, activation, dropout_p):
         # The backward runs the forward's backend (its saved tensor is that backend's).
         ctx.backend = _backend(x)
-        inputs = (_rows(x), w1, b1, w2, b2, activation, dropout_p)
+        inputs = (x, w1, b1, w2, b2, activation, dropout_p)
         out, saved, ctx.seed = _forward(*inputs, needs_grad=True, backend=ctx.backend)
         ctx.save_for_backward(x, w1, w2, saved)
         _keep_options(ctx, activation, dropout_p, b1, b2)
-        if x.dim() == 2:
-            return out
-        # Not out.view: autograd would forbid in-place changes to a view made in a Function.
-        return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], w2.shape[0]))
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -448,10 +457,8 @@ class _FfnFunction(torch.autograd.Function):
             return (None,) * 7
         x, w1, w2, saved = ctx.saved_tensors
         _check_saved(saved)
-        args = (_rows(grad_out), _rows(x), w1, w2, saved, ctx.seed, ctx.activation)
-        grads = _grad(*args, ctx.dropout_p, backend=ctx.backend)
-        dx = grads[0] if x.dim() == 2 else grads[0].view(x.shape)
-        return _input_grads(ctx, (dx, *grads[1:]))
+        args = (grad_out, x, w1, w2, saved, ctx.seed, ctx.activation, ctx.dropout_p)
+        return _input_grads(ctx, _grad(*args, backend=ctx.backend))
 
 
 # --------------------------------------------------------------------------- torch backend
@@ -527,7 +534,7 @@ def _register_kernel_fakes() -> None:
     def _(x, w1, b1, w2, b2, activation, dropout_p, seed, fused_epilogue=False):
         epilogue_only = fused_epilogue and x.device.type == "cuda" and activation == "gelu_tanh"
         saved_shape = (0,) if epilogue_only else _saved_shape(x, w1)
-        return x.new_empty(x.shape[0], w2.shape[0]), x.new_empty(saved_shape)
+        return x.new_empty(*x.shape[:-1], w2.shape[0]), x.new_empty(saved_shape)
 
     @torch.library.register_fake("fastformer::ffn_backward")
     def _(grad_out, x, w1, w2, saved, activation, dropout_p, seed):
