@@ -6,13 +6,14 @@
 // (MKL/oneDNN on CPU, cuBLAS/cuBLASLt on CUDA); what lies between them is one fused pass here
 // (CPU) or in ffn_cuda.cu (CUDA). Layouts and saved-tensor semantics: ffn/ffn.h.
 //
-//   ffn_forward(x (T, d_model), w1 (width, d_model), b1?, w2 (d_out, d_ff), b2?, ...)
-//     -> out (T, d_out), saved
+//   ffn_forward(x (..., d_model), w1 (width, d_model), b1?, w2 (d_out, d_ff), b2?, ...)
+//     -> out (..., d_out), saved; T below = the tokens, x's leading dims together
 //   saved = dropout(relu(h)) (T, d_ff) for relu (all its backward needs: linear2's input, and
 //           where it is positive is where relu passed and dropout kept), else the
 //           pre-activation h (T, width). Empty when gelu_tanh ran in cuBLASLt's epilogue
 //           (inference only: the pre-activation never exists).
-//   ffn_backward(grad_out (T, d_out), x, w1, w2, saved, ...) -> dx, dw1, db1, dw2, db2
+//   ffn_backward(grad_out (..., d_out), x, w1, w2, saved, ...) -> dx (x's shape), dw1, db1,
+//     dw2, db2
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>

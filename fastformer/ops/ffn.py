@@ -20,9 +20,9 @@ reproduces a call and ``torch.compile`` never bakes it in.
 Backends (``fastformer.ops._dispatch``, ``FASTFORMER_BACKEND_FFN`` forces one): ``cpp``, the
 compiled ``torch.ops.fastformer.ffn_forward`` / ``ffn_backward`` (csrc/ffn: ATen GEMMs plus one
 fused elementwise pass on CPU, a CUDA kernel on GPU), then ``torch``, the same math in plain
-PyTorch. Both save the same tensors for backward: ``x``, the weights, the seed and the
-pre-activation ``h`` -- for relu only ``dropout(relu(h))``, which is linear2's input anyway and
-whose sign is relu's and dropout's mask together. No byte mask is ever stored.
+PyTorch. Both save the same tensors for backward: ``x``, the weights, the seed (an int in eager
+calls) and the pre-activation ``h`` -- for relu only ``dropout(relu(h))``, which is linear2's
+input anyway and whose sign is relu's and dropout's mask together. No byte mask is ever stored.
 
 On CUDA, relu and gelu_tanh can run inside cuBLASLt's GEMM epilogue (``use_fused_epilogue``;
 ``FASTFORMER_FFN_EPILOGUE=auto|fused|unfused``).
