@@ -343,10 +343,20 @@ def _measure_impl(name, fn, bench, mode, device, pacer) -> dict[str, Any]:
     result = {"ms": ms, "first_call_s": first_s}
     if peak is not None:
         result["peak_memory_bytes"] = peak
-    if mode != "fwd":
-        saved = timing.saved_bytes(fn, bench.args)
-        result["saved_bytes_per_token"] = saved / max(bench.case.tokens, 1)
+    if mode != "fwd" and not pacer.expired():
+        saved = _saved_bytes_per_token(fn, bench)
+        if saved is not None:
+            result["saved_bytes_per_token"] = saved
     return result
+
+
+def _saved_bytes_per_token(fn, bench) -> float | None:
+    """timing.saved_bytes of one more call, per token; None where an implementation cannot run
+    under saved-tensor hooks (a side figure: it never costs the timing already measured)."""
+    try:
+        return timing.saved_bytes(fn, bench.args) / max(bench.case.tokens, 1)
+    except Exception:
+        return None
 
 
 def _derive(row: dict[str, Any], bench, mode: str, roof: dict[str, float]) -> None:
