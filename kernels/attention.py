@@ -12,9 +12,9 @@ log2-prescaled scores (exp2), keeps only O and the row log-sum-exp (natural log,
 tiles that causal masking hides are never visited (the loop bound is cut), and the per-element
 bound / causal masks are only computed on the few edge tiles.
 
-Backward: `attn_bwd_preprocess` computes delta = rowsum(dO * O) - dLSE; `attn_bwd_dkdv`
-(one program per key block, loop over query blocks from the causal start) and `attn_bwd_dq`
-(one program per query block, loop over key blocks) recompute P from the saved LSE. No atomics:
+Backward: `attn_bwd_dq` (one program per query block, loop over key blocks) computes its rows'
+delta = rowsum(dO * O) - dLSE and stores it, then `attn_bwd_dkdv` (one program per key block,
+loop over query blocks from the causal start) reads it; both recompute P from the saved LSE. No atomics:
 the result is deterministic. For fp16/bf16 head dims > 128 dK and dV are two launches (PART)
 so that each fits in registers; configs choose (key x query) or (query x key) tiles for both.
 With GQA, dK/dV are written per query head (fp32) and summed
@@ -369,32 +369,6 @@ def attn_fwd(
 
 
 @triton.jit
-def attn_bwd_preprocess(
-    Out, DO, DLse, Delta, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
-    H, Lq, HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):
-    """delta = rowsum(dO * O) - dLSE, fp32 (B*H, Lq); grid (cdiv(Lq, BLOCK_M), B*H)."""
-    off_bh = tl.program_id(1)
-    off_b = (off_bh // H).to(tl.int64)
-    off_h = (off_bh % H).to(tl.int64)
-    row0 = tl.program_id(0) * BLOCK_M
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    o = _load_rows(Out + off_b * stride_ob + off_h * stride_oh, row0, offs_m, Lq, stride_om,
-                   offs_dv, HEAD_DV, BLOCK_DV)
-    do = _load_rows(DO + off_b * stride_dob + off_h * stride_doh, row0, offs_m, Lq, stride_dom,
-                    offs_dv, HEAD_DV, BLOCK_DV)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    rows = row0 + offs_m
-    row_ptrs = off_bh.to(tl.int64) * Lq + rows
-    if HAS_DLSE:
-        # d lse / d s = P, so the LSE cotangent folds into delta: dS = P * (dP - delta + dLSE).
-        delta -= tl.load(DLse + row_ptrs, mask=rows < Lq, other=0.0)
-    tl.store(Delta + row_ptrs, delta, mask=rows < Lq)
-
-
-@triton.jit
 def _dkdv_tile_t(
     dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, start_m, col0, offs_m, offs_n, offs_d,
     offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
@@ -651,19 +625,20 @@ def _dq_loop(
 
 @triton.jit(do_not_specialize=["seed"])
 def attn_bwd_dq(
-    Q, K, V, DO, Lse, Delta, DQ, Mask, Kpm, KvRange, DS,
+    Q, K, V, DO, Lse, Delta, DQ, Mask, Kpm, KvRange, DS, Out, DLse,
     seed, drop_t, out_scale, qk_scale, sm_scale,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
-    stride_dqb, stride_dqh, stride_dqm,
+    stride_dqb, stride_dqh, stride_dqm, stride_ob, stride_oh, stride_om,
     stride_mb, stride_mh, stride_mm, stride_mn, stride_pb, stride_pn,
     H, GROUP, Lq, Lk, SEQ_Q_BUCKET, SEQ_K_BUCKET,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, HAS_DLSE: tl.constexpr,
+    DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """dQ (and dS if WRITE_DS) of one (query block, batch*head); grid (cdiv(Lq, BLOCK_M), B*H)."""
+    """dQ (and dS if WRITE_DS) of one (query block, batch*head), and its rows of Delta for
+    attn_bwd_dkdv, which runs after it; grid (cdiv(Lq, BLOCK_M), B*H)."""
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
@@ -676,13 +651,22 @@ def attn_bwd_dq(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    q = _load_rows(Q + off_b * stride_qb + off_h * stride_qh, row0, rows_local, Lq, stride_qm,
-                   offs_d, HEAD_D, BLOCK_D)
+    bh_row0 = off_bh.to(tl.int64) * Lq
+    # delta = rowsum(dO * O) - dLSE here rather than in a kernel of its own: one launch less
+    # (host time per call), and O is read where dO already is. Before q is loaded: O is dead
+    # by then (one fp16 d64 config spilled with q live across it).
     do = _load_rows(DO + off_b * stride_dob + off_h * stride_doh, row0, rows_local, Lq,
                     stride_dom, offs_dv, HEAD_DV, BLOCK_DV)
-    bh_row0 = off_bh.to(tl.int64) * Lq
+    o = _load_rows(Out + off_b * stride_ob + off_h * stride_oh, row0, rows_local, Lq, stride_om,
+                   offs_dv, HEAD_DV, BLOCK_DV)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        # d lse / d s = P, so the LSE cotangent folds into delta: dS = P * (dP - delta + dLSE).
+        delta -= tl.load(DLse + bh_row0 + rows, mask=rows < Lq, other=0.0)
+    q = _load_rows(Q + off_b * stride_qb + off_h * stride_qh, row0, rows_local, Lq, stride_qm,
+                   offs_d, HEAD_D, BLOCK_D)
     lse = _lse_log2(Lse, bh_row0 + rows, rows, Lq)
-    delta = tl.load(Delta + bh_row0 + rows, mask=rows < Lq, other=0.0)
+    tl.store(Delta + bh_row0 + rows, delta, mask=rows < Lq)
     k_base = K + off_b * stride_kb + off_hkv * stride_kh
     v_base = V + off_b * stride_vb + off_hkv * stride_vh
     mask_base = Mask + off_b * stride_mb + off_h * stride_mh + row0.to(tl.int64) * stride_mm
@@ -829,15 +813,18 @@ _SM80 = {
     # (16, 16, 8, 2) causal (Triton 3.6 or 3.8).
     ("dkdv", "fp32", 64): ([_C(16, 32, 8, 2)], [_C(16, 32, 4, 2)], [_C(16, 32, 8, 2)]),
     ("dkdv", "fp32", 256): ([_C(16, 16, 8, 2)],) * 3,
-    ("dq", "fp32", 256): ([_C(32, 16, 8, 2)],) * 3,
+    # (32, 16, 8, 2) spills 20 bytes with key padding and Triton 3.6 (_VERSION_SPILLS), where
+    # (16, 16, 4, 2) compiles cleanly with either version.
+    ("dq", "fp32", 256): ([_C(32, 16, 8, 2)], [_C(32, 16, 8, 2), _C(16, 16, 4, 2)],
+                          [_C(32, 16, 8, 2)]),
 }
 
 
 # Base configs that spill with key padding + causal (compile_report, Triton 3.6 or 3.8): not
-# "padded" candidates. (kernel, bucket, config) per arch; 16-bit tables only.
+# "padded" candidates. (dq d64 (128, 128, 8, 3): 32-48 bytes since dq computes delta.) (kernel, bucket, config) per arch; 16-bit tables only.
 _PADDED_SPILLS = {
     90: {("fwd", 64, _C(128, 64, 4, 3)), ("fwd", 128, _C(128, 128, 8, 2)),
-         ("dkdv", 128, _C(32, 128, 8, 2))},
+         ("dkdv", 128, _C(32, 128, 8, 2)), ("dq", 64, _C(128, 128, 8, 3))},
     80: {("fwd", 64, _C(64, 64, 4, 3)), ("fwd", 128, _C(128, 64, 8, 2)),
          ("dkdv", 64, _C(32, 64, 4, 2)), ("dq", 64, _C(64, 64, 4, 2))},
 }
@@ -855,8 +842,9 @@ def _with_padded(arch: int, kernel: str, bucket: int, lists: tuple) -> tuple[lis
 
 # Configs that spill with one Triton version only (that version's compile_report): left out
 # while it runs, so that every config in use compiles without spills. (kernel, arch, bucket,
-# feature class, config); Triton 3.6 (the GPU machine's) compiles these without spills.
+# feature class, config).
 _VERSION_SPILLS = {
+    (3, 6): {("dq", 80, 256, "padded", _C(32, 16, 8, 2))},
     (3, 8): {
         ("dkdv", 90, 64, "dropout", _QK(64, 64, 4, 3)),
         ("dkdv", 90, 64, "dropout", _QK(128, 64, 8, 2)),
@@ -902,7 +890,7 @@ CONFIGS: dict[tuple[str, int, str, int, str], list[Config]] = {
 }
 # fmt: on
 KERNELS = {"fwd": attn_fwd, "dkdv": attn_bwd_dkdv, "dq": attn_bwd_dq}
-_CHECKED_KERNELS = {**KERNELS, "pre": attn_bwd_preprocess, "kv_range": attn_kv_range}
+_CHECKED_KERNELS = {**KERNELS, "kv_range": attn_kv_range}
 # Re-tune when any of these change; Triton's autotuner adds the tensor dtypes itself.
 _TUNE_KEY = [
     "HEAD_D",
@@ -1205,21 +1193,6 @@ def attention_forward(
     return out, lse
 
 
-def _delta(
-    out: torch.Tensor, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
-) -> torch.Tensor:
-    b, h, lq, dv = out.shape
-    delta = torch.empty(b, h, lq, dtype=torch.float32, device=out.device)
-    block_dv = block_dim(dv)
-    block_m = max(16, 8192 // block_dv)  # ~64 fp32 values per thread: no spills at Dv = 256
-    dlse = delta if grad_lse is None else grad_lse.float().contiguous()
-    attn_bwd_preprocess[(_cdiv(lq, block_m), b * h)](
-        out, grad_out, dlse, delta, *out.stride()[:3], *grad_out.stride()[:3], h, lq, HEAD_DV=dv,
-        BLOCK_DV=block_dv, HAS_DLSE=grad_lse is not None, BLOCK_M=block_m, num_warps=4,
-    )
-    return delta
-
-
 def attention_backward(
     grad_out: torch.Tensor,
     grad_lse: torch.Tensor | None,
@@ -1304,7 +1277,8 @@ def _backward_kernels(
 ) -> None:
     b, h, lq, _ = q.shape
     hkv, lk = k.shape[1], k.shape[2]
-    delta = _delta(out, grad_out, grad_lse)
+    delta = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)  # written by dq
+    dlse = delta if grad_lse is None else grad_lse.float().contiguous()
     mask = _attn_mask(attn_mask, (b, h, lq, lk), q)
     pad = _padding(key_padding_mask, q, kv_range)
     meta = _meta(q, k, v, mask, key_padding_mask, dropout_p, is_causal)
@@ -1317,15 +1291,17 @@ def _backward_kernels(
         q, k, v, grad_out, lse, delta, dk, dv, mask.tensor, pad.tensor, *common, *dk.stride()[:3],
         *dv.stride()[:3], *tail,
     )
+    dq_args = (
+        q, k, v, grad_out, lse, delta, dq, mask.tensor, pad.tensor, pad.kv_range,
+        delta if ds is None else ds, out, dlse, *common, *dq.stride()[:3], *out.stride()[:3],
+        *tail,
+    )
+    dq_meta = {**meta, "WRITE_DS": ds is not None, "HAS_DLSE": grad_lse is not None}
+    _launch("dq", lambda c: (_cdiv(lq, c["BLOCK_M"]), b * h), dq_args, dq_meta, q, config)
+    # dK/dV read the delta dq has just written.
     dkdv_grid = lambda c: (_cdiv(lk, c["BLOCK_N"]), b * h)
     for part in dkdv_parts(q.dtype, meta["HEAD_D"], meta["HEAD_DV"]):
         _launch("dkdv", dkdv_grid, args, {**meta, "PART": part}, q, config)
-    args = (
-        q, k, v, grad_out, lse, delta, dq, mask.tensor, pad.tensor, pad.kv_range,
-        delta if ds is None else ds, *common, *dq.stride()[:3], *tail,
-    )
-    meta = {**meta, "WRITE_DS": ds is not None}
-    _launch("dq", lambda c: (_cdiv(lq, c["BLOCK_M"]), b * h), args, meta, q, config)
 # fmt: on
 
 
@@ -1336,7 +1312,7 @@ _FLOAT_ARGS = {"qk_scale", "out_scale", "sm_scale"}
 _FP32_POINTERS = {"Lse", "Delta", "DLse", "DS"}
 _POINTERS = {"Q", "K", "V", "Out", "DO", "DQ", "DK", "DV", "Mask", "Kpm", "KvRange"}
 _POINTERS |= _FP32_POINTERS
-_HELPER_KERNELS = ("pre", "kv_range")  # no matrix products, no feature variants
+_HELPER_KERNELS = ("kv_range",)  # no matrix products, no feature variants
 # Arguments that are 1 in the usual contiguous case: Triton specializes them to constants.
 _ONE_ARGS = {"stride_mn", "stride_pn", "GROUP"}
 
@@ -1503,8 +1479,7 @@ def compile_jobs(arch: int = 90) -> list[tuple]:
     combination of its class (CHECK_VARIANTS). Every class, not only the heaviest that uses a
     config: a lighter one spilled where the heaviest did not (sm_80 fp32, 4-12 bytes). The
     first base config of the 128 and 256 buckets is also compiled in bf16 (wgmma there too;
-    same code and registers as fp16 but for the MMA type). Plus the delta preprocess and the
-    key-range kernels.
+    same code and registers as fp16 but for the MMA type). Plus the key-range kernel.
     """
     jobs = set()
     for (kernel, table_arch, dclass, bucket, fclass), configs in CONFIGS.items():
@@ -1517,9 +1492,6 @@ def compile_jobs(arch: int = 90) -> list[tuple]:
             if dclass == "16bit" and fclass == "base" and config == configs[0] and bucket > 64:
                 jobs.add((kernel, "bfloat16", bucket, tuple(config), "base", arch, part))
     jobs = sorted(jobs)
-    for bucket in (64, 128, 256):
-        config = (max(16, 8192 // bucket), 0, 4, 1)
-        jobs.append(("pre", "float16", bucket, config, "base", arch, 0))  # no features
     jobs.append(("kv_range", "float16", 64, (0, KV_RANGE_BLOCK, 4, 1), "base", arch, 0))
     return jobs
 
