@@ -1129,6 +1129,19 @@ def _kernel_layout(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
+def _empty_like_order(q: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """An empty (B, H, L, Dv) tensor whose batch, head and sequence dims lie in memory in the
+    order of q's (say (B, L, H, Dv) for heads split off a (B, L, H * D) projection), so that the
+    caller merges the heads of the output back with a view, not a copy (as torch's SDPA)."""
+    order = sorted(range(3), key=lambda i: -q.stride(i))  # outermost first; stable on ties
+    if order == [0, 1, 2]:
+        return q.new_empty(shape)
+    out = q.new_empty(*(shape[i] for i in order), shape[3]).permute(
+        *(order.index(i) for i in range(3)), 3
+    )
+    return out if slice_extent(out) < INT32_LIMIT else q.new_empty(shape)
+
+
 def _meta(q, k, v, mask: _Mask, kpm, dropout_p: float, is_causal: bool) -> dict:
     d, dv = q.shape[-1], v.shape[-1]
     return {
@@ -1157,6 +1170,7 @@ def attention_forward(
     scale: float,
     config: Config | None = None,
     kv_range: torch.Tensor | None = None,
+    like_query: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention forward; inputs are trusted (fastformer.ops.attention validates them).
 
@@ -1168,6 +1182,8 @@ def attention_forward(
         seed: dropout seed (ignored when dropout_p == 0).
         config: fixed tile config instead of the autotuned/interpreter one (tests).
         kv_range: key_range(key_padding_mask) when the caller has it already.
+        like_query: out in q's order of dims in memory (see `_empty_like_order`), else
+            contiguous.
 
     Returns:
         out (B, H, Lq, Dv) in q's dtype, lse (B, H, Lq) fp32 (natural log; -inf when every key
@@ -1176,7 +1192,8 @@ def attention_forward(
     q, k, v = _kernel_layout(q), _kernel_layout(k), _kernel_layout(v)
     b, h, lq, _ = q.shape
     hkv, lk = k.shape[1], k.shape[2]
-    out = q.new_empty(b, h, lq, v.shape[-1])
+    shape = (b, h, lq, v.shape[-1])
+    out = _empty_like_order(q, shape) if like_query else q.new_empty(shape)
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
     if out.numel() == 0 or lk == 0:  # nothing to compute, or every row fully masked
         return out.zero_(), lse.fill_(float("-inf"))

@@ -10,6 +10,7 @@ and sm_80 config without a GPU and checks spills, shared memory and (sm_90) wgmm
 """
 
 import fcntl
+import functools
 import json
 import math
 import os
@@ -785,6 +786,31 @@ def test_strided_grad_out(monkeypatch, backend):
     dense = torch.autograd.grad(out, (q, k, v), grad.contiguous())
     for a, b in zip(strided, dense):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_output_keeps_the_memory_order_of_heads_split_off_a_projection(grad, batch_first):
+    # q, k, v as nn.MultiheadAttention's fast path makes them: head-split views of one packed
+    # (B, L, 3E) (or (L, B, 3E)) projection. The output comes back in the same order of dims
+    # (merging its heads is then a view, not a copy), with the reference's values and
+    # gradients; a contiguous query gets a contiguous output.
+    b, h, seq, d = 2, 3, 33, 16
+    packed = _randn((b, seq, 3 * h * d) if batch_first else (seq, b, 3 * h * d), grad=grad)
+    perm = (2, 0, 3, 1, 4) if batch_first else (2, 1, 3, 0, 4)
+
+    def run(fn, x):
+        q, k, v = x.unflatten(-1, (3, h, d)).permute(*perm).unbind(0)
+        return fn(q, k, v, is_causal=True)
+
+    out = run(attn.scaled_dot_product_attention, packed)
+    merged = out.transpose(1, 2) if batch_first else out.permute(2, 0, 1, 3)
+    assert merged.is_contiguous(), out.stride()
+    fast = functools.partial(run, attn.scaled_dot_product_attention)
+    reference = functools.partial(run, ref.scaled_dot_product_attention)
+    assert_parity(compare_with_reference(fast, reference, [packed], names=["qkv"]))
+    q = _randn((b, h, seq, d))
+    assert attn.scaled_dot_product_attention(q, q, q, is_causal=True).is_contiguous()
 
 
 def test_bfloat16_on_cpu_runs_the_torch_backend():

@@ -133,7 +133,7 @@ def scaled_dot_product_attention_with_lse(
     elif torch.is_grad_enabled() and _any_requires_grad(query, key, value, attn_mask):
         out, lse = _AttentionFunction.apply(*args, scale)
     else:
-        out, lse, _ = _forward(*args, scale)
+        out, lse, _ = _forward(*args, scale, like_query=True)
     return out, lse
 
 
@@ -661,12 +661,13 @@ def _attention_op(
 
 def _forward(
     query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale, backend=None,
-    kv_range=None,
+    kv_range=None, like_query=False,
 ):  # fmt: skip
+    # like_query (eager calls): out in the query's memory order, as the torch backend's may be.
     seed = rng.draw_seed(query.device) if dropout_p > 0 else 0
     args = (query, key, value, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale)
     if (backend or _backend(query, key, value, attn_mask)) == "triton":
-        out, lse = _kernels().attention_forward(*args, kv_range=kv_range)
+        out, lse = _kernels().attention_forward(*args, kv_range=kv_range, like_query=like_query)
     else:
         out, lse = _torch_forward(*args)
     return out, lse, seed
@@ -781,7 +782,9 @@ class _AttentionFunction(torch.autograd.Function):
         ctx.kv_range = None
         if ctx.backend == "triton" and key_padding_mask is not None:
             ctx.kv_range = _kernels().key_range(key_padding_mask)
-        out, lse, seed = _forward(*inputs, backend=ctx.backend, kv_range=ctx.kv_range)
+        out, lse, seed = _forward(
+            *inputs, backend=ctx.backend, kv_range=ctx.kv_range, like_query=True
+        )
         seed = rng.seed_tensor(seed)
         output = (out, lse, seed)
         _setup_context(ctx, inputs, output)
