@@ -147,8 +147,9 @@ def draw_seed(device: torch.device | str | None = None) -> int:
 
 
 def seed_tensor(seed: int) -> torch.Tensor:
-    """`seed` as the CPU int64 scalar tensor the ops save for their backward (NO_SEED for 0)."""
-    return NO_SEED if seed == 0 else torch.tensor(seed, dtype=torch.int64)
+    """`seed` as the CPU int64 scalar tensor the ops save for their backward (NO_SEED for 0).
+    (`torch.full`: exact for every int64, ~1 us against ~2.6 for `torch.tensor`.)"""
+    return NO_SEED if seed == 0 else torch.full((), seed, dtype=torch.int64)
 
 
 def _compiled_op(name: str, seed: int, offsets: torch.Tensor) -> torch.Tensor:
