@@ -1,11 +1,15 @@
 """Where the time of one op call goes on a GPU: its kernels (torch.profiler) against the wall time.
 
-    python benchmarks/profile_kernels.py [--iters N] [--cases TEXT,...]
+    python benchmarks/profile_kernels.py [--iters N] [--cases TEXT,...] [--model NAME|none]
 
-For each case: the wall time of one forward + backward (synchronized, median of N), the GPU time
-of its kernels (their sum per call), and the kernels that take most of it. Wall time well above
-the kernel sum means the call is bound by host overhead or launch gaps; a kernel far above its
-share of the bytes or FLOPs is the one to look at. Needs CUDA.
+First the model (`bench`'s base Transformer by default): one training step (zero_grad, loss
+forward + backward, Adam step) of the eager reference and of the model after fastformer.swap:
+the step's wall time (synchronized), how long its Python takes to return (the GPU idle at its
+start), the GPU time of its kernels and how many there are, and the kernels that take most of
+it. Then, for each op case: the wall time of one forward + backward (synchronized, median of N),
+the GPU time of its kernels (their sum per call), and the kernels that take most of it. Wall time
+well above the kernel sum means the call is bound by host overhead or launch gaps; a kernel far
+above its share of the bytes or FLOPs is the one to look at. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fastformer.cli.cases import AttentionCase, FfnCase, LayerNormCase
+from fastformer.cli import bench
+from fastformer.cli.cases import MODELS, AttentionCase, FfnCase, LayerNormCase, ModelCase
 from fastformer.cli.impls import BUILDERS, FAST, runner
+from fastformer.cli.timing import host_time
 
 PEER = {"attention": "sdpa-flash", "layer_norm": "torch", "ffn": "torch"}  # profiled beside
 
@@ -57,6 +63,60 @@ def _wall_ms(call: Callable[[], None], iters: int, device: torch.device) -> floa
     return statistics.median(samples)
 
 
+def _kernel_lines(prof, iters: int, top: int, cuda: bool, what: str) -> tuple[float, list[str]]:
+    """(kernel milliseconds per `what`, lines of the `top` kernels by time)."""
+
+    def us(e) -> float:
+        return e.device_time_total if cuda else e.self_cpu_time_total
+
+    kernels = sorted((e for e in prof.key_averages() if us(e) > 0), key=us, reverse=True)
+    lines = []
+    for e in kernels[:top]:
+        name = e.key if len(e.key) <= 90 else e.key[:87] + "..."
+        lines.append(f"    {us(e) / iters:9.1f} us  x{e.count // iters:<3} {name}")
+    launches = sum(e.count for e in kernels) // iters
+    total_ms = sum(us(e) for e in kernels) / iters / 1e3
+    head = f"kernels {total_ms:.3f} ms in {launches} {'kernels' if cuda else 'ops'} per {what}"
+    return total_ms, [head, *lines]
+
+
+def profile_model(case: ModelCase, iters: int, top: int, device="cuda") -> list[str]:
+    """Report lines of one training step of the eager reference and of its fastformer.swap
+    copy (same weights and batch; bf16 on CUDA, float32 on CPU for a dry run)."""
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    eager = bench.build_model(case, device, dtype, case.dropout)
+    fast, info = bench.swapped(eager)
+    src, tgt = bench.synthetic_batch(case, device)
+    tokens = int((src != bench.PAD).sum() + (tgt != bench.PAD).sum())
+    lines = [f"model {case.name}: {tokens} tokens a step (src + tgt, no padding), {dtype}"]
+    for name, model in (("eager", eager), (FAST, fast)):
+        if model is None:
+            lines.append(f"  {name}: not run ({info['error']})")
+            continue
+        model.train()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+        def step(model=model, opt=opt) -> None:
+            opt.zero_grad(set_to_none=True)
+            model.loss(src, tgt).backward()
+            opt.step()
+
+        for _ in range(3):  # autotuning, allocator warm-up
+            step()
+        wall = _wall_ms(step, iters, device)
+        host = host_time(step, device, iters)
+        cuda = device.type == "cuda"
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            for _ in range(iters):
+                step()
+            _sync(device)
+        _, kernel_lines = _kernel_lines(prof, iters, top, cuda, "step")
+        lines.append(f"  {name}: wall {wall:.2f} ms, host {host:.2f} ms, {kernel_lines[0]}")
+        lines += kernel_lines[1:]
+    return lines
+
+
 def profile_case(op: str, case, impl: str, iters: int, top: int, device="cuda") -> list[str]:
     """Report lines of one implementation of one case, forward + backward (bf16 on CUDA; on
     CPU, in float32 with CPU ops as the "kernels", for a dry run)."""
@@ -75,18 +135,8 @@ def profile_case(op: str, case, impl: str, iters: int, top: int, device="cuda") 
         for _ in range(iters):
             call()
         _sync(device)
-
-    def us(e) -> float:
-        return e.device_time_total if cuda else e.self_cpu_time_total
-
-    kernels = sorted((e for e in prof.key_averages() if us(e) > 0), key=us, reverse=True)
-    total_us = sum(us(e) for e in kernels) / iters
-    lines = [f"  {impl}: wall {wall:.3f} ms, kernels {total_us / 1e3:.3f} ms per fwd+bwd"]
-    for e in kernels[:top]:
-        name = e.key if len(e.key) <= 90 else e.key[:87] + "..."
-        per_call = us(e) / iters
-        lines.append(f"    {per_call:9.1f} us  x{e.count // iters:<3} {name}")
-    return lines
+    _, kernel_lines = _kernel_lines(prof, iters, top, cuda, "fwd+bwd")
+    return [f"  {impl}: wall {wall:.3f} ms, {kernel_lines[0]}", *kernel_lines[1:]]
 
 
 def main() -> None:
@@ -94,11 +144,19 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--top", type=int, default=6)
     parser.add_argument("--cases", help="only cases whose name contains one of these texts")
+    parser.add_argument("--model", default="base", help="model profiled first, or 'none'")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_kernels.py needs a CUDA GPU")
     only = args.cases.split(",") if args.cases else None
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, fwd+bwd")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16")
+    if args.model != "none":
+        try:
+            print("\n".join(profile_model(MODELS[args.model], args.iters, 12)), flush=True)
+        except Exception as exc:  # the op cases still run
+            print(f"model {args.model}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        torch.cuda.empty_cache()
+    print("op cases, fwd+bwd")
     for name, (op, case) in _cases().items():
         if only and not any(text in name for text in only):
             continue

@@ -23,6 +23,7 @@ from fastformer.cli import main
 from fastformer.cli import report as R
 from fastformer.cli.cases import (
     DERIVED_BWD_OPS,
+    MODELS,
     AttentionCase,
     FfnCase,
     LayerNormCase,
@@ -419,6 +420,12 @@ def test_profile_kernels_dry_run_on_cpu():
     assert 1 < len(lines) <= 4
     missing = prof.profile_case("layer_norm", LayerNormCase(8, 64), "nope", 1, 3, "cpu")
     assert missing == ["  nope: not run (no such implementation here)"]
+    lines = prof.profile_model(MODELS["tiny"], 1, 2, "cpu")
+    assert lines[0].startswith("model tiny: ")
+    steps = [line for line in lines if line.startswith("  ") and not line.startswith("   ")]
+    assert [line.split(":")[0] for line in steps] == ["  eager", "  fastformer"]
+    assert all(" ms in " in line and "per step" in line for line in steps)
+    assert len(lines) == 1 + 2 * 3  # a heading, then a step line and 2 kernels per variant
 
 
 def test_check_max_seconds_lists_the_cases_it_did_not_run(capsys):
