@@ -1142,6 +1142,47 @@ def _empty_like_order(q: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return out if slice_extent(out) < INT32_LIMIT else q.new_empty(shape)
 
 
+def _tile_one_buffer(parts: tuple[torch.Tensor, ...]) -> bool:
+    """Whether (B, H, L, D) `parts` are the head splits of consecutive slices of one dense
+    (B, L, n * H * D) or (L, B, n * H * D) tensor (n = len(parts)), as nn.MultiheadAttention's
+    packed projections make them: same shape, strides and storage, heads and head dims
+    contiguous, part i at offset i * H * D, and (B, L) rows of n * H * D elements without gaps."""
+    first = parts[0]
+    (_, h, _, d), stride = first.shape, first.stride()
+    if first.numel() == 0 or stride[3] != 1 or (h > 1 and stride[1] != d):
+        return False
+    width = h * d
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for i, t in enumerate(parts):
+        same = t.shape == first.shape and t.stride() == stride and t.dtype == first.dtype
+        if not same or t.untyped_storage().data_ptr() != storage:
+            return False
+        if t.storage_offset() != offset + i * width:
+            return False
+    expected = len(parts) * width  # rows of n * H * D elements, inner (B or L) dim first
+    for dim in sorted((i for i in (0, 2) if first.shape[i] > 1), key=lambda i: stride[i]):
+        if stride[dim] != expected:
+            return False
+        expected *= first.shape[dim]
+    return True
+
+
+def grads_like(*inputs: torch.Tensor) -> list[torch.Tensor]:
+    """Empty gradient tensors for q, k, v (or some of them), laid out in memory as the inputs
+    are: views of one fresh buffer with the inputs' geometry when they tile one buffer together
+    (`_tile_one_buffer`: heads split off a packed projection), else `torch.empty_like` (the
+    same strides for a dense input). The caller's backward of its head split is then a view of
+    that buffer, not a stack and a copy (fastformer.nn.MultiheadAttention)."""
+    for group in (inputs, inputs[1:]):  # q, k, v packed; or k, v packed (cross-attention)
+        if len(group) > 1 and _tile_one_buffer(group):
+            first = group[0]
+            buf = first.new_empty(len(group) * first.numel())
+            width = first.shape[1] * first.shape[3]
+            views = [buf.as_strided(first.shape, first.stride(), i * width) for i in range(len(group))]
+            return [torch.empty_like(t) for t in inputs[: len(inputs) - len(group)]] + views
+    return [torch.empty_like(t) for t in inputs]
+
+
 def _meta(q, k, v, mask: _Mask, kpm, dropout_p: float, is_causal: bool) -> dict:
     d, dv = q.shape[-1], v.shape[-1]
     return {
@@ -1227,6 +1268,7 @@ def attention_backward(
     mask_grad: bool,
     config: Config | None = None,
     kv_range: torch.Tensor | None = None,
+    like_inputs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of attention_forward's (out, lse) w.r.t. q, k, v and a float attn_mask.
 
@@ -1235,21 +1277,26 @@ def attention_backward(
         out, lse: what attention_forward returned for these inputs (same seed).
         mask_grad: also return d attn_mask (float mask only), shaped and typed like attn_mask.
         kv_range: key_range(key_padding_mask) when the caller has it (the forward's).
+        like_inputs: dq, dk, dv laid out in memory as q, k, v are (see `grads_like`), else
+            contiguous.
 
     Returns:
-        (dq, dk, dv, dmask or None), dq/dk/dv contiguous in the dtype and shape of q/k/v.
+        (dq, dk, dv, dmask or None), dq/dk/dv in the dtype and shape of q/k/v.
     """
     q, k, v = _kernel_layout(q), _kernel_layout(k), _kernel_layout(v)
     grad_out, out = _kernel_layout(grad_out), _kernel_layout(out)
     b, h, lq, d = q.shape
     hkv, lk, dv = k.shape[1], k.shape[2], v.shape[3]
     group = h // hkv
-    # Every row of dq, dk, dv is written by the kernels (zeros where nothing is visible).
-    dq = torch.empty(b, h, lq, d, dtype=q.dtype, device=q.device)
-    # GQA: per-query-head dK/dV in fp32, summed over each group below (deterministic).
-    buf_dtype = q.dtype if group == 1 else torch.float32
-    dk = torch.empty(b, h, lk, d, dtype=buf_dtype, device=q.device)
-    dv_ = torch.empty(b, h, lk, dv, dtype=buf_dtype, device=q.device)
+    # Every element of dq, dk, dv is written by the kernels (zeros where nothing is visible).
+    if group == 1 and like_inputs:
+        dq, dk, dv_ = grads_like(q, k, v)
+    elif group == 1:
+        dq, dk, dv_ = (t.new_empty(t.shape) for t in (q, k, v))
+    else:  # GQA: per-query-head dK/dV in fp32, summed over each group below (deterministic)
+        dq = grads_like(q)[0] if like_inputs else q.new_empty(q.shape)
+        dk = torch.empty(b, h, lk, d, dtype=torch.float32, device=q.device)
+        dv_ = torch.empty(b, h, lk, dv, dtype=torch.float32, device=q.device)
     ds = None
     if mask_grad and attn_mask is not None:  # skipped tiles are never written: start at 0
         ds = torch.zeros(b, h, lq, lk, dtype=torch.float32, device=q.device)

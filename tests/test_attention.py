@@ -813,6 +813,40 @@ def test_output_keeps_the_memory_order_of_heads_split_off_a_projection(grad, bat
     assert attn.scaled_dot_product_attention(q, q, q, is_causal=True).is_contiguous()
 
 
+def test_gradient_buffers_share_storage_only_for_a_packed_projection():
+    # grads_like: one buffer for q, k, v split off one packed projection (or k, v), with their
+    # strides; never for tensors that alias each other or leave gaps between them.
+    from fastformer.kernels.attention import grads_like
+
+    b, h, seq, d = 2, 3, 5, 4
+
+    def heads(x, n):  # (B, L, n*H*D) -> n (B, H, L, D) views
+        return x.unflatten(-1, (n, h, d)).permute(2, 0, 3, 1, 4).unbind(0)
+
+    def storages(ts):
+        return len({t.untyped_storage().data_ptr() for t in ts})
+
+    packed = heads(_randn((b, seq, 3 * h * d)), 3)
+    grads = grads_like(*packed)
+    assert storages(grads) == 1 and [g.stride() for g in grads] == [t.stride() for t in packed]
+    assert grads[0].untyped_storage().nbytes() == 3 * packed[0].numel() * 4  # no spare room
+    q = heads(_randn((b, seq, h * d)), 1)[0]
+    k, v = heads(_randn((b, seq, 2 * h * d)), 2)
+    grads = grads_like(q, k, v)
+    assert storages(grads) == 2 and all(g.stride() == t.stride() for g, t in zip(grads, (q, k, v)))
+    x = _randn((b, h, seq, d))
+    assert storages(grads_like(x, x, x)) == 3  # the same tensor thrice: no aliasing
+    gapped = heads(_randn((b, seq, 4 * h * d)), 4)[:3]  # rows longer than the three parts
+    assert storages(grads_like(*gapped)) == 3
+
+    def self_attention(fn, x):
+        return fn(x, x, x, is_causal=True)
+
+    fast = functools.partial(self_attention, attn.scaled_dot_product_attention)
+    reference = functools.partial(self_attention, ref.scaled_dot_product_attention)
+    assert_parity(compare_with_reference(fast, reference, [x.requires_grad_()], names=["x"]))
+
+
 def test_bfloat16_on_cpu_runs_the_torch_backend():
     if DEVICE != "cpu":
         pytest.skip("CPU-only routing")

@@ -527,6 +527,67 @@ def test_triton_attention_path(monkeypatch):
     module_parity(Self(ours), Self(theirs), (x,), None, ["x"])
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("case", ["self", "batch_first", "cross_key_is_value", "distinct_qkv"])
+def test_attention_gradients_skip_the_head_split_copies(monkeypatch, case, backend):
+    """With the Triton kernel, dq, dk and dv come back laid out as the projections' head views
+    (one buffer for a packed projection), and the heads' split passes them to the projection as
+    its gradient without a stack and a copy. The torch backend's gradients take that path only
+    where torch's kernels happen to lay them out so. Both give torch.nn's gradients."""
+    from fastformer.nn import attention as fnn_attention
+
+    monkeypatch.setenv("FASTFORMER_BACKEND_ATTENTION", backend)
+    offsets = []
+
+    def spy(grads, parts):
+        offsets.append(found := split_offset(grads, parts))
+        return found
+
+    split_offset = fnn_attention._offset_in_one_buffer
+    monkeypatch.setattr(fnn_attention, "_offset_in_one_buffer", spy)
+    kwargs, args = _mha_case(case)
+    theirs, ours = _pair(nn.MultiheadAttention, fnn.MultiheadAttention, E, H, **kwargs)
+    seq_k = args[1].shape[1 if kwargs.get("batch_first") else 0]
+    masks = dict(need_weights=False, key_padding_mask=_padding(B, seq_k, seed=11))
+    distinct = list({id(t): t for t in args}.values())
+    index = [next(i for i, d in enumerate(distinct) if d is t) for t in args]
+    module_parity(_Route(ours, index, masks), _Route(theirs, index, masks), tuple(distinct))
+    splits = {"self": 1, "batch_first": 2, "cross_key_is_value": 2, "distinct_qkv": 3}[case]
+    assert len(offsets) >= splits  # every projection's split ran its backward
+    if backend == "triton":
+        assert None not in offsets, offsets
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize(
+    "n, layout",
+    [(n, layout) for n in (1, 2, 3) for layout in ("contiguous", "one_buffer")]
+    + [(2, "missing"), (3, "missing")],
+)
+def test_split_heads_backward(n, batch_first, layout):
+    """The heads' split gives the gradient autograd gives its views, whether the gradients come
+    as separate tensors (a stack and a copy), in one buffer laid out as the views are (no
+    copy), or with one of them missing (zeros)."""
+    from fastformer.kernels.attention import grads_like
+    from fastformer.nn.attention import _head_views, _split_heads
+
+    x = _randn(*((B, S) if batch_first else (S, B)), n * E)
+    grads = [_randn(B, H, S, E // H, seed=i, grad=False) for i in range(n)]
+    if layout == "one_buffer":
+        views = _head_views(x.detach(), n, H, batch_first)
+        grads = [buf.copy_(g) for buf, g in zip(grads_like(*views), grads)]
+        assert len({g.untyped_storage().data_ptr() for g in grads}) == 1
+    if layout == "missing":
+        grads[0] = None
+    outs = _split_heads(x, n, H, batch_first)
+    used = [(o, g) for o, g in zip(outs, grads) if g is not None]
+    got = torch.autograd.grad([o for o, _ in used], x, [g for _, g in used])[0]
+    views = _head_views(x, n, H, batch_first)
+    used = [(o, g) for o, g in zip(views, grads) if g is not None]
+    expected = torch.autograd.grad([o for o, _ in used], x, [g for _, g in used])[0]
+    assert torch.equal(got, expected)
+
+
 def test_torch_encoder_nested_path_falls_back_to_torch():
     """An unswapped torch.nn.TransformerEncoder hands fastformer layers nested tensors in
     inference; the layer then runs torch.nn's own path (same result)."""

@@ -96,11 +96,60 @@ def sdpa_masks(
     return attn_mask, key_padding_mask, is_causal
 
 
-def _split_heads(x: Tensor, n: int, heads: int, batch_first: bool) -> list[Tensor]:
-    """(B, L, n*E) or (L, B, n*E) -> n tensors (B, H, L, D) (views, no copy)."""
+def _head_views(x: Tensor, n: int, heads: int, batch_first: bool) -> list[Tensor]:
     x = x.unflatten(-1, (n, heads, -1))
     x = x.permute(2, 0, 3, 1, 4) if batch_first else x.permute(2, 1, 3, 0, 4)
     return list(x.unbind(0))
+
+
+class _SplitHeads(torch.autograd.Function):
+    """`_head_views` whose backward returns the gradients as the input's without a copy when
+    they lie in one buffer exactly as the views lie in the input (the attention op's Triton
+    backward allocates them so, fastformer.kernels.attention.grads_like). Autograd's own
+    backward of the views stacks the n gradients and copies them back into (B, L, n*E): two
+    passes over n*E activations a token."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, n: int, heads: int, batch_first: bool):
+        parts = _head_views(x, n, heads, batch_first)
+        ctx.x_geometry = (x.shape, x.stride())
+        ctx.parts = [(p.stride(), p.storage_offset() - x.storage_offset()) for p in parts]
+        ctx.args = (n, heads, batch_first)
+        return tuple(parts)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None):
+        shape, stride = ctx.x_geometry
+        offset = _offset_in_one_buffer(grads, ctx.parts)
+        if offset is not None:
+            return grads[0].as_strided(shape, stride, offset), None, None, None
+        n, heads, batch_first = ctx.args
+        zeros = next(torch.zeros_like(g) for g in grads if g is not None)
+        grad = torch.stack([zeros if g is None else g for g in grads])
+        grad = grad.permute(1, 3, 0, 2, 4) if batch_first else grad.permute(3, 1, 0, 2, 4)
+        return grad.reshape(shape), None, None, None
+
+
+def _offset_in_one_buffer(grads, parts) -> int | None:
+    """The storage offset the input's gradient has when every gradient lies in one storage with
+    the geometry (strides, offset from the input) of its part, else None."""
+    if any(g is None for g in grads):
+        return None
+    base = grads[0].storage_offset() - parts[0][1]
+    storage = grads[0].untyped_storage().data_ptr()
+    for g, (stride, offset) in zip(grads, parts):
+        if g.untyped_storage().data_ptr() != storage or g.stride() != stride:
+            return None
+        if g.storage_offset() - base != offset:
+            return None
+    return base
+
+
+def _split_heads(x: Tensor, n: int, heads: int, batch_first: bool) -> list[Tensor]:
+    """(B, L, n*E) or (L, B, n*E) -> n tensors (B, H, L, D) (views, no copy)."""
+    if x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        return list(_SplitHeads.apply(x, n, heads, batch_first))
+    return _head_views(x, n, heads, batch_first)
 
 
 def _merge_heads(out: Tensor, batch_first: bool) -> Tensor:

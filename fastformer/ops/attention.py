@@ -706,12 +706,14 @@ def _attention_backward_op(
 
 def _backward_kernels(
     grad_out, grad_lse, query, key, value, out, lse, attn_mask, key_padding_mask, seed,
-    dropout_p, is_causal, scale, mask_grad, backend=None, kv_range=None,
+    dropout_p, is_causal, scale, mask_grad, backend=None, kv_range=None, like_inputs=False,
 ):  # fmt: skip
+    # like_inputs (eager calls): Triton's dq, dk, dv in the memory layout of q, k, v.
     args = (grad_out, grad_lse, query, key, value, out, lse, attn_mask, key_padding_mask,
             int(seed), dropout_p, is_causal, scale, mask_grad)  # fmt: skip
     if (backend or _backend(query, key, value, attn_mask)) == "triton":
-        dq, dk, dv, dmask = _kernels().attention_backward(*args, kv_range=kv_range)
+        backward = _kernels().attention_backward
+        dq, dk, dv, dmask = backward(*args, kv_range=kv_range, like_inputs=like_inputs)
     else:
         dq, dk, dv, dmask = _torch_backward(*args)
     return dq, dk, dv, query.new_empty(0) if dmask is None else dmask
@@ -794,6 +796,8 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         def run(*args):
-            return _backward_kernels(*args, backend=ctx.backend, kv_range=ctx.kv_range)
+            return _backward_kernels(
+                *args, backend=ctx.backend, kv_range=ctx.kv_range, like_inputs=True
+            )
 
         return _grads(ctx, grad_out, grad_lse, run)
