@@ -14,11 +14,11 @@ bound / causal masks are only computed on the few edge tiles.
 
 Backward: `attn_bwd_dq` (one program per query block, loop over key blocks) computes its rows'
 delta = rowsum(dO * O) - dLSE and stores it, then `attn_bwd_dkdv` (one program per key block,
-loop over query blocks from the causal start) reads it; both recompute P from the saved LSE. No atomics:
-the result is deterministic. For fp16/bf16 head dims > 128 dK and dV are two launches (PART)
-so that each fits in registers; configs choose (key x query) or (query x key) tiles for both.
-With GQA, dK/dV are written per query head (fp32) and summed
-over each group in torch. A float attn_mask that needs a gradient gets dS written to an fp32
+loop over query blocks from the causal start) reads it; both recompute P from the saved LSE.
+No atomics: the result is deterministic. For fp16/bf16 head dims > 128 dK and dV are two
+launches (PART) so that each fits in registers; configs choose (key x query) or (query x key)
+tiles for both. With GQA, dK/dV are written per query head (fp32) and summed over each group
+in torch. A float attn_mask that needs a gradient gets dS written to an fp32
 (B, H, Lq, Lk) buffer (only in that case), reduced in torch over the mask's broadcast dims.
 
 Masks: attn_mask is read per tile through its (B, H, Lq, Lk) broadcast strides (stride 0 on
@@ -821,7 +821,8 @@ _SM80 = {
 
 
 # Base configs that spill with key padding + causal (compile_report, Triton 3.6 or 3.8): not
-# "padded" candidates. (dq d64 (128, 128, 8, 3): 32-48 bytes since dq computes delta.) (kernel, bucket, config) per arch; 16-bit tables only.
+# "padded" candidates. (kernel, bucket, config) per arch; 16-bit tables only. (dq d64
+# (128, 128, 8, 3): 32-48 bytes since dq computes delta.)
 _PADDED_SPILLS = {
     90: {("fwd", 64, _C(128, 64, 4, 3)), ("fwd", 128, _C(128, 128, 8, 2)),
          ("dkdv", 128, _C(32, 128, 8, 2)), ("dq", 64, _C(128, 128, 8, 3))},
@@ -1178,7 +1179,9 @@ def grads_like(*inputs: torch.Tensor) -> list[torch.Tensor]:
             first = group[0]
             buf = first.new_empty(len(group) * first.numel())
             width = first.shape[1] * first.shape[3]
-            views = [buf.as_strided(first.shape, first.stride(), i * width) for i in range(len(group))]
+            views = [
+                buf.as_strided(first.shape, first.stride(), i * width) for i in range(len(group))
+            ]
             return [torch.empty_like(t) for t in inputs[: len(inputs) - len(group)]] + views
     return [torch.empty_like(t) for t in inputs]
 
