@@ -63,8 +63,8 @@ def _wall_ms(call: Callable[[], None], iters: int, device: torch.device) -> floa
     return statistics.median(samples)
 
 
-def _kernel_lines(prof, iters: int, top: int, cuda: bool, what: str) -> tuple[float, list[str]]:
-    """(kernel milliseconds per `what`, lines of the `top` kernels by time)."""
+def _kernel_lines(prof, iters: int, top: int, cuda: bool, what: str) -> list[str]:
+    """A summary (kernel time and count per `what`), then a line for each of the `top` kernels."""
 
     def us(e) -> float:
         return e.device_time_total if cuda else e.self_cpu_time_total
@@ -77,7 +77,21 @@ def _kernel_lines(prof, iters: int, top: int, cuda: bool, what: str) -> tuple[fl
     launches = sum(e.count for e in kernels) // iters
     total_ms = sum(us(e) for e in kernels) / iters / 1e3
     head = f"kernels {total_ms:.3f} ms in {launches} {'kernels' if cuda else 'ops'} per {what}"
-    return total_ms, [head, *lines]
+    return [head, *lines]
+
+
+def _profiled(call: Callable[[], None], iters: int, top: int, device, what: str):
+    """(synchronized wall milliseconds of `call`, median of `iters`; its kernel lines), after a
+    warm-up (autotuning, allocator)."""
+    for _ in range(3):
+        call()
+    wall = _wall_ms(call, iters, device)
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            call()
+        _sync(device)
+    return wall, _kernel_lines(prof, iters, top, cuda, what)
 
 
 def profile_model(case: ModelCase, iters: int, top: int, device="cuda") -> list[str]:
@@ -102,18 +116,10 @@ def profile_model(case: ModelCase, iters: int, top: int, device="cuda") -> list[
             model.loss(src, tgt).backward()
             opt.step()
 
-        for _ in range(3):  # autotuning, allocator warm-up
-            step()
-        wall = _wall_ms(step, iters, device)
+        wall, kernels = _profiled(step, iters, top, device, "step")
         host = host_time(step, device, iters)
-        cuda = device.type == "cuda"
-        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-            for _ in range(iters):
-                step()
-            _sync(device)
-        _, kernel_lines = _kernel_lines(prof, iters, top, cuda, "step")
-        lines.append(f"  {name}: wall {wall:.2f} ms, host {host:.2f} ms, {kernel_lines[0]}")
-        lines += kernel_lines[1:]
+        lines.append(f"  {name}: wall {wall:.2f} ms, host {host:.2f} ms, {kernels[0]}")
+        lines += kernels[1:]
     return lines
 
 
@@ -126,17 +132,8 @@ def profile_case(op: str, case, impl: str, iters: int, top: int, device="cuda") 
     fn = bench.impls.get(impl, "no such implementation here")
     if isinstance(fn, str):
         return [f"  {impl}: not run ({fn})"]
-    call = runner(fn, bench.args, "fwd+bwd")
-    for _ in range(3):
-        call()
-    wall = _wall_ms(call, iters, device)
-    cuda = device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        for _ in range(iters):
-            call()
-        _sync(device)
-    _, kernel_lines = _kernel_lines(prof, iters, top, cuda, "fwd+bwd")
-    return [f"  {impl}: wall {wall:.3f} ms, {kernel_lines[0]}", *kernel_lines[1:]]
+    wall, kernels = _profiled(runner(fn, bench.args, "fwd+bwd"), iters, top, device, "fwd+bwd")
+    return [f"  {impl}: wall {wall:.3f} ms, {kernels[0]}", *kernels[1:]]
 
 
 def main() -> None:
