@@ -91,7 +91,10 @@ def scaled_dot_product_attention(
         key_padding_mask: (B, Lk) bool, True = padding (that key is ignored).
 
     Returns:
-        (B, H, Lq, Dv) in the query dtype; rows with every key masked are 0.
+        (B, H, Lq, Dv) in the query dtype; rows with every key masked are 0. Outside
+        torch.compile its dims may lie in memory in the query's order (say (B, Lq, H, Dv) for
+        heads split off a (B, Lq, H * D) projection, as torch's SDPA may return them), so that
+        merging the heads back is a view: not necessarily contiguous.
     """
     return scaled_dot_product_attention_with_lse(
         query,
