@@ -9,7 +9,8 @@ start), the GPU time of its kernels and how many there are, and the kernels that
 it. Then, for each op case: the wall time of one forward + backward (synchronized, median of N),
 the GPU time of its kernels (their sum per call), and the kernels that take most of it. Wall time
 well above the kernel sum means the call is bound by host overhead or launch gaps; a kernel far
-above its share of the bytes or FLOPs is the one to look at. Needs CUDA.
+above its share of the bytes or FLOPs is the one to look at. After each case, the attention
+autotuner's choices and every candidate's time for the keys that case tuned. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fastformer.cli import bench
+from fastformer.cli import bench, report
 from fastformer.cli.cases import MODELS, AttentionCase, FfnCase, LayerNormCase, ModelCase
 from fastformer.cli.impls import BUILDERS, FAST, runner
 from fastformer.cli.timing import host_time
@@ -136,6 +137,15 @@ def profile_case(op: str, case, impl: str, iters: int, top: int, device="cuda") 
     return [f"  {impl}: wall {wall:.3f} ms, {kernels[0]}", *kernels[1:]]
 
 
+def _print_tuning_since(count: int) -> int:
+    """Prints the attention autotuner's choices and candidate times logged after the first
+    `count` (why a case runs the tile it runs, say the causal s512 one); returns the new count."""
+    entries = bench.attention_tuning()
+    if entries[count:]:
+        print("\n".join(report.tuning_lines(entries[count:])), flush=True)
+    return len(entries)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=10)
@@ -153,6 +163,7 @@ def main() -> None:
         except Exception as exc:  # the op cases still run
             print(f"model {args.model}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
         torch.cuda.empty_cache()
+    tuned = _print_tuning_since(0)
     print("op cases, fwd+bwd")
     for name, (op, case) in _cases().items():
         if only and not any(text in name for text in only):
@@ -163,6 +174,7 @@ def main() -> None:
                 print("\n".join(profile_case(op, case, impl, args.iters, args.top)), flush=True)
             except Exception as exc:  # one failing case must not hide the others
                 print(f"  {impl}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        tuned = _print_tuning_since(tuned)
 
 
 if __name__ == "__main__":

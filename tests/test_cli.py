@@ -428,6 +428,28 @@ def test_profile_kernels_dry_run_on_cpu():
     assert len(lines) == 1 + 2 * 3  # a heading, then a step line and 2 kernels per variant
 
 
+def test_profile_kernels_prints_the_attention_tuning_of_each_case(monkeypatch, capsys):
+    import importlib.util
+
+    from fastformer.kernels import attention as kernels
+
+    spec = importlib.util.spec_from_file_location(
+        "profile_kernels", ROOT / "benchmarks" / "profile_kernels.py"
+    )
+    prof = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prof)
+    entry = dict(kernel="dq", feature_class="base", device="cuda:0", dtype="torch.bfloat16")
+    entry.update(seq_q_bucket=512, seq_k_bucket=512, HEAD_D=64, IS_CAUSAL=True, MASK_KIND=0)
+    entry.update(HAS_KPM=False, HAS_DROPOUT=False, chosen="128x32 w4 s3")
+    entry["ms"] = {"128x32 w4 s3": 0.21, "128x64 w8 s2": 0.25}
+    monkeypatch.setattr(kernels, "TUNING_LOG", [entry])
+    assert prof._print_tuning_since(1) == 1 and capsys.readouterr().out == ""  # nothing new
+    assert prof._print_tuning_since(0) == 1
+    out = capsys.readouterr().out
+    assert "| dq | base | 64 | True | 0 | False | False | 512 / 512 | bfloat16 " in out
+    assert "| 128x32 w4 s3 | 128x32 w4 s3: 0.21, 128x64 w8 s2: 0.25 |" in out
+
+
 def test_check_max_seconds_lists_the_cases_it_did_not_run(capsys):
     assert main(["check", "--quick", "--ops", "layer_norm", "--max-seconds", "1e-9"]) == 1
     text = capsys.readouterr()
