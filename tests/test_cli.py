@@ -402,9 +402,8 @@ def test_benchmark_suites_skip_cleanly_without_a_gpu():
     assert "skipped" in done.stdout and "passed" not in done.stdout
 
 
-def test_profile_kernels_dry_run_on_cpu():
-    # benchmarks/profile_kernels.py runs only at the end of a GPU session: its case list and
-    # its report lines are checked here, on CPU ops, so that it does not fail there first.
+def _profile_kernels():
+    """benchmarks/profile_kernels.py as a module (it is a script, not part of the package)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
@@ -412,6 +411,13 @@ def test_profile_kernels_dry_run_on_cpu():
     )
     prof = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(prof)
+    return prof
+
+
+def test_profile_kernels_dry_run_on_cpu():
+    # benchmarks/profile_kernels.py runs only at the end of a GPU session: its case list and
+    # its report lines are checked here, on CPU ops, so that it does not fail there first.
+    prof = _profile_kernels()
     cases = prof._cases()
     assert {op for op, _ in cases.values()} == {"layer_norm", "ffn", "attention"}
     assert all(name.startswith(op) for name, (op, _) in cases.items())
@@ -429,15 +435,9 @@ def test_profile_kernels_dry_run_on_cpu():
 
 
 def test_profile_kernels_prints_the_attention_tuning_of_each_case(monkeypatch, capsys):
-    import importlib.util
-
     from fastformer.kernels import attention as kernels
 
-    spec = importlib.util.spec_from_file_location(
-        "profile_kernels", ROOT / "benchmarks" / "profile_kernels.py"
-    )
-    prof = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prof)
+    prof = _profile_kernels()
     entry = dict(kernel="dq", feature_class="base", device="cuda:0", dtype="torch.bfloat16")
     entry.update(seq_q_bucket=512, seq_k_bucket=512, HEAD_D=64, IS_CAUSAL=True, MASK_KIND=0)
     entry.update(HAS_KPM=False, HAS_DROPOUT=False, chosen="128x32 w4 s3")
