@@ -166,6 +166,34 @@ def test_draw_seed_cuda_reproducible_and_fresh():
     assert len(set(first)) == 3
 
 
+def test_draw_seed_refuses_cuda_graph_capture(monkeypatch):
+    # A seed drawn at capture would be replayed with every graph replay: a clear error instead.
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA graph capture"):
+        rng.draw_seed("cuda")
+    assert rng.draw_seed("cpu") >= 0  # CPU draws never ask
+
+
+@pytest.mark.cuda
+def test_attention_without_dropout_replays_in_a_cuda_graph():
+    # Without dropout nothing is drawn on the host: capture works (after a warm-up call, as
+    # the autotuner cannot time configs under capture) and a replay gives the eager result.
+    # (With dropout the draw raises first: test_draw_seed_refuses_cuda_graph_capture.)
+    from fastformer.ops.attention import scaled_dot_product_attention as sdpa
+
+    q = torch.randn(1, 2, 64, 32, device="cuda", dtype=torch.bfloat16)
+    expected = sdpa(q, q, q, is_causal=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sdpa(q, q, q, is_causal=True)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, sdpa(q, q, q, is_causal=True))
+    assert not torch.equal(out, expected)
+
+
 @pytest.mark.parametrize(
     "seed, offsets, error",
     [

@@ -133,10 +133,18 @@ def draw_seed(device: torch.device | str | None = None) -> int:
 
     `torch.manual_seed` therefore reproduces a run, and consecutive calls differ. On CUDA the
     draw advances the generator's Philox offset instead of sampling on the device, so it never
-    synchronises the host with the GPU.
+    synchronises the host with the GPU; inside CUDA graph capture it raises RuntimeError.
     """
     device = torch.device("cpu" if device is None else device)
     if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            # The seed is a launch argument: a captured graph would replay one mask forever.
+            raise RuntimeError(
+                "fastformer's dropout cannot run inside CUDA graph capture (torch.cuda.graph, "
+                "torch.compile(mode='reduce-overhead')): its seed is drawn on the host when the "
+                "op runs, so every replay would drop the same elements. Capture with dropout 0 "
+                "(eval mode), or train without CUDA graphs."
+            )
         index = device.index if device.index is not None else torch.cuda.current_device()
         gen = torch.cuda.default_generators[index]
         base, offset = gen.initial_seed(), gen.get_offset()
