@@ -114,27 +114,24 @@ class _SplitHeads(torch.autograd.Function):
         parts = _head_views(x, n, heads, batch_first)
         ctx.x_geometry = (x.shape, x.stride())
         ctx.parts = [(p.stride(), p.storage_offset() - x.storage_offset()) for p in parts]
-        ctx.args = (n, heads, batch_first)
+        ctx.batch_first = batch_first
         return tuple(parts)
 
     @staticmethod
-    def backward(ctx, *grads: Tensor | None):
+    def backward(ctx, *grads: Tensor):
+        # (Autograd hands an unused view's gradient in as zeros: none is None.)
         shape, stride = ctx.x_geometry
         offset = _offset_in_one_buffer(grads, ctx.parts)
         if offset is not None:
             return grads[0].as_strided(shape, stride, offset), None, None, None
-        n, heads, batch_first = ctx.args
-        zeros = next(torch.zeros_like(g) for g in grads if g is not None)
-        grad = torch.stack([zeros if g is None else g for g in grads])
-        grad = grad.permute(1, 3, 0, 2, 4) if batch_first else grad.permute(3, 1, 0, 2, 4)
+        grad = torch.stack(grads)
+        grad = grad.permute(1, 3, 0, 2, 4) if ctx.batch_first else grad.permute(3, 1, 0, 2, 4)
         return grad.reshape(shape), None, None, None
 
 
 def _offset_in_one_buffer(grads, parts) -> int | None:
     """The storage offset the input's gradient has when every gradient lies in one storage with
     the geometry (strides, offset from the input) of its part, else None."""
-    if any(g is None for g in grads):
-        return None
     base = grads[0].storage_offset() - parts[0][1]
     storage = grads[0].untyped_storage().data_ptr()
     for g, (stride, offset) in zip(grads, parts):
