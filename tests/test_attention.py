@@ -495,6 +495,29 @@ def test_tuned_config_is_launched_directly_after_the_first_call(monkeypatch):
     assert entry["ms"] == {"64x32 w4 s3": 1.5, "128x64 w8 s2": None}
 
 
+def test_tuning_key_reads_the_dtype_of_every_tensor_argument(monkeypatch):
+    # _tuned_key takes dtypes at the kernels' pointer positions: those must be exactly where
+    # the launchers pass tensors (Triton's autotuner keys on every tensor's dtype).
+    from fastformer.kernels import attention as kernels
+
+    seen = {}
+    launch = kernels._launch
+
+    def record(kernel, grid, args, meta, q, config):
+        seen[kernel] = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        return launch(kernel, grid, args, meta, q, config)
+
+    monkeypatch.setattr(kernels, "_launch", record)
+    c = Case(lq=33, lk=40, d=16, causal=True, mask="float", kpm="random")
+    q, k, v = _qkv(c)
+    mask = _attn_mask(c)
+    out = attn.scaled_dot_product_attention(q, k, v, mask, key_padding_mask=_key_padding(c))
+    out.sum().backward()
+    assert set(seen) == set(kernels.KERNELS)
+    for kernel, positions in seen.items():
+        assert positions == list(kernels._TENSOR_ARGS[kernel]), kernel
+
+
 def test_key_padding_alone_tunes_over_the_base_configs_too():
     # Key padding without attn_mask is its own feature class: the masked configs plus every base
     # config that compiles without spills for it (the compile report checks them all).
