@@ -659,7 +659,7 @@ def _attention_op(
     # Contiguous like the fake: inductor trusts its strides. The torch backend's tensors may
     # be (B, L, H, D) views, kept in eager calls, where that layout is what a caller with
     # (B, L, H * D) projections reshapes for free.
-    return out.contiguous(), lse.contiguous(), torch.full((), seed, dtype=torch.int64)
+    return out.contiguous(), lse.contiguous(), rng.seed_scalar(seed)
 
 
 def _forward(

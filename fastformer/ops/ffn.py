@@ -309,7 +309,7 @@ def _ffn_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out, saved, seed) for a 2-D x; saved is empty when no gradient is needed."""
     out, saved, seed = _forward(x, w1, b1, w2, b2, activation, dropout_p, needs_grad)
-    return out, saved, torch.full((), seed, dtype=torch.int64)
+    return out, saved, rng.seed_scalar(seed)
 
 
 _CAPABILITY: dict[int, tuple[int, int]] = {}  # CUDA device index -> compute capability

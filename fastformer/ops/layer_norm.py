@@ -201,8 +201,7 @@ def _forward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Draws the dropout seed (when dropout_p > 0) and runs the compiled forward."""
     if dropout_p > 0 or seed is None:
-        seed = rng.draw_seed(x.device) if dropout_p > 0 else 0
-        seed = torch.full((), seed, dtype=torch.int64)
+        seed = rng.seed_scalar(rng.draw_seed(x.device) if dropout_p > 0 else 0)
     out, pre, mean, rstd = torch.ops.fastformer.layer_norm_fwd(
         x, weight, bias, residual, seed, eps, dropout_p, rms, store_pre
     )

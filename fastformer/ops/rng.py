@@ -154,10 +154,16 @@ def draw_seed(device: torch.device | str | None = None) -> int:
     return draw.item() & (2**SEED_BITS - 1)
 
 
-def seed_tensor(seed: int) -> torch.Tensor:
-    """`seed` as the CPU int64 scalar tensor the ops save for their backward (NO_SEED for 0).
+def seed_scalar(seed: int) -> torch.Tensor:
+    """`seed` as a fresh CPU int64 scalar tensor (a custom op's seed output must be its own).
     (`torch.full`: exact for every int64, ~1 us against ~2.6 for `torch.tensor`.)"""
-    return NO_SEED if seed == 0 else torch.full((), seed, dtype=torch.int64)
+    return torch.full((), seed, dtype=torch.int64)
+
+
+def seed_tensor(seed: int) -> torch.Tensor:
+    """`seed` as the CPU int64 scalar tensor the eager ops save for their backward (the shared
+    NO_SEED for 0)."""
+    return NO_SEED if seed == 0 else seed_scalar(seed)
 
 
 def _compiled_op(name: str, seed: int, offsets: torch.Tensor) -> torch.Tensor:
