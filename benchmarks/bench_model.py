@@ -1,5 +1,6 @@
 """The paper's base Transformer: training step (forward + backward + Adam) and inference of
-the eager reference, the model after fastformer.swap and torch.compile, same weights and
+the eager reference, the model after fastformer.swap, and torch.compile of the eager model's
+layers and of the whole model, same weights and
 batch as `python -m fastformer bench` (bf16 on the GPU)."""
 
 import copy
@@ -11,7 +12,7 @@ import torch
 from fastformer.cli import bench as B
 from fastformer.cli.cases import model_case
 
-VARIANTS = ["eager", "fastformer", "torch.compile"]
+VARIANTS = ["eager", "fastformer", B.COMPILE_LAYERS, B.COMPILE_WHOLE]
 
 
 @functools.lru_cache(maxsize=1)
@@ -30,8 +31,8 @@ def _variant(name):
         if model is None:
             pytest.skip(info["error"])
     loss_fn, forward = model.loss, model
-    if name == "torch.compile":
-        loss_fn, forward = torch.compile(model.loss), torch.compile(model)
+    if name in B.COMPILED:
+        loss_fn, forward = B.compiled_model(name, model)
     return model, loss_fn, forward, src, tgt
 
 

@@ -63,6 +63,7 @@ import os
 import re
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -982,13 +983,43 @@ def _constexprs(kernel: str, c: Config) -> dict:
     return {**blocks, "QK_TILES": c.qk_tiles} if kernel == "dkdv" else blocks
 
 
+def _tune_bench(kernel_call, quantiles):
+    # Triton's default times each candidate for 25 + 100 ms; the candidates of one key differ
+    # by 5-40 % on kernels of 0.05-2 ms, which 5 + 25 ms (>= 10 runs) tells apart, and a model
+    # tunes ~20 candidates on its first step.
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
+
+
 @functools.cache
 def _autotuned(kernel: str, arch: int, dclass: str, bucket: int, fclass: str):
     configs = [
         triton.Config(_constexprs(kernel, c), num_warps=c.num_warps, num_stages=c.num_stages)
         for c in CONFIGS[(kernel, arch, dclass, bucket, fclass)]
     ]
-    return triton.autotune(configs=configs, key=_TUNE_KEY)(KERNELS[kernel])
+    # cache_results: the choice of each key is kept in Triton's cache directory, so a later
+    # process (the next training run, bench or test) does not tune it again.
+    tune = triton.autotune(configs=configs, key=_TUNE_KEY, do_bench=_tune_bench, cache_results=True)
+    return tune(KERNELS[kernel])
+
+
+def _precompile(kernel: str, configs: list, grid, args: tuple, meta: dict) -> None:
+    """Compile every candidate of a new autotune key at once, in threads, so that the autotuner
+    then only times them: it compiles one after another (~1-2 s of one core each), and Triton
+    releases the GIL for most of a compile (2 candidates in 2.5 s instead of 4.1 on 2 cores).
+    Best effort: a candidate that fails here is compiled (and its error met) by the autotuner."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:  # Triton before 3.4: the autotuner compiles them
+        return
+    workers = min(len(configs), os.cpu_count() or 1)
+    if workers < 2:
+        return
+    with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool, ignore_errors=True):
+        for config in configs:
+            try:
+                KERNELS[kernel].warmup(*args, **meta, **config.all_kwargs(), grid=grid)
+            except Exception:  # raised before its compile started: the autotuner reports it
+                pass
 
 
 def _launch(
@@ -1012,6 +1043,8 @@ def _launch(
     fclass = config_class(kernel, arch, dclass, bucket, meta)
     tuned = _autotuned(kernel, arch, dclass, bucket, fclass)
     known = len(tuned.cache)
+    if len(tuned.configs) > 1:
+        _precompile(kernel, tuned.configs, grid, args, meta)
     tuned[grid](*args, **meta)  # tunes on the first call of its key
     _TUNED[key] = tuned.best_config.all_kwargs()
     timed = len(tuned.configs) > 1 and len(tuned.cache) > known  # it benchmarked just now

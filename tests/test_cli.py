@@ -27,6 +27,7 @@ from fastformer.cli.cases import (
     AttentionCase,
     FfnCase,
     LayerNormCase,
+    ModelCase,
     attention_cases,
     ffn_cases,
     layer_norm_cases,
@@ -251,21 +252,45 @@ def test_attention_backward_rows_are_fwd_bwd_less_fwd():
     assert case.bytes("fwd+bwd", 2) == case.bytes("fwd", 2) + case.bytes("bwd", 2)
 
 
-def test_model_variants_add_compiled_fastformer_with_full():
+def test_model_variants_compile_layers_by_default_and_whole_models_with_full():
     eager = torch.nn.Linear(2, 2)
     fast = torch.nn.Linear(2, 2)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")  # only the type is read
     default = B.model_variants(eager, fast, {}, cuda, full=False)
-    assert list(default) == ["eager", "fastformer", "torch.compile"]
+    assert list(default) == ["eager", "fastformer", B.COMPILE_LAYERS]
     full = B.model_variants(eager, fast, {}, cuda, full=True)
-    assert list(full) == ["eager", "fastformer", "torch.compile", B.FAST_COMPILED]
+    compiled = [B.COMPILE_LAYERS, B.COMPILE_WHOLE, B.FAST_COMPILED]
+    assert list(full) == ["eager", "fastformer", *compiled]
     # Compiled variants are copies: compiling must not change the models measured eagerly.
-    assert full["torch.compile"] is not eager and full[B.FAST_COMPILED] is not fast
+    assert all(full[name] is not eager and full[name] is not fast for name in compiled)
     assert torch.equal(full[B.FAST_COMPILED].weight, fast.weight)
+    assert torch.equal(full[B.COMPILE_WHOLE].weight, eager.weight)
     on_cpu = B.model_variants(eager, fast, {}, cpu, full=True)
-    assert on_cpu[B.FAST_COMPILED] == on_cpu["torch.compile"] == "not measured on CPU (GPU only)"
+    assert {on_cpu[name] for name in compiled} == {"not measured on CPU (GPU only)"}
     failed = B.model_variants(eager, None, {"error": "swap failed"}, cuda, full=True)
     assert failed["fastformer"] == failed[B.FAST_COMPILED] == "swap failed"
+
+
+@pytest.mark.slow
+def test_compiled_layers_match_the_eager_model():
+    """The regional torch.compile variant computes the model's own loss and gradients (dropout
+    0, CPU inductor), and compiles each kind of layer once for all its copies."""
+    case = ModelCase("t", 16, 2, 2, 2, 32, 0.0, 50, batch=3, max_len=7)
+    device = torch.device("cpu")
+    eager = B.build_model(case, device, torch.float32, case.dropout)
+    src, tgt = B.synthetic_batch(case, device)
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    loss_fn, forward = B.compiled_model(B.COMPILE_LAYERS, compiled)
+    assert forward is compiled
+    expected, got = eager.loss(src, tgt), loss_fn(src, tgt)
+    expected.backward()
+    got.backward()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
+    # encoder layer, decoder layer, positional encoding (twice: src and tgt lengths), loss
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 5
 
 
 @pytest.mark.skipif(not _op_available("layer_norm"), reason="fastformer.ops.layer_norm missing")
@@ -673,6 +698,11 @@ def test_model_report_shows_host_time_where_measured():
     text = "\n".join(R.model_lines(model))
     assert "| eager | 1000 | 70.0 (65.4) | 3000 | 20.0 (5.2) | 1024 |" in text
     assert "(host): milliseconds" in text
+    # A compiled variant says what was compiled, under the table.
+    compiled = dict(variant, compiled=B.COMPILED[B.COMPILE_LAYERS])
+    model["variants"][B.COMPILE_LAYERS] = compiled
+    text = "\n".join(R.model_lines(model))
+    assert f"\n{B.COMPILE_LAYERS}: the eager model with each encoder and decoder layer" in text
 
 
 def test_attention_tuning_is_stored_and_reported(monkeypatch):

@@ -76,7 +76,8 @@ def _bench_parser(sub) -> None:
         action="store_true",
         help="the complete per-op GPU grid (42 cases, many minutes) instead of the default "
         "representative subset (12 cases, sized for 3 minutes with the model), and on a GPU the "
-        "swapped model under torch.compile too; the CPU grid is the same either way; --quick "
+        "whole eager and swapped models under torch.compile too (by default: the eager model's "
+        "layers); the CPU grid is the same either way; --quick "
         "wins",
     )
     p.add_argument(
