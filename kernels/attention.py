@@ -50,7 +50,8 @@ backward regenerates the same numbers; nothing of size Lq x Lk is stored.
 Configs: small autotune lists per architecture (sm_80 and sm_90 tables keyed on kernel, dtype
 class, head-dim bucket and feature class; the autotune key adds head dims, causal, mask kind,
 padding, dropout and power-of-two sequence buckets); under TRITON_INTERPRET=1 one fixed small
-config. `compile_report(arch)` (or `python -m fastformer.kernels.attention 90 80`) compiles every
+config. A new key's candidates (a backward's dq and dK/dV ones together) are compiled at once in
+threads before the autotuner times them, and its choice is kept in Triton's cache directory. `compile_report(arch)` (or `python -m fastformer.kernels.attention 90 80`) compiles every
 config of an arch table without a GPU and reports ptxas registers, spills and shared memory.
 """
 
@@ -1002,24 +1003,52 @@ def _autotuned(kernel: str, arch: int, dclass: str, bucket: int, fclass: str):
     return tune(KERNELS[kernel])
 
 
-def _precompile(kernel: str, configs: list, grid, args: tuple, meta: dict) -> None:
-    """Compile every candidate of a new autotune key at once, in threads, so that the autotuner
-    then only times them: it compiles one after another (~1-2 s of one core each), and Triton
-    releases the GIL for most of a compile (2 candidates in 2.5 s instead of 4.1 on 2 cores).
-    Best effort: a candidate that fails here is compiled (and its error met) by the autotuner."""
+class _Launch(NamedTuple):
+    kernel: str
+    grid: object  # the grid, or a function of the config's constants that gives it
+    args: tuple
+    meta: dict
+
+
+def _precompile(launches: list[_Launch], q: torch.Tensor, config: Config | None) -> None:
+    """Compile every autotune candidate of the launches whose key is new, all at once, in
+    threads, so that the autotuner then only times them: it compiles one after another (~1-2 s
+    of one core each), and Triton releases the GIL for most of a compile (a d64 backward's 8
+    sm_90 candidates in 2.5 s instead of 4.3 on the 2-core CI VM). Best effort: a candidate
+    that fails here is compiled (and its error met) by the autotuner."""
+    if config is not None or INTERPRETED or q.device.type != "cuda":
+        return
+    jobs = []
+    for launch in launches:
+        if _tuned_key(launch.kernel, launch.args, launch.meta, q) not in _TUNED:
+            tuned = _autotuned(launch.kernel, *_table_key(launch.kernel, launch.meta, q))
+            jobs += [(launch, c) for c in tuned.configs] if len(tuned.configs) > 1 else []
+    if len(jobs) >= 2 and (os.cpu_count() or 1) >= 2:
+        _compile_at_once(jobs)
+
+
+def _compile_at_once(jobs: list[tuple[_Launch, triton.Config]]) -> None:
+    """Compile each (launch, autotune config) into the JIT cache its launch will look up."""
     try:
         from triton.runtime._async_compile import AsyncCompileMode
     except ImportError:  # Triton before 3.4: the autotuner compiles them
         return
-    workers = min(len(configs), os.cpu_count() or 1)
-    if workers < 2:
-        return
-    with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool, ignore_errors=True):
-        for config in configs:
+    pool = ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1))
+    with pool, AsyncCompileMode(pool, ignore_errors=True):
+        for launch, c in jobs:
             try:
-                KERNELS[kernel].warmup(*args, **meta, **config.all_kwargs(), grid=grid)
+                KERNELS[launch.kernel].warmup(
+                    *launch.args, **launch.meta, **c.all_kwargs(), grid=launch.grid
+                )
             except Exception:  # raised before its compile started: the autotuner reports it
                 pass
+
+
+def _table_key(kernel: str, meta: dict, q: torch.Tensor) -> tuple[int, str, int, str]:
+    # (arch, dtype class, head-dim bucket, feature class): which CONFIGS list tunes a launch.
+    arch, dclass = arch_family(q.device), dtype_class(q.dtype)
+    bucket = dim_bucket(meta["HEAD_D"], meta["HEAD_DV"])
+    return arch, dclass, bucket, config_class(kernel, arch, dclass, bucket, meta)
 
 
 def _launch(
@@ -1038,18 +1067,15 @@ def _launch(
     if best is not None:
         KERNELS[kernel][grid](*args, **meta, **best)
         return
-    arch, dclass = arch_family(q.device), dtype_class(q.dtype)
-    bucket = dim_bucket(meta["HEAD_D"], meta["HEAD_DV"])
-    fclass = config_class(kernel, arch, dclass, bucket, meta)
-    tuned = _autotuned(kernel, arch, dclass, bucket, fclass)
+    table_key = _table_key(kernel, meta, q)
+    tuned = _autotuned(kernel, *table_key)
     known = len(tuned.cache)
-    if len(tuned.configs) > 1:
-        _precompile(kernel, tuned.configs, grid, args, meta)
+    _precompile([_Launch(kernel, grid, args, meta)], q, config)
     tuned[grid](*args, **meta)  # tunes on the first call of its key
     _TUNED[key] = tuned.best_config.all_kwargs()
     timed = len(tuned.configs) > 1 and len(tuned.cache) > known  # it benchmarked just now
     timings = getattr(tuned, "configs_timings", None) if timed else None
-    _log_tuning(kernel, fclass, key, tuned.best_config, timings)
+    _log_tuning(kernel, table_key[3], key, tuned.best_config, timings)
 
 
 def _config_name(config) -> str:
@@ -1407,11 +1433,14 @@ def _backward_kernels(
         *tail,
     )
     dq_meta = {**meta, "WRITE_DS": ds is not None, "HAS_DLSE": grad_lse is not None}
-    _launch("dq", lambda c: (_cdiv(lq, c["BLOCK_M"]), b * h), dq_args, dq_meta, q, config)
-    # dK/dV read the delta dq has just written.
+    # dK/dV read the delta dq writes: dq first.
+    launches = [_Launch("dq", lambda c: (_cdiv(lq, c["BLOCK_M"]), b * h), dq_args, dq_meta)]
     dkdv_grid = lambda c: (_cdiv(lk, c["BLOCK_N"]), b * h)
     for part in dkdv_parts(q.dtype, meta["HEAD_D"], meta["HEAD_DV"]):
-        _launch("dkdv", dkdv_grid, args, {**meta, "PART": part}, q, config)
+        launches.append(_Launch("dkdv", dkdv_grid, args, {**meta, "PART": part}))
+    _precompile(launches, q, config)  # a new key's candidates for dq and dK/dV together
+    for launch in launches:
+        _launch(*launch, q, config)
 # fmt: on
 
 
