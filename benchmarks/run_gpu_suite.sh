@@ -10,9 +10,9 @@
 #   usage: benchmarks/run_gpu_suite.sh OUTDIR        (PYTHON=python3 by default)
 #
 #   SUITE_FULL=1: after the default benchmark, also the full per-op grid and the model with the
-#   swapped model under torch.compile (`bench --full`, three more stages, up to 130 + 80 + 200 s:
-#   well over the 8 minutes). SUITE_PROFILE_BEFORE_S (default 400):
-#   the profile stage runs only when the suite has taken less than this many seconds by then.
+#   whole eager and swapped models under torch.compile (`bench --full`, three more stages, up to
+#   130 + 80 + 200 s: well over the 8 minutes). SUITE_PROFILE_BEFORE_S (default 400): the
+#   profile stage runs only when the suite has taken less than this many seconds by then.
 #
 # Nothing is downloaded: the build uses the installed torch, setuptools and ninja
 # (--no-build-isolation --no-deps --no-index). Exit status: 0 when every stage passed, else the
@@ -144,7 +144,7 @@ if [ "${SUITE_FULL:-0}" = 1 ]; then
         --max-seconds 100 --out "$OUT/bench-full-attention"
     stage bench_full_ops 80 "$PY" -m fastformer bench --no-model --full --ops layer_norm,ffn \
         --max-seconds 60 --out "$OUT/bench-full-ops"
-    # The model with its --full variant: the swapped model under torch.compile.
+    # The model with its --full variants: the whole eager and swapped models under torch.compile.
     stage bench_full_model 200 "$PY" -m fastformer bench --full --ops "" --max-seconds 170 \
         --out "$OUT/bench-full-model"
 fi

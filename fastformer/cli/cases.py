@@ -12,8 +12,13 @@ H200 (benchmarks/results/h200-2026-11-29/run1) the model stage took 77 s (60 s o
 torch.compile); an attention case (both modes, 8 peers) cost 10-29 s when it brought a new mask
 kind or a new shape (torch.compile and FlexAttention recompile, Triton autotunes) and 4-10 s
 otherwise, so the full attention grid measured 7 of its 30 cases (14 of 60 case-modes) in
-100 s; the 16 layer_norm case-modes took 36 s and the 8 ffn ones 17 s. The default keeps one
-case of each kind that the model runs or that tells the kernels apart (12 cases):
+100 s; the 16 layer_norm case-modes took 36 s and the 8 ffn ones 17 s. On 2026-11-30 the
+default run's model stage took 134 s (the whole model under torch.compile 91 s; fastformer's
+first step 26 s, in which Triton compiles and times 20 attention candidates one by one) and
+left the ops 36 s: 2 attention cases. Since, the default compiles the eager model's layers
+instead of the whole model (--full keeps that) and attention compiles a key's candidates at once
+(bench.py, kernels/attention.py); not yet timed on a GPU. The default keeps one case of each
+kind that the model runs or that tells the kernels apart (12 cases):
 - attention (5): d64 s2048 and s8192 non-causal, d64 s2048 causal, d64 s2048 causal + padding
   25% + dropout 0.1 (the decoder's self-attention in training), d128 s2048 non-causal;
 - layer_norm (4): hidden 1024, 4096, 16384, and dropout + residual add at 1024;
