@@ -51,7 +51,8 @@ Configs: small autotune lists per architecture (sm_80 and sm_90 tables keyed on 
 class, head-dim bucket and feature class; the autotune key adds head dims, causal, mask kind,
 padding, dropout and power-of-two sequence buckets); under TRITON_INTERPRET=1 one fixed small
 config. A new key's candidates (a backward's dq and dK/dV ones together) are compiled at once in
-threads before the autotuner times them, and its choice is kept in Triton's cache directory. `compile_report(arch)` (or `python -m fastformer.kernels.attention 90 80`) compiles every
+threads before the autotuner times them, and its choice is kept in Triton's cache directory.
+`compile_report(arch)` (or `python -m fastformer.kernels.attention 90 80`) compiles every
 config of an arch table without a GPU and reports ptxas registers, spills and shared memory.
 """
 
@@ -1010,14 +1011,12 @@ class _Launch(NamedTuple):
     meta: dict
 
 
-def _precompile(launches: list[_Launch], q: torch.Tensor, config: Config | None) -> None:
-    """Compile every autotune candidate of the launches whose key is new, all at once, in
+def _precompile(launches: list[_Launch], q: torch.Tensor) -> None:
+    """Compile every autotune candidate of the (CUDA) launches whose key is new, all at once, in
     threads, so that the autotuner then only times them: it compiles one after another (~1-2 s
     of one core each), and Triton releases the GIL for most of a compile (a d64 backward's 8
     sm_90 candidates in 2.5 s instead of 4.3 on the 2-core CI VM). Best effort: a candidate
     that fails here is compiled (and its error met) by the autotuner."""
-    if config is not None or INTERPRETED or q.device.type != "cuda":
-        return
     jobs = []
     for launch in launches:
         if _tuned_key(launch.kernel, launch.args, launch.meta, q) not in _TUNED:
@@ -1052,8 +1051,16 @@ def _table_key(kernel: str, meta: dict, q: torch.Tensor) -> tuple[int, str, int,
 
 
 def _launch(
-    kernel: str, grid, args: tuple, meta: dict, q: torch.Tensor, config: Config | None
+    kernel: str,
+    grid,
+    args: tuple,
+    meta: dict,
+    q: torch.Tensor,
+    config: Config | None,
+    then: tuple[_Launch, ...] = (),
 ) -> None:
+    # then: the launches that follow this one in the same call (a backward's dK/dV after dq),
+    # whose new keys' candidates compile together with this one's.
     if config is None and (INTERPRETED or q.device.type != "cuda"):
         config = INTERPRET_CONFIG
     if config is not None:
@@ -1070,7 +1077,7 @@ def _launch(
     table_key = _table_key(kernel, meta, q)
     tuned = _autotuned(kernel, *table_key)
     known = len(tuned.cache)
-    _precompile([_Launch(kernel, grid, args, meta)], q, config)
+    _precompile([_Launch(kernel, grid, args, meta), *then], q)
     tuned[grid](*args, **meta)  # tunes on the first call of its key
     _TUNED[key] = tuned.best_config.all_kwargs()
     timed = len(tuned.configs) > 1 and len(tuned.cache) > known  # it benchmarked just now
@@ -1433,13 +1440,15 @@ def _backward_kernels(
         *tail,
     )
     dq_meta = {**meta, "WRITE_DS": ds is not None, "HAS_DLSE": grad_lse is not None}
-    # dK/dV read the delta dq writes: dq first.
-    launches = [_Launch("dq", lambda c: (_cdiv(lq, c["BLOCK_M"]), b * h), dq_args, dq_meta)]
     dkdv_grid = lambda c: (_cdiv(lk, c["BLOCK_N"]), b * h)
-    for part in dkdv_parts(q.dtype, meta["HEAD_D"], meta["HEAD_DV"]):
-        launches.append(_Launch("dkdv", dkdv_grid, args, {**meta, "PART": part}))
-    _precompile(launches, q, config)  # a new key's candidates for dq and dK/dV together
-    for launch in launches:
+    dkdv = tuple(
+        _Launch("dkdv", dkdv_grid, args, {**meta, "PART": part})
+        for part in dkdv_parts(q.dtype, meta["HEAD_D"], meta["HEAD_DV"])
+    )
+    # dK/dV read the delta dq writes: dq first.
+    dq_grid = lambda c: (_cdiv(lq, c["BLOCK_M"]), b * h)
+    _launch("dq", dq_grid, dq_args, dq_meta, q, config, then=dkdv)
+    for launch in dkdv:
         _launch(*launch, q, config)
 # fmt: on
 

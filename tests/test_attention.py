@@ -1117,13 +1117,16 @@ class CudaTensor:  # what _precompile reads of the query: its device and dtype
 driver.set_active(Sm90())
 A.arch_family = lambda device: 90
 launches = []
-A._launch = lambda *launch: launches.append(A._Launch(*launch[:4]))
+A._launch = lambda *launch, then=(): launches.append((A._Launch(*launch[:4]), then))
 q, g = (torch.randn(1, 2, 64, 64, dtype=torch.float16) for _ in range(2))
 lse = torch.zeros(1, 2, 64)
 dq, dk, dv = (torch.empty_like(q) for _ in range(3))
 A._backward_kernels(g, None, q, q, q, q, lse, None, None, 0, 0.0, False, 0.125, dq, dk, dv, None,
                     None, None)
-A._precompile(launches, CudaTensor(), None)  # dq's and dK/dV's candidates at once
+(dq, then), *rest = launches
+assert [launch.kernel for launch in then] == [launch.kernel for launch, _ in rest] == ["dkdv"]
+launches = [dq, *then]
+A._precompile(launches, CudaTensor())  # as dq's _launch does: dq's and dK/dV's candidates
 for launch in launches:
     fn, table = A.KERNELS[launch.kernel], A._table_key(launch.kernel, launch.meta, CudaTensor())
     configs = A._autotuned(launch.kernel, *table).configs
