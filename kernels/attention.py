@@ -1027,7 +1027,8 @@ def _precompile(launches: list[_Launch], q: torch.Tensor) -> None:
 
 
 def _compile_at_once(jobs: list[tuple[_Launch, triton.Config]]) -> None:
-    """Compile each (launch, autotune config) into the JIT cache its launch will look up."""
+    """Compile each (launch, autotune config) into the JIT cache its launch will look up
+    (`warmup` under Triton's AsyncCompileMode with a thread pool: triton-lang/triton#7306)."""
     try:
         from triton.runtime._async_compile import AsyncCompileMode
     except ImportError:  # Triton before 3.4: the autotuner compiles them
