@@ -503,9 +503,9 @@ def test_tuning_key_reads_the_dtype_of_every_tensor_argument(monkeypatch):
     seen = {}
     launch = kernels._launch
 
-    def record(kernel, grid, args, meta, q, config):
+    def record(kernel, grid, args, meta, q, config, **then):
         seen[kernel] = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        return launch(kernel, grid, args, meta, q, config)
+        return launch(kernel, grid, args, meta, q, config, **then)
 
     monkeypatch.setattr(kernels, "_launch", record)
     c = Case(lq=33, lk=40, d=16, causal=True, mask="float", kpm="random")
