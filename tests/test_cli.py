@@ -719,3 +719,26 @@ def test_attention_tuning_is_stored_and_reported(monkeypatch):
     assert "| dkdv | plain | 64 | False | 0 | False | False | 2048 / 2048 | bfloat16 |" in text
     assert "| 128x128 w8 s3, qk | 32x128 w8 s3: 1.61, 128x128 w8 s3, qk: 1.23, " in text
     assert text.endswith("128x128 w8 s2, qk: - |")
+
+
+def test_tflops_panel_without_measured_points_draws_no_legend():
+    """A case past --max-seconds has no times: its panel stays empty, without matplotlib's
+    "no artists with labels" warning (it was printed by the H200 run of 2026-11-30)."""
+    import warnings
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    params = dict(seq=512, head_dim=64, causal=False, padding=0.0, dropout_p=0.0)
+    row = {"mode": "fwd", "params": params, "impls": {"fastformer": {"not_run": "past"}}}
+    fig, ax = plt.subplots()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        R._tflops_panel(ax, [row])
+    assert ax.get_legend() is None and not ax.lines
+    row["impls"]["fastformer"] = {"ms": 1.0, "tflops": 50.0}
+    R._tflops_panel(ax, [row])
+    assert ax.get_legend() is not None and len(ax.lines) == 1
+    plt.close(fig)

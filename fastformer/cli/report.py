@@ -453,16 +453,18 @@ def _tflops_plot(plt, path: Path, rows: list[dict[str, Any]]) -> Path:
 
 def _tflops_panel(ax, group: list[dict[str, Any]]) -> None:
     group = sorted(group, key=lambda r: r["params"]["seq"])
+    plotted = False
     for impl in _peers(group):
         pts = [(r["params"]["seq"], r["impls"][impl].get("tflops")) for r in group]
         pts = [(s, t) for s, t in pts if t is not None]
         if pts:
             style = "-" if impl == FAST else "--"
             ax.plot(*zip(*pts), style, marker="o", label=impl)
+            plotted = True
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequence length")
     ax.set_ylabel("TFLOP/s")
-    if group:
+    if plotted:  # (cases not measured, past --max-seconds, leave a panel without lines)
         ax.legend(fontsize=6)
 
 
