@@ -1089,7 +1089,7 @@ def test_compile_report(arch, tmp_path_factory):
 
 # Run without TRITON_INTERPRET and without a GPU: a stand-in driver makes Triton's JIT target
 # sm_90, so `_precompile` compiles real kernels through the same path as on a GPU.
-_PRECOMPILE_SCRIPT = """
+_SM90_SCRIPT = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
@@ -1123,6 +1123,10 @@ lse = torch.zeros(1, 2, 64)
 dq, dk, dv = (torch.empty_like(q) for _ in range(3))
 A._backward_kernels(g, None, q, q, q, q, lse, None, None, 0, 0.0, False, 0.125, dq, dk, dv, None,
                     None, None)
+"""
+_PRECOMPILE_SCRIPT = (
+    _SM90_SCRIPT
+    + """
 (dq, then), *rest = launches
 assert [launch.kernel for launch in then] == [launch.kernel for launch, _ in rest] == ["dkdv"]
 launches = [dq, *then]
@@ -1146,25 +1150,67 @@ compiled = [kernel.result(ignore_errors=True) if hasattr(kernel, "future") else 
             for kernel in cache.values()]
 print("compiled", sum(kernel is not None for kernel in compiled))
 """
+)
+
+
+_TUNING_CACHE_SCRIPT = (
+    _SM90_SCRIPT
+    + """
+dkdv = launches[-1][0]
+table = A._table_key("dkdv", dkdv.meta, CudaTensor())
+A.KERNELS["dkdv"].run = lambda *args, **kwargs: None  # the launch after tuning: none here
+timed = []
+
+
+def bench(*args, config, **meta):  # the last candidate timed is the fastest
+    timed.append(config)
+    return [2.0 - 0.1 * len(timed), 0.0, 0.0]
+
+
+def refuse(*args, config, **meta):
+    raise AssertionError("timed again instead of reading the disk cache")
+
+
+for process, timing in (("first", bench), ("later", refuse)):
+    A._autotuned.cache_clear()  # a new autotuner, as in a new process
+    tuned = A._autotuned("dkdv", *table)
+    tuned._bench = timing
+    tuned[dkdv.grid](*dkdv.args, **dkdv.meta)
+    ms = sorted(round(t[0], 2) for t in tuned.configs_timings.values())
+    print(process, len(timed), A._config_name(tuned.best_config), ms)
+print("last candidate", A._config_name(tuned.configs[-1]))
+"""
+)
+
+
+def test_tuning_choices_are_read_back_from_disk(tmp_path):
+    """The autotuner keeps each key's choice and timings in Triton's cache directory: a new
+    autotuner (a new process) launches the same config without timing anything (sm_90 through a
+    stand-in driver, the timing replaced)."""
+    result = _run_sm90(_TUNING_CACHE_SCRIPT, tmp_path)
+    first, later, last = result.splitlines()
+    _, timed, choice = first.split(" ", 2)  # "first <candidates timed> <chosen> [<ms>...]"
+    assert int(timed) >= 2 and choice.startswith(last.removeprefix("last candidate ") + " [")
+    assert later == first.replace("first", "later", 1)  # the same choice and timings
+
+
+def _run_sm90(script: str, cache_dir) -> str:
+    if shutil.which(_PTXAS) is None:
+        pytest.skip(f"ptxas not found at {_PTXAS}")
+    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(cache_dir)
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
 
 
 def test_precompile_compiles_every_candidate_for_the_autotuner(tmp_path):
     """The autotuner's candidates of a backward's new keys (dq and dK/dV) are compiled at once,
     in threads, into the very cache entries its launches look up; a candidate that fails to
     compile is left to the autotuner. Compiled for sm_90 through Triton's JIT without a GPU."""
-    if shutil.which(_PTXAS) is None:
-        pytest.skip(f"ptxas not found at {_PTXAS}")
-    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    result = subprocess.run(
-        [sys.executable, "-c", _PRECOMPILE_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    *launches, compiled = result.stdout.splitlines()
+    *launches, compiled = _run_sm90(_PRECOMPILE_SCRIPT, tmp_path).splitlines()
     assert [line.split()[0] for line in launches] == ["dq", "dkdv"]
     for line in launches:
         _, candidates, before, after = line.split()
