@@ -213,6 +213,16 @@ def _lse_log2(Lse, row_ptrs, rows, Lq):
 
 
 @triton.jit
+def _resolved_seed(seed, Seed, HAS_DROPOUT: tl.constexpr):
+    # seed < 0: the seed is at Seed, drawn on the device inside CUDA graph capture so that each
+    # replay uses a new one; otherwise it is the launch argument itself and Seed is not read.
+    if HAS_DROPOUT:
+        if seed < 0:
+            seed = tl.load(Seed)
+    return seed
+
+
+@triton.jit
 def attn_kv_range(Kpm, KvRange, Lk, stride_pb, stride_pn, BLOCK_N: tl.constexpr):
     """KvRange[b] = (first kept key, last kept key + 1) of key_padding_mask row b, (0, 0) when
     every key is padding; grid (B,). One launch instead of a dozen torch ops (host time)."""
@@ -307,7 +317,7 @@ def _fwd_loop(
 
 @triton.jit(do_not_specialize=["seed"])
 def attn_fwd(
-    Q, K, V, Out, Lse, Mask, Kpm, KvRange,
+    Q, K, V, Out, Lse, Mask, Kpm, KvRange, Seed,
     seed, drop_t, qk_scale, out_scale,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
@@ -319,6 +329,7 @@ def attn_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """O and LSE for one (query block, batch*head); grid (cdiv(Lq, BLOCK_M), B*H)."""
+    seed = _resolved_seed(seed, Seed, HAS_DROPOUT)
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
@@ -485,7 +496,7 @@ def _dkdv_loop(
 
 @triton.jit(do_not_specialize=["seed"])
 def attn_bwd_dkdv(
-    Q, K, V, DO, Lse, Delta, DK, DV, Mask, Kpm,
+    Q, K, V, DO, Lse, Delta, DK, DV, Mask, Kpm, Seed,
     seed, drop_t, out_scale, qk_scale, sm_scale,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
@@ -502,6 +513,7 @@ def attn_bwd_dkdv(
     PART (see dkdv_parts): 0 computes both, on (key x query) tiles, or on (query x key) tiles
     when QK_TILES (a config choice); 1 only dV, 2 only dK (fp16/bf16 head dims > 128: two
     launches, each holding one accumulator, as both together do not fit in registers)."""
+    seed = _resolved_seed(seed, Seed, HAS_DROPOUT)
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
     off_h = (off_bh % H).to(tl.int64)
@@ -628,7 +640,7 @@ def _dq_loop(
 
 @triton.jit(do_not_specialize=["seed"])
 def attn_bwd_dq(
-    Q, K, V, DO, Lse, Delta, DQ, Mask, Kpm, KvRange, DS, Out, DLse,
+    Q, K, V, DO, Lse, Delta, DQ, Mask, Kpm, KvRange, DS, Out, DLse, Seed,
     seed, drop_t, out_scale, qk_scale, sm_scale,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
@@ -642,6 +654,7 @@ def attn_bwd_dq(
 ):
     """dQ (and dS if WRITE_DS) of one (query block, batch*head), and its rows of Delta for
     attn_bwd_dkdv, which runs after it; grid (cdiv(Lq, BLOCK_M), B*H)."""
+    seed = _resolved_seed(seed, Seed, HAS_DROPOUT)
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
@@ -897,7 +910,7 @@ KERNELS = {"fwd": attn_fwd, "dkdv": attn_bwd_dkdv, "dq": attn_bwd_dq}
 _CHECKED_KERNELS = {**KERNELS, "kv_range": attn_kv_range}
 # The kernels' pointer (tensor) arguments.
 _FP32_POINTERS = {"Lse", "Delta", "DLse", "DS"}
-_POINTERS = {"Q", "K", "V", "Out", "DO", "DQ", "DK", "DV", "Mask", "Kpm", "KvRange"}
+_POINTERS = {"Q", "K", "V", "Out", "DO", "DQ", "DK", "DV", "Mask", "Kpm", "KvRange", "Seed"}
 _POINTERS |= _FP32_POINTERS
 # Re-tune when any of these change; Triton's autotuner adds the tensor dtypes itself.
 _TUNE_KEY = [
@@ -1179,6 +1192,25 @@ def _padding(
     return _Padding(kpm, kv_range, (kpm.stride(0), kpm.stride(1)))
 
 
+# A 0-dim int64 tensor per device for the kernels' Seed pointer when the seed is an int: they
+# never read it then. Not kept when made inside CUDA graph capture (graph pool memory).
+_NO_SEED: dict[torch.device, torch.Tensor] = {}
+
+
+def _seed_args(seed: int | torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:
+    """(Seed pointer, seed argument) of a launch: an int seed is passed as the argument; a
+    seed tensor (drawn on the device inside CUDA graph capture) is read by the kernels from
+    memory, which the argument -1 tells them."""
+    if isinstance(seed, torch.Tensor):
+        return seed, -1
+    dummy = _NO_SEED.get(device)
+    if dummy is None:
+        dummy = torch.zeros((), dtype=torch.int64, device=device)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _NO_SEED[device] = dummy
+    return dummy, seed
+
+
 def key_range(key_padding_mask: torch.Tensor) -> torch.Tensor:
     """(B, 2) int32: each batch row's first kept key and last kept key + 1, (0, 0) when every
     key is padding; one attn_kv_range launch. The forward's can serve its backward."""
@@ -1285,7 +1317,7 @@ def attention_forward(
     v: torch.Tensor,
     attn_mask: torch.Tensor | None,
     key_padding_mask: torch.Tensor | None,
-    seed: int,
+    seed: int | torch.Tensor,
     dropout_p: float,
     is_causal: bool,
     scale: float,
@@ -1300,7 +1332,9 @@ def attention_forward(
             H % Hkv == 0.
         attn_mask: None, bool (True = attend) or float (added), broadcastable to (B, H, Lq, Lk).
         key_padding_mask: None or (B, Lk) bool, True = padding.
-        seed: dropout seed (ignored when dropout_p == 0).
+        seed: dropout seed (ignored when dropout_p == 0): an int in [0, 2**63), or a 0-dim
+            int64 tensor on q's device that the kernels read (seeds drawn on the device inside
+            CUDA graph capture).
         config: fixed tile config instead of the autotuned/interpreter one (tests).
         kv_range: key_range(key_padding_mask) when the caller has it already.
         like_query: out in q's order of dims in memory (see `_empty_like_order`), else
@@ -1322,7 +1356,7 @@ def attention_forward(
     pad = _padding(key_padding_mask, q, kv_range)
     meta = _meta(q, k, v, mask, key_padding_mask, dropout_p, is_causal)
     args = (
-        q, k, v, out, lse, mask.tensor, pad.tensor, pad.kv_range, seed,
+        q, k, v, out, lse, mask.tensor, pad.tensor, pad.kv_range, *_seed_args(seed, q.device),
         dropout_threshold(dropout_p), scale * LOG2E, 1.0 / (1.0 - dropout_p), *q.stride()[:3],
         *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *mask.strides, *pad.strides, h,
         h // hkv, lq, lk, _seq_bucket(lq), _seq_bucket(lk),
@@ -1341,7 +1375,7 @@ def attention_backward(
     lse: torch.Tensor,
     attn_mask: torch.Tensor | None,
     key_padding_mask: torch.Tensor | None,
-    seed: int,
+    seed: int | torch.Tensor,
     dropout_p: float,
     is_causal: bool,
     scale: float,
@@ -1354,7 +1388,7 @@ def attention_backward(
 
     Args:
         grad_out: (B, H, Lq, Dv) cotangent of out; grad_lse: None or (B, H, Lq) of lse.
-        out, lse: what attention_forward returned for these inputs (same seed).
+        out, lse: what attention_forward returned for these inputs (same seed, int or tensor).
         mask_grad: also return d attn_mask (float mask only), shaped and typed like attn_mask.
         kv_range: key_range(key_padding_mask) when the caller has it (the forward's).
         like_inputs: dq, dk, dv laid out in memory as q, k, v are (see `grads_like`), else
@@ -1426,19 +1460,20 @@ def _backward_kernels(
     mask = _attn_mask(attn_mask, (b, h, lq, lk), q)
     pad = _padding(key_padding_mask, q, kv_range)
     meta = _meta(q, k, v, mask, key_padding_mask, dropout_p, is_causal)
+    seed_ptr, seed = _seed_args(seed, q.device)
     common = (
         seed, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p), scale * LOG2E, scale,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
     )
     tail = (*mask.strides, *pad.strides, h, h // hkv, lq, lk, _seq_bucket(lq), _seq_bucket(lk))
     args = (
-        q, k, v, grad_out, lse, delta, dk, dv, mask.tensor, pad.tensor, *common, *dk.stride()[:3],
-        *dv.stride()[:3], *tail,
+        q, k, v, grad_out, lse, delta, dk, dv, mask.tensor, pad.tensor, seed_ptr, *common,
+        *dk.stride()[:3], *dv.stride()[:3], *tail,
     )
     dq_args = (
         q, k, v, grad_out, lse, delta, dq, mask.tensor, pad.tensor, pad.kv_range,
-        delta if ds is None else ds, out, dlse, *common, *dq.stride()[:3], *out.stride()[:3],
-        *tail,
+        delta if ds is None else ds, out, dlse, seed_ptr, *common, *dq.stride()[:3],
+        *out.stride()[:3], *tail,
     )
     dq_meta = {**meta, "WRITE_DS": ds is not None, "HAS_DLSE": grad_lse is not None}
     dkdv_grid = lambda c: (_cdiv(lk, c["BLOCK_N"]), b * h)
@@ -1532,6 +1567,8 @@ def _pointer_type(name: str, ty: str, variant: Variant) -> str:
         return "fp32"
     if name == "KvRange":
         return "i32"
+    if name == "Seed":
+        return "i64"
     if name == "Kpm" or (name == "Mask" and variant.mask_kind == MASK_BOOL):
         return "u8"
     if name == "Mask":

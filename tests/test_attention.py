@@ -381,6 +381,57 @@ def test_dropout_mask_read_back_from_the_kernel(lk):
     assert abs(rate - (1 - p)) <= 5 * math.sqrt(p * (1 - p) / n)
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="interpreter: the launchers' seed argument")
+def test_seed_tensor_read_by_the_kernels_equals_the_int_seed():
+    """A seed given as a 0-dim int64 tensor (as drawn on the device inside CUDA graph capture)
+    is read by the three kernels from memory: output, LSE and every gradient bit-identical to
+    the same seed given as an int."""
+    from fastformer.kernels import attention as kernels
+
+    c = Case(lq=33, lk=47, d=16, causal=True, kpm="random")
+    q, k, v = _qkv(c)
+    kpm, g = _key_padding(c), torch.randn(c.b, c.h, c.lq, c.d, device=DEVICE)
+    results = []
+    for seed in (987654321, torch.tensor(987654321, device=DEVICE)):
+        out, lse = kernels.attention_forward(q, k, v, None, kpm, seed, 0.3, True, 0.25)
+        grads = kernels.attention_backward(
+            g, None, q, k, v, out, lse, None, kpm, seed, 0.3, True, 0.25, False
+        )
+        results.append([out, lse, *grads[:3]])
+    for int_seed, tensor_seed in zip(*results):
+        assert torch.equal(int_seed, tensor_seed)
+    other = kernels.attention_forward(q, k, v, None, kpm, torch.tensor(5), 0.3, True, 0.25)
+    assert not torch.equal(other[0], results[0][0])  # the tensor's value is what is used
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="capture simulated on CPU (the GPU test captures)")
+def test_dropout_inside_capture_uses_a_device_seed(monkeypatch):
+    """Inside CUDA graph capture (simulated: rng.capturing) the op draws its seed on the device
+    and the kernels read it there, forward and backward: the result is the reference's with
+    the mask of that seed. The torch backend, which needs the seed on the host, refuses."""
+    p = 0.3
+    c = Case(lq=33, lk=47, d=16, causal=True, kpm="random")
+    q, k, v = _qkv(c)
+    kpm = _key_padding(c)
+    monkeypatch.setattr(rng, "capturing", lambda device: True)
+    torch.manual_seed(4)
+    seed = int(torch.randint(0, 2**rng.SEED_BITS - 1, (), dtype=torch.int64))
+    keep = attn.dropout_keep_mask(seed, c.b, c.h, c.lq, c.lk, p, device=DEVICE)
+    kw = dict(is_causal=True, key_padding_mask=kpm)
+
+    def fast(q, k, v):
+        torch.manual_seed(4)
+        return attn.scaled_dot_product_attention(q, k, v, None, p, **kw)
+
+    def reference(q, k, v):
+        return ref.scaled_dot_product_attention(q, k, v, None, p, dropout_mask=keep, **kw)
+
+    assert_parity(compare_with_reference(fast, reference, [q, k, v]))
+    monkeypatch.setenv("FASTFORMER_BACKEND_ATTENTION", "torch")
+    with pytest.raises(RuntimeError, match="only on the triton backend"):
+        attn.scaled_dot_product_attention(q, k, v, None, p, **kw)
+
+
 def test_dropout_keep_mask_offsets():
     # An independent spelling of the documented scheme, element by element: key column
     # j = 32 g + 8 w + 2 c + l takes half l of word w of the call at i * C + 4 g + c.

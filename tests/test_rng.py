@@ -174,11 +174,64 @@ def test_draw_seed_refuses_cuda_graph_capture(monkeypatch):
     assert rng.draw_seed("cpu") >= 0  # CPU draws never ask
 
 
+def test_call_seed_is_drawn_on_the_device_inside_capture(monkeypatch):
+    # Inside capture a call's seed is a device tensor from torch's (capture-safe) generator;
+    # outside, the host draw as before.
+    device = torch.device("cpu")  # stands for the capturing CUDA device
+    torch.manual_seed(9)
+    host = rng.draw_call_seed(device)
+    torch.manual_seed(9)
+    assert isinstance(host, int) and host == rng.draw_seed(device)
+    monkeypatch.setattr(rng, "capturing", lambda device: True)
+    torch.manual_seed(9)
+    seed = rng.draw_call_seed(device)
+    torch.manual_seed(9)
+    expected = torch.randint(0, 2**rng.SEED_BITS - 1, (), dtype=torch.int64)
+    assert isinstance(seed, torch.Tensor) and seed.dtype == torch.int64 and seed.dim() == 0
+    assert torch.equal(seed, expected) and rng.seed_scalar(seed) is seed
+    assert rng.saved_seed(seed) == int(expected)  # a CPU seed goes to the kernels as an int
+
+
+@pytest.mark.cuda
+def test_attention_dropout_replays_with_a_new_mask_each_time(monkeypatch):
+    # Captured with dropout, each replay draws a new seed on the device, and its forward and
+    # gradient are those of the kernels run eagerly with that seed.
+    from fastformer.kernels import attention as kernels
+    from fastformer.ops.attention import scaled_dot_product_attention as sdpa
+
+    drawn = []
+    draw = rng.draw_call_seed
+    monkeypatch.setattr(
+        rng, "draw_call_seed", lambda device: drawn.append(draw(device)) or drawn[-1]
+    )
+    q = torch.randn(2, 4, 96, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(q)
+    kw = dict(is_causal=True, dropout_p=0.2)
+    sdpa(q, q, q, **kw).backward(g)  # warm-up: the autotuner cannot time configs under capture
+    drawn.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sdpa(q, q, q, **kw)
+        (grad,) = torch.autograd.grad(out, q, g)
+    (seed,) = drawn
+    assert isinstance(seed, torch.Tensor) and seed.is_cuda
+    x, seen = q.detach(), set()
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        seen.add(int(seed))
+        args = (None, None, int(seed), 0.2, True, 64**-0.5)
+        expected, lse = kernels.attention_forward(x, x, x, *args)
+        assert torch.equal(out, expected)
+        dq, dk, dv, _ = kernels.attention_backward(g, None, x, x, x, expected, lse, *args, False)
+        torch.testing.assert_close(grad, dq + dk + dv, rtol=2e-2, atol=2e-2)
+    assert len(seen) == 2
+
+
 @pytest.mark.cuda
 def test_attention_without_dropout_replays_in_a_cuda_graph():
     # Without dropout nothing is drawn on the host: capture works (after a warm-up call, as
     # the autotuner cannot time configs under capture) and a replay gives the eager result.
-    # (With dropout the draw raises first: test_draw_seed_refuses_cuda_graph_capture.)
     from fastformer.ops.attention import scaled_dot_product_attention as sdpa
 
     q = torch.randn(1, 2, 64, 32, device="cuda", dtype=torch.bfloat16)

@@ -14,7 +14,9 @@ kernels of SDPA's CPU flash path) fed with fastformer's masks, otherwise the eag
 with the same dropout mask.
 
 Dropout: each call draws a seed from the torch generator of the query's device (inside the
-custom op, so torch.compile never bakes it in). One Philox4x32-10 call gives 16 random bits to
+custom op, so torch.compile never bakes it in). Inside CUDA graph capture (`torch.cuda.graph`)
+the seed is drawn on the device instead and the Triton kernels read it from memory, so each
+replay drops different elements (the torch backend cannot: it raises). One Philox4x32-10 call gives 16 random bits to
 each of 8 scores of a row (8x less Philox work than a call per score). With C = 4 * ceil(Lk / 32)
 calls per row and key column j = 32 g + 8 w + 2 c + l (w, c in 0..3, l in 0..1), attention
 probability (b, h, i, j) takes
@@ -653,7 +655,8 @@ def _attention_op(
     is_causal: bool,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(out, lse, seed): seed is a CPU int64 scalar, drawn here at run time when dropout_p > 0."""
+    """(out, lse, seed): seed is a CPU int64 scalar, drawn here at run time when dropout_p > 0
+    (inside CUDA graph capture a device scalar, see rng.draw_call_seed)."""
     args = (query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale)
     out, lse, seed = _forward(*args)
     # Contiguous like the fake: inductor trusts its strides. The torch backend's tensors may
@@ -667,13 +670,23 @@ def _forward(
     kv_range=None, like_query=False,
 ):  # fmt: skip
     # like_query (eager calls): out in the query's memory order, as the torch backend's may be.
-    seed = rng.draw_seed(query.device) if dropout_p > 0 else 0
+    seed = rng.draw_call_seed(query.device) if dropout_p > 0 else 0
     args = (query, key, value, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale)
     if (backend or _backend(query, key, value, attn_mask)) == "triton":
         out, lse = _kernels().attention_forward(*args, kv_range=kv_range, like_query=like_query)
     else:
+        _check_host_seed(seed)
         out, lse = _torch_forward(*args)
     return out, lse, seed
+
+
+def _check_host_seed(seed: int | Tensor) -> None:
+    if isinstance(seed, Tensor):  # drawn on the device: inside CUDA graph capture
+        raise RuntimeError(
+            "attention with dropout inside CUDA graph capture runs only on the triton backend "
+            "(the torch backend draws its mask on the host); these inputs run on the torch "
+            "backend (`fastformer.ops.attention.backend_reasons` says why)"
+        )
 
 
 @_attention_op.register_fake
@@ -713,7 +726,7 @@ def _backward_kernels(
 ):  # fmt: skip
     # like_inputs (eager calls): Triton's dq, dk, dv in the memory layout of q, k, v.
     args = (grad_out, grad_lse, query, key, value, out, lse, attn_mask, key_padding_mask,
-            int(seed), dropout_p, is_causal, scale, mask_grad)  # fmt: skip
+            rng.saved_seed(seed), dropout_p, is_causal, scale, mask_grad)  # fmt: skip
     if (backend or _backend(query, key, value, attn_mask)) == "triton":
         backward = _kernels().attention_backward
         dq, dk, dv, dmask = backward(*args, kv_range=kv_range, like_inputs=like_inputs)

@@ -128,22 +128,37 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether `device`'s current stream is capturing a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def draw_call_seed(device: torch.device) -> int | torch.Tensor:
+    """The seed of one dropout call: `draw_seed(device)`, or inside CUDA graph capture a 0-dim
+    int64 tensor drawn on the device, which the kernels read from memory. torch's CUDA RNG is
+    capture-safe: each replay of the graph draws a new seed (its Philox offset advances)."""
+    if capturing(device):
+        return torch.randint(0, 2**SEED_BITS - 1, (), dtype=torch.int64, device=device)
+    return draw_seed(device)
+
+
 def draw_seed(device: torch.device | str | None = None) -> int:
     """A fresh dropout seed in [0, 2**63) from the torch generator of `device`.
 
     `torch.manual_seed` therefore reproduces a run, and consecutive calls differ. On CUDA the
     draw advances the generator's Philox offset instead of sampling on the device, so it never
-    synchronises the host with the GPU; inside CUDA graph capture it raises RuntimeError.
+    synchronises the host with the GPU; inside CUDA graph capture it raises RuntimeError (ops
+    that support capture draw with `draw_call_seed`).
     """
     device = torch.device("cpu" if device is None else device)
     if device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
-            # The seed is a launch argument: a captured graph would replay one mask forever.
+            # A host seed is a launch argument: a captured graph would replay one mask forever.
             raise RuntimeError(
-                "fastformer's dropout cannot run inside CUDA graph capture (torch.cuda.graph, "
-                "torch.compile(mode='reduce-overhead')): its seed is drawn on the host when the "
-                "op runs, so every replay would drop the same elements. Capture with dropout 0 "
-                "(eval mode), or train without CUDA graphs."
+                "this fastformer op cannot run dropout inside CUDA graph capture "
+                "(torch.cuda.graph): its seed is drawn on the host when the op runs, so every "
+                "replay would drop the same elements. Capture with dropout 0 (eval mode), or "
+                "train without CUDA graphs."
             )
         index = device.index if device.index is not None else torch.cuda.current_device()
         gen = torch.cuda.default_generators[index]
@@ -154,16 +169,25 @@ def draw_seed(device: torch.device | str | None = None) -> int:
     return draw.item() & (2**SEED_BITS - 1)
 
 
-def seed_scalar(seed: int) -> torch.Tensor:
-    """`seed` as a fresh CPU int64 scalar tensor (a custom op's seed output must be its own).
+def seed_scalar(seed: int | torch.Tensor) -> torch.Tensor:
+    """`seed` as a fresh CPU int64 scalar tensor (a custom op's seed output must be its own);
+    a seed tensor drawn on the device (`draw_call_seed`) as it is.
     (`torch.full`: exact for every int64, ~1 us against ~2.6 for `torch.tensor`.)"""
+    if isinstance(seed, torch.Tensor):
+        return seed
     return torch.full((), seed, dtype=torch.int64)
 
 
-def seed_tensor(seed: int) -> torch.Tensor:
-    """`seed` as the CPU int64 scalar tensor the eager ops save for their backward (the shared
-    NO_SEED for 0)."""
-    return NO_SEED if seed == 0 else seed_scalar(seed)
+def seed_tensor(seed: int | torch.Tensor) -> torch.Tensor:
+    """`seed` as the int64 scalar tensor the eager ops save for their backward (the shared
+    NO_SEED for 0; a device seed as it is)."""
+    return NO_SEED if isinstance(seed, int) and seed == 0 else seed_scalar(seed)
+
+
+def saved_seed(seed: torch.Tensor) -> int | torch.Tensor:
+    """What a backward passes its kernels for a saved seed tensor: the int of a CPU seed, the
+    tensor itself of a device one (read from memory: no host synchronisation, capture-safe)."""
+    return int(seed) if seed.device.type == "cpu" else seed
 
 
 def _compiled_op(name: str, seed: int, offsets: torch.Tensor) -> torch.Tensor:
