@@ -428,7 +428,7 @@ def test_dropout_inside_capture_uses_a_device_seed(monkeypatch):
 
     assert_parity(compare_with_reference(fast, reference, [q, k, v]))
     monkeypatch.setenv("FASTFORMER_BACKEND_ATTENTION", "torch")
-    with pytest.raises(RuntimeError, match="only on the triton backend"):
+    with pytest.raises(RuntimeError, match="only on its compiled kernels"):
         attn.scaled_dot_product_attention(q, k, v, None, p, **kw)
 
 

@@ -560,6 +560,53 @@ def test_layer_norm_empty_batch_gives_zero_parameter_gradients(emulator):
     assert torch.equal(dw, torch.zeros(8)) and torch.equal(db, torch.zeros(8))
 
 
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_seed_read_from_device_memory_equals_the_argument(emulator, dtype):
+    """Inside CUDA graph capture the glue passes a seed drawn on the device by pointer (the
+    launch argument is then 0): LayerNorm's fused forward and backward (vector and generic
+    kernels) and the FFN stages give the same bits as with the seed as the argument."""
+    p = 0.3
+    for cols in (64, 7):  # whole 16-byte chunks (vector kernels), odd (generic)
+        x = _make((5, cols), dtype, seed=1, grad=False)
+        res, dy = _make((5, cols), dtype, seed=2, grad=False), _make((5, cols), dtype, seed=3)
+        w, b = torch.ones(cols), torch.zeros(cols)
+        runs = []
+        for in_memory in (False, True):
+            with ce.device():
+                out, pre, mean, rstd = emulator.ops.layer_norm_fwd(
+                    x, w, b, res, SEED, 1e-5, p, False, True, in_memory
+                )
+                grads = emulator.ops.layer_norm_bwd(
+                    dy.detach(),
+                    None,
+                    pre,
+                    w,
+                    b,
+                    mean,
+                    rstd,
+                    SEED,
+                    p,
+                    False,
+                    True,
+                    True,
+                    True,
+                    True,
+                    in_memory,
+                )
+            runs.append([out, pre, *grads])
+        assert all(_same_bits(a, c) for a, c in zip(*runs)), cols
+    for act in ("gelu", "swiglu"):
+        h, dg = _ffn_inputs(9, 24, act, dtype)
+        runs = []
+        for in_memory in (False, True):
+            with ce.device():
+                g = emulator.ops.ffn_forward(h, act, p, SEED, in_memory)
+                runs.append([g, *emulator.ops.ffn_backward(dg, h, act, p, SEED, in_memory)])
+        assert all(_same_bits(a, c) for a, c in zip(*runs)), act
+    with ce.device():  # the argument alone, 0, would drop other elements
+        assert not torch.equal(emulator.ops.ffn_forward(h, act, p, 0), runs[1][0])
+
+
 # --------------------------------------------------------------------------- ffn
 
 

@@ -192,6 +192,29 @@ def test_call_seed_is_drawn_on_the_device_inside_capture(monkeypatch):
     assert rng.saved_seed(seed) == int(expected)  # a CPU seed goes to the kernels as an int
 
 
+def test_cpp_ops_take_the_seed_drawn_inside_capture(monkeypatch):
+    # Capture simulated on CPU (the GPU tests capture for real): LayerNorm's kernels read the
+    # drawn seed tensor (the result is the reference's with that seed's mask); the FFN op gets
+    # it as device_seed, which only its CUDA kernels take.
+    from fastformer import reference as R
+    from fastformer.ops import ffn as ffn_ops
+    from fastformer.ops import layer_norm as ln_ops
+
+    monkeypatch.setattr(rng, "capturing", lambda device: True)
+    x, res = torch.randn(4, 32), torch.randn(4, 32)
+    w, b = torch.rand(32) + 0.5, torch.randn(32)
+    torch.manual_seed(3)
+    seed = int(torch.randint(0, 2**rng.SEED_BITS - 1, (), dtype=torch.int64))
+    torch.manual_seed(3)
+    out = ln_ops.dropout_add_layer_norm(x, res, w, b, dropout_p=0.3)
+    keep = ln_ops.dropout_add_layer_norm_keep_mask(seed, x.shape, 0.3)
+    expected = R.dropout_add_layer_norm(x, res, w, b, dropout_p=0.3, keep_mask=keep)
+    torch.testing.assert_close(out, expected)
+    w1, w2 = torch.randn(64, 32), torch.randn(32, 64)
+    with pytest.raises(RuntimeError, match="device_seed must be a 1-element int64 tensor"):
+        ffn_ops.ffn(x, w1, None, w2, None, "gelu", dropout_p=0.3)
+
+
 @pytest.mark.cuda
 def test_attention_dropout_replays_with_a_new_mask_each_time(monkeypatch):
     # Captured with dropout, each replay draws a new seed on the device, and its forward and
@@ -225,6 +248,66 @@ def test_attention_dropout_replays_with_a_new_mask_each_time(monkeypatch):
         assert torch.equal(out, expected)
         dq, dk, dv, _ = kernels.attention_backward(g, None, x, x, x, expected, lse, *args, False)
         torch.testing.assert_close(grad, dq + dk + dv, rtol=2e-2, atol=2e-2)
+    assert len(seen) == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("op", ["dropout_add_layer_norm", "ffn"])
+def test_cpp_op_dropout_replays_with_the_mask_of_each_replays_seed(monkeypatch, op):
+    # The C++ ops captured with dropout: each replay's output and gradients are those of an
+    # eager call whose keep-mask is regenerated from the seed that replay drew on the device.
+    from fastformer import reference as R
+    from fastformer.ops import ffn as ffn_ops
+    from fastformer.ops import layer_norm as ln_ops
+
+    drawn = []
+    draw = rng.draw_call_seed
+    monkeypatch.setattr(
+        rng, "draw_call_seed", lambda device: drawn.append(draw(device)) or drawn[-1]
+    )
+    torch.manual_seed(0)
+    x = torch.randn(64, 256, device="cuda", requires_grad=True)
+    if op == "ffn":
+        w1, w2 = (
+            torch.randn(512, 256, device="cuda") / 16,
+            torch.randn(256, 512, device="cuda") / 23,
+        )
+
+        def run(x):
+            return ffn_ops.ffn(x, w1, None, w2, None, "gelu", dropout_p=0.3)
+
+        def expected(x, seed):
+            keep = ffn_ops.ffn_keep_mask(seed, 64, 512, 0.3, device="cuda")
+            return R.ffn(x, w1, None, w2, None, "gelu", 0.3, keep_mask=keep)
+    else:
+        res = torch.randn(64, 256, device="cuda")
+        w, b = torch.rand(256, device="cuda") + 0.5, torch.randn(256, device="cuda")
+
+        def run(x):
+            return ln_ops.dropout_add_layer_norm(x, res, w, b, dropout_p=0.3)
+
+        def expected(x, seed):
+            keep = ln_ops.dropout_add_layer_norm_keep_mask(seed, x.shape, 0.3, device="cuda")
+            return R.dropout_add_layer_norm(x, res, w, b, dropout_p=0.3, keep_mask=keep)
+
+    run(x).sum().backward()  # warm-up outside the capture
+    drawn.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(x)
+        (grad,) = torch.autograd.grad(out.sum(), x)
+    (seed,) = drawn
+    assert seed.is_cuda
+    seen = set()
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        seen.add(int(seed))
+        xr = x.detach().requires_grad_()
+        ref = expected(xr, int(seed))
+        (ref_grad,) = torch.autograd.grad(ref.sum(), xr)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-4)
     assert len(seen) == 2
 
 

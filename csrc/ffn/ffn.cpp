@@ -106,6 +106,20 @@ Problem check_problem(const at::Tensor& x, const at::Tensor& w1, const at::Tenso
   return pr;
 }
 
+// device_seed: a seed drawn on x's device inside CUDA graph capture (the CUDA kernels read it
+// there, so that each replay uses that replay's draw; `seed` is then ignored). CPU ops take the
+// seed as the int.
+const int64_t* device_seed_ptr(const OptTensor& device_seed, const at::Tensor& x) {
+  if (!device_seed.has_value()) return nullptr;
+  const at::Tensor& s = *device_seed;
+  TORCH_CHECK(x.is_cuda() && s.device() == x.device() && s.scalar_type() == at::kLong &&
+                  s.numel() == 1,
+              "ffn: device_seed must be a 1-element int64 tensor on x's CUDA device, got ",
+              s.scalar_type(), " on ", s.device(), " with ", s.numel(), " elements for x on ",
+              x.device());
+  return s.data_ptr<int64_t>();
+}
+
 // Shape of `saved` for a forward whose activation ran outside cuBLASLt: h, or for relu (never
 // gated, so d_ff == width) dropout(relu(h)).
 std::vector<int64_t> saved_shape(const Problem& pr) { return {pr.tokens, pr.width}; }
@@ -491,7 +505,9 @@ void dispatch_cpu(const at::Tensor& x, F&& f) {
 
 Forward ffn_forward_cpu(const at::Tensor& x, const at::Tensor& w1, const OptTensor& b1,
                         const at::Tensor& w2, const OptTensor& b2, c10::string_view activation,
-                        double dropout_p, int64_t seed, bool /*fused_epilogue: CUDA only*/) {
+                        double dropout_p, int64_t seed, bool /*fused_epilogue: CUDA only*/,
+                        const OptTensor& device_seed) {
+  device_seed_ptr(device_seed, x);  // refuses one: CPU kernels take the int
   const Problem pr = check_problem(x, w1, w2, activation, dropout_p, seed);
   check_bias(b1, pr.width, x, "b1");
   check_bias(b2, pr.d_out, x, "b2");
@@ -523,7 +539,9 @@ Forward ffn_forward_cpu(const at::Tensor& x, const at::Tensor& w1, const OptTens
 
 Backward ffn_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w1,
                           const at::Tensor& w2, const at::Tensor& saved_in,
-                          c10::string_view activation, double dropout_p, int64_t seed) {
+                          c10::string_view activation, double dropout_p, int64_t seed,
+                          const OptTensor& device_seed) {
+  device_seed_ptr(device_seed, x);  // refuses one: CPU kernels take the int
   const Problem pr = check_problem(x, w1, w2, activation, dropout_p, seed);
   check_backward(pr, grad_out, x, saved_in);
   const at::Tensor saved = saved_in.contiguous();
@@ -573,7 +591,8 @@ at::Tensor linear1_fused(const Problem& pr, const at::Tensor& x, const at::Tenso
 
 Forward ffn_forward_cuda(const at::Tensor& x, const at::Tensor& w1, const OptTensor& b1,
                          const at::Tensor& w2, const OptTensor& b2, c10::string_view activation,
-                         double dropout_p, int64_t seed, bool fused_epilogue) {
+                         double dropout_p, int64_t seed, bool fused_epilogue,
+                         const OptTensor& device_seed) {
   const Problem pr = check_problem(x, w1, w2, activation, dropout_p, seed);
   check_bias(b1, pr.width, x, "b1");
   check_bias(b2, pr.d_out, x, "b2");
@@ -594,7 +613,8 @@ Forward ffn_forward_cuda(const at::Tensor& x, const at::Tensor& w1, const OptTen
                               pr.p,
                               static_cast<float>(pr.scale),
                               fused ? FfnActivation::kIdentity : pr.act,
-                              cuda_dtype(x)};
+                              cuda_dtype(x),
+                              device_seed_ptr(device_seed, x)};
     ffn_forward_cuda_launch(args, at::cuda::getCurrentCUDAStream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -604,7 +624,8 @@ Forward ffn_forward_cuda(const at::Tensor& x, const at::Tensor& w1, const OptTen
 
 Backward ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w1,
                            const at::Tensor& w2, const at::Tensor& saved_in,
-                           c10::string_view activation, double dropout_p, int64_t seed) {
+                           c10::string_view activation, double dropout_p, int64_t seed,
+                           const OptTensor& device_seed) {
   const Problem pr = check_problem(x, w1, w2, activation, dropout_p, seed);
   check_backward(pr, grad_out, x, saved_in);
   const c10::cuda::CUDAGuard guard(x.device());
@@ -628,7 +649,8 @@ Backward ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, cons
                              pr.p,
                              static_cast<float>(pr.scale),
                              pr.act,
-                             cuda_dtype(x)};
+                             cuda_dtype(x),
+                             device_seed_ptr(device_seed, x)};
   // kIdentity (activation fused into the GEMM) is an inference-only forward: its backward
   // kernel does not exist, and db1 would be summed from unwritten partials.
   TORCH_INTERNAL_ASSERT(pr.act != FfnActivation::kIdentity, "ffn backward without an activation");
@@ -662,21 +684,22 @@ void check_rank(const at::Tensor& t, const char* name, const char* last) {
 template <auto Impl>
 Forward forward_op(const at::Tensor& x, const at::Tensor& w1, const OptTensor& b1,
                    const at::Tensor& w2, const OptTensor& b2, c10::string_view activation,
-                   double dropout_p, int64_t seed, bool fused_epilogue) {
+                   double dropout_p, int64_t seed, bool fused_epilogue,
+                   const OptTensor& device_seed) {
   check_rank(x, "x", "d_model");
   auto [out, saved] = Impl(as_rows(x), w1, b1, w2, b2, activation, dropout_p, seed,
-                           fused_epilogue);
+                           fused_epilogue, device_seed);
   return {with_lead(out, x), saved};
 }
 
 template <auto Impl>
 Backward backward_op(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w1,
                      const at::Tensor& w2, const at::Tensor& saved, c10::string_view activation,
-                     double dropout_p, int64_t seed) {
+                     double dropout_p, int64_t seed, const OptTensor& device_seed) {
   check_rank(x, "x", "d_model");
   check_rank(grad_out, "grad_out", "d_out");
-  auto [dx, dw1, db1, dw2, db2] =
-      Impl(as_rows(grad_out), as_rows(x), w1, w2, saved, activation, dropout_p, seed);
+  auto [dx, dw1, db1, dw2, db2] = Impl(as_rows(grad_out), as_rows(x), w1, w2, saved, activation,
+                                       dropout_p, seed, device_seed);
   return {with_lead(dx, x), dw1, db1, dw2, db2};
 }
 
@@ -685,10 +708,12 @@ Backward backward_op(const at::Tensor& grad_out, const at::Tensor& x, const at::
 TORCH_LIBRARY_FRAGMENT(fastformer, m) {
   m.def(
       "ffn_forward(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, "
-      "float dropout_p, int seed, bool fused_epilogue=False) -> (Tensor, Tensor)");
+      "float dropout_p, int seed, bool fused_epilogue=False, Tensor? device_seed=None) "
+      "-> (Tensor, Tensor)");
   m.def(
       "ffn_backward(Tensor grad_out, Tensor x, Tensor w1, Tensor w2, Tensor saved, "
-      "str activation, float dropout_p, int seed) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "str activation, float dropout_p, int seed, Tensor? device_seed=None) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fastformer, CPU, m) {

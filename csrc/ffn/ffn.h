@@ -47,6 +47,7 @@ struct FfnForwardArgs {
   float dropout_scale;  // 1 / (1 - dropout_p)
   FfnActivation act;
   FfnDtype dtype;
+  const int64_t* seed_ptr = nullptr;  // or the seed is here, on the device (drawn in capture)
 };
 
 // Backward elementwise stage with the bias-gradient column reduction (any activation but
@@ -71,6 +72,7 @@ struct FfnBackwardArgs {
   float dropout_scale;
   FfnActivation act;
   FfnDtype dtype;
+  const int64_t* seed_ptr = nullptr;  // as in FfnForwardArgs
 };
 
 // Rows one backward block covers per pass, and the most row blocks (partials) per column.

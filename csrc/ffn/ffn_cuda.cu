@@ -92,13 +92,19 @@ __device__ __forceinline__ float act_grad(float x) {
 // Dropout multipliers of VEC consecutive elements: 1/(1-p) where kept, 0 where dropped.
 // 16-bit vectors (8 elements) draw one Philox call per four elements (for_each_keep); fp32
 // vectors (4) draw per element: with four words live, the fp32 swiglu backward spills on sm_90.
+// seed_ptr: when set, the seed is read there (drawn on the device inside CUDA graph capture), at
+// each use: a seed kept in registers across the row loop spilled the fp32 swiglu backward.
 template <int VEC>
 __device__ __forceinline__ void dropout_multipliers(float (&m)[VEC], uint64_t seed,
-                                                    int64_t offset, float p, float scale) {
+                                                    const int64_t* seed_ptr, int64_t offset,
+                                                    float p, float scale) {
   if (p <= 0.f) {
 #pragma unroll
     for (int k = 0; k < VEC; ++k) m[k] = 1.f;
-  } else if constexpr (VEC % 8 == 0) {
+    return;
+  }
+  if (seed_ptr != nullptr) seed = static_cast<uint64_t>(__ldg(seed_ptr));
+  if constexpr (VEC % 8 == 0) {
     for_each_keep<VEC>(seed, static_cast<uint64_t>(offset), p,
                        [&](int k, bool keep) { m[k] = keep ? scale : 0.f; });
   } else {
@@ -112,8 +118,8 @@ __device__ __forceinline__ void dropout_multipliers(float (&m)[VEC], uint64_t se
 // g = dropout(act(h)); h and g may alias (in-place), hence no __restrict__.
 template <typename T, FfnActivation A, int VEC>
 __global__ void __launch_bounds__(kThreadsX* kThreadsY)
-    ffn_forward_kernel(const T* h, T* g, int64_t rows, int64_t d_ff, uint64_t seed, float p,
-                       float scale) {
+    ffn_forward_kernel(const T* h, T* g, int64_t rows, int64_t d_ff, uint64_t seed,
+                       const int64_t* __restrict__ seed_ptr, float p, float scale) {
   const int64_t col = (static_cast<int64_t>(blockIdx.x) * kThreadsX + threadIdx.x) * VEC;
   if (col >= d_ff) return;
   const int64_t ld_h = is_gated(A) ? 2 * d_ff : d_ff;
@@ -131,7 +137,7 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
 #pragma unroll
       for (int k = 0; k < VEC; ++k) y[k] = act<A>(a[k]);
     }
-    dropout_multipliers<VEC>(m, seed, row * d_ff + col, p, scale);
+    dropout_multipliers<VEC>(m, seed, seed_ptr, row * d_ff + col, p, scale);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) y[k] *= m[k];
     store<T, VEC>(g + row * d_ff + col, y);
@@ -144,8 +150,8 @@ template <typename T, FfnActivation A, int VEC, int ACC>
 __device__ __forceinline__ void backward_row(const T* __restrict__ dg, const T* __restrict__ saved,
                                              T* __restrict__ dh, T* __restrict__ g_out,
                                              int64_t row, int64_t col, int64_t d_ff,
-                                             uint64_t seed, float p, float scale,
-                                             float (&acc)[ACC]) {
+                                             uint64_t seed, const int64_t* seed_ptr, float p,
+                                             float scale, float (&acc)[ACC]) {
   float d[VEC];
   load<T, VEC>(dg + row * d_ff + col, d);
   if constexpr (A == FfnActivation::kRelu) {
@@ -160,7 +166,7 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dg, const T* 
     store<T, VEC>(dh + row * d_ff + col, d);
   } else {
     float m[VEC], y[VEC];
-    dropout_multipliers<VEC>(m, seed, row * d_ff + col, p, scale);
+    dropout_multipliers<VEC>(m, seed, seed_ptr, row * d_ff + col, p, scale);
     if constexpr (is_gated(A)) {
       float gate[VEC], up[VEC], dgate[VEC], dup[VEC];
       load<T, VEC>(saved + row * 2 * d_ff + col, gate);
@@ -196,7 +202,8 @@ template <typename T, FfnActivation A, int VEC>
 __global__ void __launch_bounds__(kThreadsX* kThreadsY)
     ffn_backward_kernel(const T* __restrict__ dg, const T* __restrict__ saved,
                         T* __restrict__ dh, T* __restrict__ g_out, float* __restrict__ partials,
-                        int64_t rows, int64_t d_ff, uint64_t seed, float p, float scale) {
+                        int64_t rows, int64_t d_ff, uint64_t seed,
+                        const int64_t* __restrict__ seed_ptr, float p, float scale) {
   constexpr int kAcc = is_gated(A) ? 2 * VEC : VEC;
   __shared__ float lanes[kThreadsY][kThreadsX * kAcc];
   const int64_t col = (static_cast<int64_t>(blockIdx.x) * kThreadsX + threadIdx.x) * VEC;
@@ -208,7 +215,8 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
     const int64_t row_step = static_cast<int64_t>(gridDim.y) * kThreadsY;
     for (int64_t row = static_cast<int64_t>(blockIdx.y) * kThreadsY + threadIdx.y; row < rows;
          row += row_step) {
-      backward_row<T, A, VEC, kAcc>(dg, saved, dh, g_out, row, col, d_ff, seed, p, scale, acc);
+      backward_row<T, A, VEC, kAcc>(dg, saved, dh, g_out, row, col, d_ff, seed, seed_ptr, p, scale,
+                                    acc);
     }
   }
 #pragma unroll
@@ -281,8 +289,8 @@ void launch_forward(const FfnForwardArgs& a, cudaStream_t stream) {
                   static_cast<unsigned>(row_blocks < kMaxForwardRowBlocks ? row_blocks
                                                                           : kMaxForwardRowBlocks));
   ffn_forward_kernel<T, A, VEC><<<grid, block, 0, stream>>>(
-      static_cast<const T*>(a.h), static_cast<T*>(a.g), a.rows, a.d_ff, a.seed, a.dropout_p,
-      a.dropout_p > 0.f ? a.dropout_scale : 1.f);
+      static_cast<const T*>(a.h), static_cast<T*>(a.g), a.rows, a.d_ff, a.seed, a.seed_ptr,
+      a.dropout_p, a.dropout_p > 0.f ? a.dropout_scale : 1.f);
 }
 
 template <typename T, FfnActivation A, int VEC>
@@ -292,7 +300,7 @@ void launch_backward(const FfnBackwardArgs& a, cudaStream_t stream) {
                   static_cast<unsigned>(ffn_bias_grad_row_blocks(a.rows)));
   ffn_backward_kernel<T, A, VEC><<<grid, block, 0, stream>>>(
       static_cast<const T*>(a.dg), static_cast<const T*>(a.saved), static_cast<T*>(a.dh),
-      static_cast<T*>(a.g_out), a.partials, a.rows, a.d_ff, a.seed, a.dropout_p,
+      static_cast<T*>(a.g_out), a.partials, a.rows, a.d_ff, a.seed, a.seed_ptr, a.dropout_p,
       a.dropout_p > 0.f ? a.dropout_scale : 1.f);
 }
 

@@ -55,6 +55,22 @@ uint64_t seed_value(const at::Tensor& seed) {
   return static_cast<uint64_t>(value);
 }
 
+// The CUDA kernels' seed: a CPU seed's value, or a pointer to a seed drawn on x's device (inside
+// CUDA graph capture: the kernels read it there, so that each replay uses that replay's draw).
+template <typename Args>
+void set_cuda_seed(Args& a, const at::Tensor& seed, const at::Tensor& x) {
+  if (seed.device().is_cpu()) {
+    a.seed = seed_value(seed);
+    return;
+  }
+  TORCH_CHECK(seed.device() == x.device() && seed.scalar_type() == at::kLong && seed.numel() == 1,
+              "layer_norm: a device seed must be a 1-element int64 tensor on x's device ",
+              x.device(), ", got ", seed.scalar_type(), " on ", seed.device(), " with ",
+              seed.numel(), " elements");
+  a.seed = 0;
+  a.seed_ptr = seed.data_ptr<int64_t>();
+}
+
 // A per-column parameter (weight or bias): (cols,), the input dtype or fp32, on x's device.
 void check_param(const c10::optional<at::Tensor>& p, const char* name, const at::Tensor& x) {
   if (!p.has_value()) return;
@@ -759,8 +775,9 @@ Tensors4 layer_norm_fwd_cuda(const at::Tensor& x_in, const c10::optional<at::Ten
   const auto weight = contiguous(weight_in), bias = contiguous(bias_in);
   const auto residual = contiguous(residual_in);
   auto [out, pre, mean, rstd] = fwd_outputs(x, store_pre, rms);
-  const LnFwdArgs a = ln_glue::fwd_args(x, weight, bias, residual, out, pre, mean, rstd,
-                                        seed_value(seed), eps, dropout_p, rms, fused);
+  LnFwdArgs a = ln_glue::fwd_args(x, weight, bias, residual, out, pre, mean, rstd, 0, eps,
+                                  dropout_p, rms, fused);
+  set_cuda_seed(a, seed, x);
   layer_norm_fwd_cuda_launch(a, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, pre, mean, rstd};
@@ -783,8 +800,9 @@ Tensors4 layer_norm_bwd_cuda(const at::Tensor& dy_in, const c10::optional<at::Te
   auto [dx, dres, dweight, dbias] =
       bwd_outputs(x, weight, bias, has_residual, need_dweight, need_dbias);
   LnBwdArgs a = ln_glue::bwd_args(dy, dpre, x, weight, bias, mean, rstd, dx, dres, dweight,
-                                   dbias, seed_value(seed), dropout_p, rms, fused, has_residual,
-                                   need_dweight, need_dbias);
+                                   dbias, 0, dropout_p, rms, fused, has_residual, need_dweight,
+                                   need_dbias);
+  set_cuda_seed(a, seed, x);
   const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const LnBwdPlan plan = layer_norm_bwd_plan(a, num_sms);
   const int64_t partial_floats = std::max<int64_t>(1, 2 * plan.partial_rows * a.cols);

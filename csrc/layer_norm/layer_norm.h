@@ -32,6 +32,7 @@ struct LnFwdArgs {
   float dropout_p;
   float dropout_scale;  // 1 / (1 - dropout_p), rounded to fp32 as the reference does
   uint64_t seed;
+  const int64_t* seed_ptr;  // or the seed is here, on the device (drawn in CUDA graph capture)
   LnType dtype;
   LnType wtype;
   bool rms;    // RMSNorm: no mean subtraction, no bias
@@ -55,6 +56,7 @@ struct LnBwdArgs {
   float dropout_p;
   float dropout_scale;
   uint64_t seed;
+  const int64_t* seed_ptr;  // as in LnFwdArgs
   LnType dtype;
   LnType wtype;
   bool rms;

@@ -194,6 +194,13 @@ __device__ __forceinline__ V row_sum(V v, V* red) {
 
 // ------------------------------------------------------------------ fused input
 
+// The dropout seed of a launch: the argument, or (seed_ptr set: drawn on the device inside CUDA
+// graph capture, a new one each replay) the value in device memory.
+template <typename Args>
+__device__ __forceinline__ uint64_t seed_of(const Args& a) {
+  return a.seed_ptr != nullptr ? static_cast<uint64_t>(__ldg(a.seed_ptr)) : a.seed;
+}
+
 // Dropout of one element: the shared Philox keep decision, kept values scaled.
 __device__ __forceinline__ float dropout(float v, uint64_t seed, uint64_t offset, float p,
                                          float scale) {
@@ -212,7 +219,7 @@ __device__ __forceinline__ uint4 load_input(const LnFwdArgs& a, int64_t row, int
   float v[kE];
   unpack<T>(raw, v);
   if (a.dropout_p > 0.f) {
-    for_each_keep<kE>(a.seed, static_cast<uint64_t>(idx), a.dropout_p, [&](int e, bool keep) {
+    for_each_keep<kE>(seed_of(a), static_cast<uint64_t>(idx), a.dropout_p, [&](int e, bool keep) {
       v[e] = keep ? v[e] * a.dropout_scale : 0.f;
     });
   }
@@ -233,7 +240,7 @@ __device__ __forceinline__ float input_at(const LnFwdArgs& a, int64_t idx) {
   float v = to_float(static_cast<const T*>(a.x)[idx]);
   if (!kFused) return v;
   if (a.dropout_p > 0.f) {
-    v = dropout(v, a.seed, static_cast<uint64_t>(idx), a.dropout_p, a.dropout_scale);
+    v = dropout(v, seed_of(a), static_cast<uint64_t>(idx), a.dropout_p, a.dropout_scale);
   }
   if (a.residual != nullptr) v += to_float(static_cast<const T*>(a.residual)[idx]);
   return round_to<T>(v);
@@ -406,7 +413,7 @@ __device__ __forceinline__ float fused_dx(const LnBwdArgs& a, int64_t idx, float
   if (a.dpre != nullptr) d += to_float(static_cast<const T*>(a.dpre)[idx]);
   if (a.dres != nullptr) static_cast<T*>(a.dres)[idx] = from_float<T>(d);
   return a.dropout_p > 0.f
-             ? dropout(d, a.seed, static_cast<uint64_t>(idx), a.dropout_p, a.dropout_scale)
+             ? dropout(d, seed_of(a), static_cast<uint64_t>(idx), a.dropout_p, a.dropout_scale)
              : d;
 }
 
@@ -421,7 +428,7 @@ __device__ __forceinline__ void fused_dx_vec(const LnBwdArgs& a, int64_t idx, fl
   }
   if (a.dres != nullptr) store_vec<T, kE>(static_cast<T*>(a.dres) + idx, d);
   if (a.dropout_p > 0.f) {
-    for_each_keep<kE>(a.seed, static_cast<uint64_t>(idx), a.dropout_p, [&](int e, bool keep) {
+    for_each_keep<kE>(seed_of(a), static_cast<uint64_t>(idx), a.dropout_p, [&](int e, bool keep) {
       d[e] = keep ? d[e] * a.dropout_scale : 0.f;
     });
   }

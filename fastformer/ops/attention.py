@@ -675,18 +675,9 @@ def _forward(
     if (backend or _backend(query, key, value, attn_mask)) == "triton":
         out, lse = _kernels().attention_forward(*args, kv_range=kv_range, like_query=like_query)
     else:
-        _check_host_seed(seed)
+        rng.check_host_seed(seed, "attention")
         out, lse = _torch_forward(*args)
     return out, lse, seed
-
-
-def _check_host_seed(seed: int | Tensor) -> None:
-    if isinstance(seed, Tensor):  # drawn on the device: inside CUDA graph capture
-        raise RuntimeError(
-            "attention with dropout inside CUDA graph capture runs only on the triton backend "
-            "(the torch backend draws its mask on the host); these inputs run on the torch "
-            "backend (`fastformer.ops.attention.backend_reasons` says why)"
-        )
 
 
 @_attention_op.register_fake

@@ -15,7 +15,9 @@ Dropout (``dropout_p`` in [0, 1)) acts on the ``(tokens, d_ff)`` activation with
 Philox scheme: element ``(t, j)`` is kept where ``element_uniform(seed, t * d_ff + j) >= p`` and
 scaled by ``1 / (1 - p)``; ``ffn_keep_mask(seed, tokens, d_ff, p)`` regenerates that mask in
 plain PyTorch. The seed is drawn inside the op (``draw_seed``), so ``torch.manual_seed``
-reproduces a call and ``torch.compile`` never bakes it in.
+reproduces a call and ``torch.compile`` never bakes it in. Inside CUDA graph capture it is drawn
+on the device and the CUDA kernels read it there, so each replay drops different elements
+(``fastformer.ops.rng.draw_call_seed``; the torch backend refuses).
 
 Backends (``fastformer.ops._dispatch``, ``FASTFORMER_BACKEND_FFN`` forces one): ``cpp``, the
 compiled ``torch.ops.fastformer.ffn_forward`` / ``ffn_backward`` (csrc/ffn: ATen GEMMs plus one
@@ -326,21 +328,30 @@ def _backend(x: Tensor) -> str:
     return select_by_key("ffn", (x.device.type, x.dtype), lambda: FfnInputs(x.device, x.dtype))
 
 
+def _op_seed(seed: int | Tensor, *before_device_seed: object) -> tuple:
+    """The compiled ops' seed arguments: (seed, *before_device_seed), or for a seed drawn on the
+    device inside CUDA graph capture (0, *before_device_seed, device_seed), read there."""
+    if isinstance(seed, int):
+        return (seed, *before_device_seed)
+    return (0, *before_device_seed, seed)
+
+
 def _forward(
     x, w1, b1, w2, b2, activation, dropout_p, needs_grad, backend=None
 ) -> tuple[Tensor, Tensor, int]:
     """(out (..., d_out), saved (tokens, width), seed as an int) for x (..., d_model) through
     `backend` (default: the selected one)."""
     backend = backend or _backend(x)
-    seed = rng.draw_seed(x.device) if dropout_p > 0 else 0
+    seed = rng.draw_call_seed(x.device) if dropout_p > 0 else 0
     if backend == "cpp":  # the compiled op takes (..., d_model) itself
         fused = x.is_cuda and use_fused_epilogue(
             activation, _capability(x.device), needs_grad, epilogue_mode()
         )
         out, saved = torch.ops.fastformer.ffn_forward(
-            x.contiguous(), w1, b1, w2, b2, activation, dropout_p, seed, fused
+            x.contiguous(), w1, b1, w2, b2, activation, dropout_p, *_op_seed(seed, fused)
         )
     else:
+        rng.check_host_seed(seed, "ffn")
         out, saved = _torch_forward(_rows(x), w1, b1, w2, b2, activation, dropout_p, seed)
         out = _with_lead(out, x)
     if not needs_grad:
@@ -374,11 +385,12 @@ def _grad(
     grad_out, x, w1, w2, saved, seed, activation, dropout_p, backend=None
 ) -> tuple[Tensor, ...]:
     backend = backend or _backend(x)
+    seed = rng.saved_seed(seed)
     if backend == "cpp":  # (..., d_out) and (..., d_model) as they are
         return torch.ops.fastformer.ffn_backward(
-            grad_out.contiguous(), x, w1, w2, saved, activation, dropout_p, int(seed)
+            grad_out.contiguous(), x, w1, w2, saved, activation, dropout_p, *_op_seed(seed)
         )
-    args = (_rows(grad_out), _rows(x), w1, w2, saved, int(seed), activation, dropout_p)
+    args = (_rows(grad_out), _rows(x), w1, w2, saved, seed, activation, dropout_p)
     dx, *rest = _torch_backward(*args)
     return (dx.view(x.shape), *rest)
 
@@ -531,13 +543,13 @@ def _register_kernel_fakes() -> None:
         return
 
     @torch.library.register_fake("fastformer::ffn_forward")
-    def _(x, w1, b1, w2, b2, activation, dropout_p, seed, fused_epilogue=False):
+    def _(x, w1, b1, w2, b2, activation, dropout_p, seed, fused_epilogue=False, device_seed=None):
         epilogue_only = fused_epilogue and x.device.type == "cuda" and activation == "gelu_tanh"
         saved_shape = (0,) if epilogue_only else _saved_shape(x, w1)
         return x.new_empty(*x.shape[:-1], w2.shape[0]), x.new_empty(saved_shape)
 
     @torch.library.register_fake("fastformer::ffn_backward")
-    def _(grad_out, x, w1, w2, saved, activation, dropout_p, seed):
+    def _(grad_out, x, w1, w2, saved, activation, dropout_p, seed, device_seed=None):
         return _ffn_grad_op_fake(grad_out, x, w1, w2, saved, seed, activation, dropout_p)
 
 

@@ -23,7 +23,9 @@ Dropout: one seed per call, drawn from the torch generator of the input's device
 custom op (so ``torch.compile`` draws it at run time and ``torch.manual_seed`` reproduces a
 run). Element ``i`` of ``x.reshape(-1, N)`` in row-major order (int64 offset ``row * N + col``)
 is kept when ``element_uniform(seed, i) >= dropout_p`` (fastformer.ops.rng) and scaled by ``1 / (1 - dropout_p)``.
-The backward regenerates the mask from the seed: no mask is stored. The normalized input
+The backward regenerates the mask from the seed: no mask is stored. Inside CUDA graph capture
+the seed is drawn on the device and the CUDA kernels read it there, so each replay drops
+different elements (``fastformer.ops.rng.draw_call_seed``). The normalized input
 ``pre`` is kept for the backward (and returned when ``prenorm``), rounded to the input dtype.
 """
 
@@ -201,7 +203,7 @@ def _forward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Draws the dropout seed (when dropout_p > 0) and runs the compiled forward."""
     if dropout_p > 0 or seed is None:
-        seed = rng.seed_scalar(rng.draw_seed(x.device) if dropout_p > 0 else 0)
+        seed = rng.seed_scalar(rng.draw_call_seed(x.device) if dropout_p > 0 else 0)
     out, pre, mean, rstd = torch.ops.fastformer.layer_norm_fwd(
         x, weight, bias, residual, seed, eps, dropout_p, rms, store_pre
     )

@@ -184,10 +184,23 @@ def seed_tensor(seed: int | torch.Tensor) -> torch.Tensor:
     return NO_SEED if isinstance(seed, int) and seed == 0 else seed_scalar(seed)
 
 
-def saved_seed(seed: torch.Tensor) -> int | torch.Tensor:
-    """What a backward passes its kernels for a saved seed tensor: the int of a CPU seed, the
-    tensor itself of a device one (read from memory: no host synchronisation, capture-safe)."""
-    return int(seed) if seed.device.type == "cpu" else seed
+def saved_seed(seed: int | torch.Tensor) -> int | torch.Tensor:
+    """What a backward passes its kernels for a saved seed: the int of a CPU seed, the tensor
+    itself of a device one (read from memory: no host synchronisation, capture-safe)."""
+    if isinstance(seed, torch.Tensor) and seed.device.type == "cpu":
+        return int(seed)
+    return seed
+
+
+def check_host_seed(seed: int | torch.Tensor, op: str) -> None:
+    """Refuse a device seed (drawn inside CUDA graph capture) where `op`'s torch backend needs
+    the seed on the host to build its mask."""
+    if isinstance(seed, torch.Tensor):  # only draw_call_seed under capture gives a tensor
+        raise RuntimeError(
+            f"{op} with dropout inside CUDA graph capture runs only on its compiled kernels "
+            "(the torch backend builds its mask on the host); these inputs run on the torch "
+            "backend"
+        )
 
 
 def _compiled_op(name: str, seed: int, offsets: torch.Tensor) -> torch.Tensor:

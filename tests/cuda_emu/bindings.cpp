@@ -100,10 +100,20 @@ class Arena {
   std::vector<Buffer> buffers_;
 };
 
+// seed_in_memory: the seed as the CUDA glue passes one drawn inside graph capture, an int64 in
+// (emulated) device memory that the kernels read, with a wrong launch argument beside it.
+template <typename Args>
+at::Tensor put_seed_in_memory(Args& a, Arena& arena, int64_t seed) {
+  at::Tensor cell = arena.input(at::full({}, seed, at::kLong), "seed");
+  a.seed = 0;
+  a.seed_ptr = cell.data_ptr<int64_t>();
+  return cell;
+}
+
 Tensors4 layer_norm_fwd(const at::Tensor& x_in, const c10::optional<at::Tensor>& weight_in,
                         const c10::optional<at::Tensor>& bias_in,
                         const c10::optional<at::Tensor>& residual_in, int64_t seed, double eps,
-                        double dropout_p, bool rms, bool store_pre) {
+                        double dropout_p, bool rms, bool store_pre, bool seed_in_memory) {
   TORCH_CHECK(x_in.dim() == 2, "cuda_emu layer_norm_fwd: x must be 2-D");
   TORCH_CHECK(seed >= 0, "cuda_emu: seed must be >= 0");
   const bool fused = residual_in.has_value() || dropout_p > 0 || store_pre;
@@ -118,9 +128,10 @@ Tensors4 layer_norm_fwd(const at::Tensor& x_in, const c10::optional<at::Tensor>&
                              : at::empty({0}, x.options());
   at::Tensor mean = rms ? at::empty({0}, at::kFloat) : arena.empty({rows}, at::kFloat, "mean");
   at::Tensor rstd = arena.empty({rows}, at::kFloat, "rstd");
-  const fastformer::LnFwdArgs a =
+  fastformer::LnFwdArgs a =
       fastformer::ln_glue::fwd_args(x, weight, bias, residual, out, pre, mean, rstd,
                                     static_cast<uint64_t>(seed), eps, dropout_p, rms, fused);
+  const at::Tensor cell = seed_in_memory ? put_seed_in_memory(a, arena, seed) : at::Tensor();
   fastformer::layer_norm_fwd_cuda_launch(a, nullptr);
   arena.check();
   return {out, pre, mean, rstd};
@@ -130,7 +141,8 @@ Tensors4 layer_norm_bwd(const at::Tensor& dy_in, const c10::optional<at::Tensor>
                         const at::Tensor& x_in, const c10::optional<at::Tensor>& weight_in,
                         const c10::optional<at::Tensor>& bias_in, const at::Tensor& mean_in,
                         const at::Tensor& rstd_in, int64_t seed, double dropout_p, bool rms,
-                        bool fused, bool has_residual, bool need_dweight, bool need_dbias) {
+                        bool fused, bool has_residual, bool need_dweight, bool need_dbias,
+                        bool seed_in_memory) {
   TORCH_CHECK(x_in.dim() == 2 && dy_in.sizes() == x_in.sizes(), "cuda_emu layer_norm_bwd: shapes");
   TORCH_CHECK(!need_dweight || weight_in.has_value(), "need_dweight without weight");
   TORCH_CHECK(!need_dbias || bias_in.has_value(), "need_dbias without bias");
@@ -151,6 +163,7 @@ Tensors4 layer_norm_bwd(const at::Tensor& dy_in, const c10::optional<at::Tensor>
       dy, dpre.has_value() ? *dpre : at::Tensor(), x, weight, bias, mean, rstd, dx, dres, dweight,
       dbias, static_cast<uint64_t>(seed), dropout_p, rms, fused, has_residual, need_dweight,
       need_dbias);
+  const at::Tensor cell = seed_in_memory ? put_seed_in_memory(a, arena, seed) : at::Tensor();
   const int num_sms = emu::config().sms;  // multiProcessorCount of the emulated device
   const fastformer::LnBwdPlan plan = fastformer::layer_norm_bwd_plan(a, num_sms);
   const int64_t partial_floats = std::max<int64_t>(1, 2 * plan.partial_rows * a.cols);
@@ -188,7 +201,7 @@ FfnDtype ffn_dtype(const at::Tensor& x) {
 // The kernel part of ffn.cpp's ffn_forward_cuda: g = dropout(act(h)), in place (g is h) for
 // relu and for the fused-epilogue call (activation "identity"), as there.
 at::Tensor ffn_forward(const at::Tensor& h_in, c10::string_view activation, double dropout_p,
-                       int64_t seed) {
+                       int64_t seed, bool seed_in_memory) {
   const FfnActivation act = parse_activation(activation);
   TORCH_CHECK(h_in.dim() == 2, "cuda_emu ffn_forward: h must be (tokens, width)");
   const bool gated = fastformer::ffn_is_gated(act);
@@ -199,7 +212,7 @@ at::Tensor ffn_forward(const at::Tensor& h_in, c10::string_view activation, doub
   const int64_t tokens = h.size(0), d_ff = gated ? h.size(1) / 2 : h.size(1);
   at::Tensor g = in_place ? h : arena.empty({tokens, d_ff}, h.scalar_type(), "g");
   const float p = static_cast<float>(dropout_p);
-  const fastformer::FfnForwardArgs args{h.const_data_ptr(),
+  fastformer::FfnForwardArgs args{h.const_data_ptr(),
                                         g.data_ptr(),
                                         tokens,
                                         d_ff,
@@ -208,6 +221,7 @@ at::Tensor ffn_forward(const at::Tensor& h_in, c10::string_view activation, doub
                                         static_cast<float>(1.0 / (1.0 - dropout_p)),
                                         act,
                                         ffn_dtype(h)};
+  const at::Tensor cell = seed_in_memory ? put_seed_in_memory(args, arena, seed) : at::Tensor();
   fastformer::ffn_forward_cuda_launch(args, nullptr);
   arena.check();
   return g;
@@ -218,7 +232,8 @@ at::Tensor ffn_forward(const at::Tensor& h_in, c10::string_view activation, doub
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ffn_backward(const at::Tensor& dg_in,
                                                             const at::Tensor& saved_in,
                                                             c10::string_view activation,
-                                                            double dropout_p, int64_t seed) {
+                                                            double dropout_p, int64_t seed,
+                                                            bool seed_in_memory) {
   const FfnActivation act = parse_activation(activation);
   TORCH_CHECK(act != FfnActivation::kIdentity, "the backward always knows the activation");
   TORCH_CHECK(dg_in.dim() == 2 && saved_in.dim() == 2, "cuda_emu ffn_backward: 2-D inputs");
@@ -236,7 +251,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ffn_backward(const at::Tensor& dg
   at::Tensor partials = arena.empty({fastformer::ffn_bias_grad_row_blocks(tokens), width},
                                     at::kFloat, "partials");
   const float p = static_cast<float>(dropout_p);
-  const fastformer::FfnBackwardArgs args{dg.const_data_ptr(),
+  fastformer::FfnBackwardArgs args{dg.const_data_ptr(),
                                          saved.const_data_ptr(),
                                          dh.data_ptr(),
                                          relu ? nullptr : g.data_ptr(),
@@ -249,6 +264,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ffn_backward(const at::Tensor& dg
                                          static_cast<float>(1.0 / (1.0 - dropout_p)),
                                          act,
                                          ffn_dtype(dg)};
+  const at::Tensor cell = seed_in_memory ? put_seed_in_memory(args, arena, seed) : at::Tensor();
   fastformer::ffn_backward_cuda_launch(args, nullptr);
   arena.check();
   return {dh, g, db1};
@@ -301,15 +317,19 @@ void clear_launch_log() { emu::clear_launch_log(); }
 TORCH_LIBRARY(fastformer_emu, m) {
   m.def(
       "layer_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, int seed, "
-      "float eps, float dropout_p, bool rms, bool store_pre) -> (Tensor, Tensor, Tensor, Tensor)");
+      "float eps, float dropout_p, bool rms, bool store_pre, bool seed_in_memory=False) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "layer_norm_bwd(Tensor dy, Tensor? dpre, Tensor x, Tensor? weight, Tensor? bias, "
       "Tensor mean, Tensor rstd, int seed, float dropout_p, bool rms, bool fused, "
-      "bool has_residual, bool need_dweight, bool need_dbias) -> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("ffn_forward(Tensor h, str activation, float dropout_p, int seed) -> Tensor");
+      "bool has_residual, bool need_dweight, bool need_dbias, bool seed_in_memory=False) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
-      "ffn_backward(Tensor dg, Tensor saved, str activation, float dropout_p, int seed) "
-      "-> (Tensor, Tensor, Tensor)");
+      "ffn_forward(Tensor h, str activation, float dropout_p, int seed, "
+      "bool seed_in_memory=False) -> Tensor");
+  m.def(
+      "ffn_backward(Tensor dg, Tensor saved, str activation, float dropout_p, int seed, "
+      "bool seed_in_memory=False) -> (Tensor, Tensor, Tensor)");
   m.def("uniform(int seed, Tensor offsets, bool element) -> Tensor");
   m.def("selftest(str name, Tensor x, int blocks, int threads, int smem) -> Tensor");
   // No tensor arguments: catch-all kernels.
