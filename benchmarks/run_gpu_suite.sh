@@ -144,7 +144,8 @@ if [ "${SUITE_FULL:-0}" = 1 ]; then
         --max-seconds 100 --out "$OUT/bench-full-attention"
     stage bench_full_ops 80 "$PY" -m fastformer bench --no-model --full --ops layer_norm,ffn \
         --max-seconds 60 --out "$OUT/bench-full-ops"
-    # The model with its --full variants: the whole eager and swapped models under torch.compile.
+    # The model with its --full variants: the whole eager and swapped models under torch.compile,
+    # and both with their steps replayed from CUDA graphs.
     stage bench_full_model 200 "$PY" -m fastformer bench --full --ops "" --max-seconds 170 \
         --out "$OUT/bench-full-model"
 fi

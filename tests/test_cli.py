@@ -252,15 +252,17 @@ def test_attention_backward_rows_are_fwd_bwd_less_fwd():
     assert case.bytes("fwd+bwd", 2) == case.bytes("fwd", 2) + case.bytes("bwd", 2)
 
 
-def test_model_variants_compile_layers_by_default_and_whole_models_with_full():
+def test_model_variants_compile_layers_by_default_and_whole_models_and_graphs_with_full():
     eager = torch.nn.Linear(2, 2)
     fast = torch.nn.Linear(2, 2)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")  # only the type is read
     default = B.model_variants(eager, fast, {}, cuda, full=False)
     assert list(default) == ["eager", "fastformer", B.COMPILE_LAYERS]
     full = B.model_variants(eager, fast, {}, cuda, full=True)
-    compiled = [B.COMPILE_LAYERS, B.COMPILE_WHOLE, B.FAST_COMPILED]
+    compiled = [B.COMPILE_LAYERS, B.COMPILE_WHOLE, B.FAST_COMPILED, *B.GRAPHED]
     assert list(full) == ["eager", "fastformer", *compiled]
+    assert list(B.GRAPHED) == ["eager+cuda-graph", "fastformer+cuda-graph"]
+    assert torch.equal(full["fastformer+cuda-graph"].weight, fast.weight)
     # Compiled variants are copies: compiling must not change the models measured eagerly.
     assert all(full[name] is not eager and full[name] is not fast for name in compiled)
     assert torch.equal(full[B.FAST_COMPILED].weight, fast.weight)
@@ -700,7 +702,7 @@ def test_model_report_shows_host_time_where_measured():
     assert "| eager | 1000 | 70.0 (65.4) | 3000 | 20.0 (5.2) | 1024 |" in text
     assert "(host): milliseconds" in text
     # A compiled variant says what was compiled, under the table.
-    compiled = dict(variant, compiled=B.COMPILED[B.COMPILE_LAYERS])
+    compiled = dict(variant, note=B.NOTES[B.COMPILE_LAYERS])
     model["variants"][B.COMPILE_LAYERS] = compiled
     text = "\n".join(R.model_lines(model))
     assert f"\n{B.COMPILE_LAYERS}: the eager model with each encoder and decoder layer" in text

@@ -2,8 +2,8 @@
 
 Stage 1 (model): the paper's Transformer (reference.TransformerModel) on a synthetic padded
 batch, as the eager reference, after `fastformer.swap`, and (CUDA) with its layers under
-torch.compile (--full: also the whole model, and the swapped model, under torch.compile); the
-same weights and inputs for all. Training-step tokens/s (forward + backward + Adam step),
+torch.compile (--full: also the whole model, and the swapped model, under torch.compile, and the
+eager and swapped models with each step replayed from a CUDA graph); the same weights and inputs for all. Training-step tokens/s (forward + backward + Adam step),
 inference tokens/s (one teacher-forced forward), peak memory, and the parity of the loss and
 of every gradient at dropout 0 (fastformer.testing.parity against the reference in float64).
 Stage 2 (ops): attention, layer_norm and ffn against each peer of fastformer.cli.impls, on
@@ -198,9 +198,13 @@ def _tokens(src, tgt) -> int:
     return int((src != PAD).sum() + (tgt != PAD).sum())
 
 
-def _measure_variant(name, model, loss_fn, forward_fn, src, tgt, device, pacer) -> dict:
-    """Train-step and inference timings, peak memory; the first call (compilation) apart."""
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+def _measure_variant(
+    name, model, loss_fn, forward_fn, src, tgt, device, pacer, graphed: bool = False
+) -> dict:
+    """Train-step and inference timings, peak memory; the first call (compilation) apart.
+    graphed: each step captured once in a CUDA graph and replayed (`_cuda_graph`)."""
+    # capturable: Adam's step state on the GPU, so that its step can be captured too
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, capturable=graphed)
     tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS), tgt[:, :-1]], dim=1)
 
     def train_step():
@@ -215,6 +219,8 @@ def _measure_variant(name, model, loss_fn, forward_fn, src, tgt, device, pacer) 
     model.train()
     start = time.perf_counter()
     train_step()  # first call: compilation, autotuning, allocator warm-up
+    if graphed:
+        train_step = _cuda_graph(train_step)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     first_s = time.perf_counter() - start
@@ -225,6 +231,8 @@ def _measure_variant(name, model, loss_fn, forward_fn, src, tgt, device, pacer) 
         host["train_host_ms"] = timing.host_time(train_step, device)
     model.eval()
     infer_step()
+    if graphed:
+        infer_step = _cuda_graph(infer_step)
     infer_ms = timing.time_step(infer_step, device, pacer.current())
     if device.type == "cuda":
         host["infer_host_ms"] = timing.host_time(infer_step, device)
@@ -239,6 +247,23 @@ def _measure_variant(name, model, loss_fn, forward_fn, src, tgt, device, pacer) 
         "peak_memory_method": method,
         "first_step_s": first_s,
     }
+
+
+def _cuda_graph(step):
+    """`step` captured in a CUDA graph (PyTorch's whole-network capture): warm-up steps on a
+    side stream, then one captured step; returns the graph's replay. A training step's
+    zero_grad(set_to_none=True) inside the capture makes the captured backward allocate the
+    gradients, which every replay then overwrites, and Adam (capturable) steps from them."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 NOT_RUN = "not run (past --max-seconds)"
@@ -263,6 +288,15 @@ COMPILED = {
     COMPILE_WHOLE: "the whole eager model compiled as one graph",
     FAST_COMPILED: "the model after fastformer.swap compiled as one graph",
 }
+# With --full (CUDA): the eager and swapped models with each step (training: forward, backward
+# and Adam; inference) captured once in a CUDA graph and replayed, which takes the host out of
+# the step (the swapped model's step was host-bound on the H200: 22 ms of kernels in 64 ms).
+GRAPHED = {
+    "eager+cuda-graph": "the eager model, each step captured in a CUDA graph and replayed",
+    FAST + "+cuda-graph": "the model after fastformer.swap, each step captured in a CUDA graph "
+    "and replayed (dropout seeds drawn on the device)",
+}
+NOTES = {**COMPILED, **GRAPHED}
 
 
 def model_variants(eager, fast, swap_info: dict, device, full: bool) -> dict[str, Any]:
@@ -270,8 +304,8 @@ def model_variants(eager, fast, swap_info: dict, device, full: bool) -> dict[str
     variants: dict[str, Any] = {"eager": eager}
     variants[FAST] = fast if fast is not None else swap_info["error"]
     gpu_only = "not measured on CPU (GPU only)"
-    for name in COMPILED if full else [COMPILE_LAYERS]:
-        model = fast if name == FAST_COMPILED else eager
+    for name in NOTES if full else [COMPILE_LAYERS]:
+        model = fast if name.startswith(FAST) else eager
         if device.type != "cuda":
             variants[name] = gpu_only
         else:
@@ -305,8 +339,9 @@ def bench_model(
     case: C.ModelCase, device, dtype, pacer, save, progress_stream=None, full: bool = False
 ) -> dict:
     """Stage 1: eager reference vs fastformer.swap (vs its layers under torch.compile on CUDA;
-    with `full`, also the whole eager and swapped models under torch.compile). `save(out)` is
-    called after every variant, so a run killed mid-stage keeps what it measured."""
+    with `full`, also the whole eager and swapped models under torch.compile, and both with
+    their steps in CUDA graphs). `save(out)` is called after every variant, so a run killed
+    mid-stage keeps what it measured."""
     src, tgt = synthetic_batch(case, device)
     eager = build_model(case, device, dtype, case.dropout)
     fast, swap_info = swapped(eager)
@@ -336,10 +371,10 @@ def bench_model(
                 loss_fn, fwd_fn = compiled_model(name, model)
             try:
                 out["variants"][name] = _measure_variant(
-                    name, model, loss_fn, fwd_fn, src, tgt, device, pacer
+                    name, model, loss_fn, fwd_fn, src, tgt, device, pacer, name in GRAPHED
                 )
-                if name in COMPILED:
-                    out["variants"][name]["compiled"] = COMPILED[name]
+                if name in NOTES:
+                    out["variants"][name]["note"] = NOTES[name]
             except Exception as exc:  # report the failure, keep benchmarking the rest
                 out["variants"][name] = {"error": f"{type(exc).__name__}: {exc}"}
         save(out)

@@ -176,9 +176,9 @@ def model_lines(model: dict[str, Any]) -> list[str]:
             "(host): milliseconds for the step's Python to return, the GPU idle at its start and "
             "not waited for; near the step time, the host sets the pace, not the GPU.",
         ]
-    compiled = [(n, v["compiled"]) for n, v in model["variants"].items() if "compiled" in v]
-    if compiled:
-        lines += ["", *(f"{name}: {what}." for name, what in compiled)]
+    notes = [(n, v["note"]) for n, v in model["variants"].items() if "note" in v]
+    if notes:
+        lines += ["", *(f"{name}: {what}." for name, what in notes)]
     par = model["parity"]
     if par.get("passed") is None:
         lines += ["", f"Parity: not checked ({par.get('skipped')})."]
