@@ -1194,7 +1194,7 @@ def _padding(
 
 # A 0-dim int64 tensor per device for the kernels' Seed pointer when the seed is an int: they
 # never read it then. Not kept when made inside CUDA graph capture (graph pool memory).
-_NO_SEED: dict[torch.device, torch.Tensor] = {}
+_SEED_DUMMY: dict[torch.device, torch.Tensor] = {}
 
 
 def _seed_args(seed: int | torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:
@@ -1203,11 +1203,11 @@ def _seed_args(seed: int | torch.Tensor, device: torch.device) -> tuple[torch.Te
     memory, which the argument -1 tells them."""
     if isinstance(seed, torch.Tensor):
         return seed, -1
-    dummy = _NO_SEED.get(device)
+    dummy = _SEED_DUMMY.get(device)
     if dummy is None:
         dummy = torch.zeros((), dtype=torch.int64, device=device)
         if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-            _NO_SEED[device] = dummy
+            _SEED_DUMMY[device] = dummy
     return dummy, seed
 
 

@@ -16,10 +16,10 @@ with the same dropout mask.
 Dropout: each call draws a seed from the torch generator of the query's device (inside the
 custom op, so torch.compile never bakes it in). Inside CUDA graph capture (`torch.cuda.graph`)
 the seed is drawn on the device instead and the Triton kernels read it from memory, so each
-replay drops different elements (the torch backend cannot: it raises). One Philox4x32-10 call gives 16 random bits to
-each of 8 scores of a row (8x less Philox work than a call per score). With C = 4 * ceil(Lk / 32)
-calls per row and key column j = 32 g + 8 w + 2 c + l (w, c in 0..3, l in 0..1), attention
-probability (b, h, i, j) takes
+replay drops different elements (the torch backend cannot: it raises). One Philox4x32-10 call
+gives 16 random bits to each of 8 scores of a row (8x less Philox work than a call per score).
+With C = 4 * ceil(Lk / 32) calls per row and key column j = 32 g + 8 w + 2 c + l (w, c in 0..3,
+l in 0..1), attention probability (b, h, i, j) takes
 
     w0, w1, w2, w3 = tl.randint4x(seed, ((b * H + h) << 32) + i * C + 4 g + c)   (int64 offset)
     u16 = (w_w >> (16 * l)) & 0xFFFF

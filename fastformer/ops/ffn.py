@@ -338,9 +338,9 @@ def _op_seed(seed: int | Tensor, *before_device_seed: object) -> tuple:
 
 def _forward(
     x, w1, b1, w2, b2, activation, dropout_p, needs_grad, backend=None
-) -> tuple[Tensor, Tensor, int]:
-    """(out (..., d_out), saved (tokens, width), seed as an int) for x (..., d_model) through
-    `backend` (default: the selected one)."""
+) -> tuple[Tensor, Tensor, int | Tensor]:
+    """(out (..., d_out), saved (tokens, width), seed: an int, or a device tensor inside CUDA
+    graph capture) for x (..., d_model) through `backend` (default: the selected one)."""
     backend = backend or _backend(x)
     seed = rng.draw_call_seed(x.device) if dropout_p > 0 else 0
     if backend == "cpp":  # the compiled op takes (..., d_model) itself

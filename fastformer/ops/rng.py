@@ -139,7 +139,7 @@ def draw_call_seed(device: torch.device) -> int | torch.Tensor:
     capture-safe: each replay of the graph draws a new seed (its Philox offset advances)."""
     if capturing(device):
         return torch.randint(0, 2**SEED_BITS - 1, (), dtype=torch.int64, device=device)
-    return draw_seed(device)
+    return _host_seed(device)
 
 
 def draw_seed(device: torch.device | str | None = None) -> int:
@@ -151,15 +151,19 @@ def draw_seed(device: torch.device | str | None = None) -> int:
     that support capture draw with `draw_call_seed`).
     """
     device = torch.device("cpu" if device is None else device)
+    if capturing(device):
+        # A host seed is a launch argument: a captured graph would replay one mask forever.
+        raise RuntimeError(
+            "this fastformer op cannot run dropout inside CUDA graph capture "
+            "(torch.cuda.graph): its seed is drawn on the host when the op runs, so every "
+            "replay would drop the same elements. Capture with dropout 0 (eval mode), or "
+            "train without CUDA graphs."
+        )
+    return _host_seed(device)
+
+
+def _host_seed(device: torch.device) -> int:
     if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            # A host seed is a launch argument: a captured graph would replay one mask forever.
-            raise RuntimeError(
-                "this fastformer op cannot run dropout inside CUDA graph capture "
-                "(torch.cuda.graph): its seed is drawn on the host when the op runs, so every "
-                "replay would drop the same elements. Capture with dropout 0 (eval mode), or "
-                "train without CUDA graphs."
-            )
         index = device.index if device.index is not None else torch.cuda.current_device()
         gen = torch.cuda.default_generators[index]
         base, offset = gen.initial_seed(), gen.get_offset()
