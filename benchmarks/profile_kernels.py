@@ -103,7 +103,7 @@ def profile_model(case: ModelCase, iters: int, top: int, device="cuda") -> list[
     eager = bench.build_model(case, device, dtype, case.dropout)
     fast, info = bench.swapped(eager)
     src, tgt = bench.synthetic_batch(case, device)
-    tokens = int((src != bench.PAD).sum() + (tgt != bench.PAD).sum())
+    tokens = bench.real_tokens(src, tgt)
     lines = [f"model {case.name}: {tokens} tokens a step (src + tgt, no padding), {dtype}"]
     for name, model in (("eager", eager), (FAST, fast)):
         if model is None:
@@ -111,12 +111,7 @@ def profile_model(case: ModelCase, iters: int, top: int, device="cuda") -> list[
             continue
         model.train()
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-
-        def step(model=model, opt=opt) -> None:
-            opt.zero_grad(set_to_none=True)
-            model.loss(src, tgt).backward()
-            opt.step()
-
+        step = bench.training_step(model.loss, opt, src, tgt)
         wall, kernels = _profiled(step, iters, top, device, "step")
         host = host_time(step, device, iters)
         lines.append(f"  {name}: wall {wall:.2f} ms, host {host:.2f} ms, {kernels[0]}")

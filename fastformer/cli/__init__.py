@@ -77,8 +77,8 @@ def _bench_parser(sub) -> None:
         help="the complete per-op GPU grid (42 cases, many minutes) instead of the default "
         "representative subset (12 cases, sized for 3 minutes with the model), and on a GPU the "
         "whole eager and swapped models under torch.compile too (by default: the eager model's "
-        "layers) and both with their steps replayed from CUDA graphs; the CPU grid is the same either way; --quick "
-        "wins",
+        "layers) and both with their steps replayed from CUDA graphs; the CPU grid is the same "
+        "either way; --quick wins",
     )
     p.add_argument(
         "--threads",

@@ -3,8 +3,8 @@
 Stage 1 (model): the paper's Transformer (reference.TransformerModel) on a synthetic padded
 batch, as the eager reference, after `fastformer.swap`, and (CUDA) with its layers under
 torch.compile (--full: also the whole model, and the swapped model, under torch.compile, and the
-eager and swapped models with each step replayed from a CUDA graph); the same weights and inputs for all. Training-step tokens/s (forward + backward + Adam step),
-inference tokens/s (one teacher-forced forward), peak memory, and the parity of the loss and
+eager and swapped models with each step replayed from a CUDA graph); the same weights and inputs
+for all. Training-step tokens/s (forward + backward + Adam step), inference tokens/s (one teacher-forced forward), peak memory, and the parity of the loss and
 of every gradient at dropout 0 (fastformer.testing.parity against the reference in float64).
 Stage 2 (ops): attention, layer_norm and ffn against each peer of fastformer.cli.impls, on
 the default grid of fastformer.cli.cases (a representative subset on CUDA, sized for the 3-minute
@@ -194,8 +194,21 @@ def model_parity(eager, fast, src, tgt) -> dict[str, Any]:
     }
 
 
-def _tokens(src, tgt) -> int:
+def real_tokens(src, tgt) -> int:
+    """Tokens of a (src, tgt) batch that are not padding."""
     return int((src != PAD).sum() + (tgt != PAD).sum())
+
+
+def training_step(loss_fn, opt, src, tgt):
+    """One training step of `bench` (zero_grad, loss forward + backward, Adam step) as a
+    function of nothing; the profiler and the pytest-benchmark suite time the same."""
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss_fn(src, tgt).backward()
+        opt.step()
+
+    return step
 
 
 def _measure_variant(
@@ -206,11 +219,7 @@ def _measure_variant(
     # capturable: Adam's step state on the GPU, so that its step can be captured too
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, capturable=graphed)
     tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS), tgt[:, :-1]], dim=1)
-
-    def train_step():
-        opt.zero_grad(set_to_none=True)
-        loss_fn(src, tgt).backward()
-        opt.step()
+    train_step = training_step(loss_fn, opt, src, tgt)
 
     def infer_step():
         with torch.no_grad():
@@ -236,7 +245,7 @@ def _measure_variant(
     infer_ms = timing.time_step(infer_step, device, pacer.current())
     if device.type == "cuda":
         host["infer_host_ms"] = timing.host_time(infer_step, device)
-    tokens = _tokens(src, tgt)
+    tokens = real_tokens(src, tgt)
     return {
         "train_step_ms": train_ms,
         "train_tokens_per_s": tokens / train_ms * 1e3,
@@ -350,8 +359,8 @@ def bench_model(
     out: dict[str, Any] = {
         "config": case.params(),
         "dtype": str(dtype).replace("torch.", ""),
-        "tokens_per_batch": _tokens(src, tgt),
-        "padding_fraction": 1 - _tokens(src, tgt) / (src.numel() + tgt.numel()),
+        "tokens_per_batch": real_tokens(src, tgt),
+        "padding_fraction": 1 - real_tokens(src, tgt) / (src.numel() + tgt.numel()),
         "swap": swap_info,
         "variants": {},
     }
