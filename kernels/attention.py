@@ -52,6 +52,8 @@ class, head-dim bucket and feature class; the autotune key adds head dims, causa
 padding, dropout and power-of-two sequence buckets); under TRITON_INTERPRET=1 one fixed small
 config. A new key's candidates (a backward's dq and dK/dV ones together) are compiled at once in
 threads before the autotuner times them, and its choice is kept in Triton's cache directory.
+With FASTFORMER_ATTN_TMA=1 the sm_90 forward and dq lists also hold TMA twins of their 16-bit
+configs (K and V read through per-slice tensor descriptors; see `tma_ok`).
 `compile_report(arch)` (or `python -m fastformer.kernels.attention 90 80`) compiles every
 config of an arch table without a GPU and reports ptxas registers, spills and shared memory.
 """
@@ -71,6 +73,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
 
 LOG2E = 1.4426950408889634
 MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
@@ -109,6 +112,16 @@ def _store_rows(base, start, offs, n_rows, stride, cols, x, N_COLS: tl.constexpr
         tl.store(ptrs, x, mask=rows[:, None] < n_rows)
     else:
         tl.store(ptrs, x, mask=(rows[:, None] < n_rows) & (cols[None, :] < N_COLS))
+
+
+@triton.jit
+def _slice_descriptor(base, n_rows, stride, N_COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                      BLOCK_COLS: tl.constexpr):
+    # A TMA descriptor of one (batch, head) slice, (n_rows, N_COLS) at `stride`: its loads are
+    # exact to the slice in any layout, zero past n_rows and N_COLS, like _load_rows (the
+    # launcher checks TMA's 16-byte alignment of the base and the stride: `tma_ok`).
+    return tl.make_tensor_descriptor(base, shape=[n_rows, N_COLS], strides=[stride, 1],
+                                     block_shape=[BLOCK_ROWS, BLOCK_COLS])
 
 
 @triton.jit
@@ -262,9 +275,13 @@ def _fwd_tile(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, EDGE: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     cols = start_n + offs_n
-    k = _load_rows(k_base, start_n, offs_n, Lk, stride_kn, offs_d, HEAD_D, BLOCK_D)
+    if USE_TMA:  # k_base and v_base are the slice's descriptors (_slice_descriptor)
+        k = k_base.load([start_n, 0])
+    else:
+        k = _load_rows(k_base, start_n, offs_n, Lk, stride_kn, offs_d, HEAD_D, BLOCK_D)
     # The row max of unscaled scores, then scaled (s_scale > 0 commutes with max): ~10% fewer
     # instructions in the d64 key loop on sm_90 than scaling every score for the max first.
     s, s_scale = _unscaled(tl.dot(q, tl.trans(k), input_precision=DOT_PREC), qk_scale, MASK_KIND)
@@ -288,7 +305,10 @@ def _fwd_tile(
     if HAS_DROPOUT:
         p = tl.where(_dropout_keep(seed, drop_base, rows_local, start_n, offs_n, Lk, drop_t), p,
                      0.0)
-    v = _load_rows(v_base, start_n, offs_n, Lk, stride_vn, offs_dv, HEAD_DV, BLOCK_DV)
+    if USE_TMA:
+        v = v_base.load([start_n, 0])
+    else:
+        v = _load_rows(v_base, start_n, offs_n, Lk, stride_vn, offs_dv, HEAD_DV, BLOCK_DV)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
     return acc, l_i, m_new
 
@@ -301,7 +321,7 @@ def _fwd_loop(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, EDGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # Branch-free body: a runtime `if` in the loop would turn off Triton's software pipelining.
     for start_n in range(lo, hi, BLOCK_N):
@@ -310,7 +330,7 @@ def _fwd_loop(
             offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
             seed, drop_t, drop_base, qk_scale, Lq, Lk,
             HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
-            DOT_PREC, EDGE,
+            DOT_PREC, EDGE, USE_TMA,
         )
     return acc, l_i, m_i
 
@@ -326,7 +346,7 @@ def attn_fwd(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """O and LSE for one (query block, batch*head); grid (cdiv(Lq, BLOCK_M), B*H)."""
     seed = _resolved_seed(seed, Seed, HAS_DROPOUT)
@@ -345,6 +365,9 @@ def attn_fwd(
                    offs_d, HEAD_D, BLOCK_D)
     k_base = K + off_b * stride_kb + off_hkv * stride_kh
     v_base = V + off_b * stride_vb + off_hkv * stride_vh
+    if USE_TMA:
+        k_base = _slice_descriptor(k_base, Lk, stride_kn, HEAD_D, BLOCK_N, BLOCK_D)
+        v_base = _slice_descriptor(v_base, Lk, stride_vn, HEAD_DV, BLOCK_N, BLOCK_DV)
     mask_base = Mask + off_b * stride_mb + off_h * stride_mh + row0.to(tl.int64) * stride_mm
     kpm_base = Kpm + off_b * stride_pb
     drop_base = (off_bh.to(tl.int64) << 32) + row0.to(tl.int64) * _dropout_calls(Lk)
@@ -359,14 +382,14 @@ def attn_fwd(
         offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
         seed, drop_t, drop_base, qk_scale, Lq, Lk,
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
-        DOT_PREC, False, BLOCK_N,
+        DOT_PREC, False, BLOCK_N, USE_TMA,
     )
     acc, l_i, m_i = _fwd_loop(
         acc, l_i, m_i, q, k_base, v_base, mask_base, kpm_base, full_hi, hi, row0, rows_local,
         offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
         seed, drop_t, drop_base, qk_scale, Lq, Lk,
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
-        DOT_PREC, True, BLOCK_N,
+        DOT_PREC, True, BLOCK_N, USE_TMA,
     )
 
     empty = l_i == 0.0  # every key masked: O = 0, LSE = -inf
@@ -588,11 +611,15 @@ def _dq_tile(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, DOT_PREC: tl.constexpr,
-    EDGE: tl.constexpr,
+    EDGE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     cols = start_n + offs_n
-    k = _load_rows(k_base, start_n, offs_n, Lk, stride_kn, offs_d, HEAD_D, BLOCK_D)
-    v = _load_rows(v_base, start_n, offs_n, Lk, stride_vn, offs_dv, HEAD_DV, BLOCK_DV)
+    if USE_TMA:  # k_base and v_base are the slice's descriptors (_slice_descriptor)
+        k = k_base.load([start_n, 0])
+        v = v_base.load([start_n, 0])
+    else:
+        k = _load_rows(k_base, start_n, offs_n, Lk, stride_kn, offs_d, HEAD_D, BLOCK_D)
+        v = _load_rows(v_base, start_n, offs_n, Lk, stride_vn, offs_dv, HEAD_DV, BLOCK_DV)
     s, s_scale = _unscaled(tl.dot(q, tl.trans(k), input_precision=DOT_PREC), qk_scale, MASK_KIND)
     if MASK_KIND != 0:
         s = _apply_attn_mask(s, mask_base, rows_local, row0 + rows_local, cols, Lq, Lk,
@@ -625,7 +652,7 @@ def _dq_loop(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, DOT_PREC: tl.constexpr,
-    EDGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    EDGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     for start_n in range(lo, hi, BLOCK_N):
         dq = _dq_tile(
@@ -633,7 +660,7 @@ def _dq_loop(
             rows_local, offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn,
             stride_pn, seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
             HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
-            WRITE_DS, DOT_PREC, EDGE,
+            WRITE_DS, DOT_PREC, EDGE, USE_TMA,
         )
     return dq
 
@@ -651,6 +678,7 @@ def attn_bwd_dq(
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, HAS_DLSE: tl.constexpr,
     DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """dQ (and dS if WRITE_DS) of one (query block, batch*head), and its rows of Delta for
     attn_bwd_dkdv, which runs after it; grid (cdiv(Lq, BLOCK_M), B*H)."""
@@ -685,6 +713,9 @@ def attn_bwd_dq(
     tl.store(Delta + bh_row0 + rows, delta, mask=rows < Lq)
     k_base = K + off_b * stride_kb + off_hkv * stride_kh
     v_base = V + off_b * stride_vb + off_hkv * stride_vh
+    if USE_TMA:
+        k_base = _slice_descriptor(k_base, Lk, stride_kn, HEAD_D, BLOCK_N, BLOCK_D)
+        v_base = _slice_descriptor(v_base, Lk, stride_vn, HEAD_DV, BLOCK_N, BLOCK_DV)
     mask_base = Mask + off_b * stride_mb + off_h * stride_mh + row0.to(tl.int64) * stride_mm
     ds_base = DS + (bh_row0 + row0) * Lk
     kpm_base = Kpm + off_b * stride_pb
@@ -697,14 +728,14 @@ def attn_bwd_dq(
         rows_local, offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn,
         stride_pn, seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
-        WRITE_DS, DOT_PREC, False, BLOCK_N,
+        WRITE_DS, DOT_PREC, False, BLOCK_N, USE_TMA,
     )
     dq = _dq_loop(
         dq, q, do, lse, delta, k_base, v_base, mask_base, ds_base, kpm_base, full_hi, hi, row0,
         rows_local, offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn,
         stride_pn, seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
-        WRITE_DS, DOT_PREC, True, BLOCK_N,
+        WRITE_DS, DOT_PREC, True, BLOCK_N, USE_TMA,
     )
     _store_rows(DQ + off_b * stride_dqb + off_h * stride_dqh, row0, rows_local, Lq, stride_dqm,
                 offs_d, (dq * sm_scale).to(DQ.dtype.element_ty), HEAD_D, BLOCK_D)
@@ -726,6 +757,7 @@ class Config(NamedTuple):
     num_warps: int
     num_stages: int
     qk_tiles: bool = False
+    tma: bool = False
 
 
 # The interpreter runs one fixed small config (fast tests); GPUs autotune over small lists keyed
@@ -993,9 +1025,12 @@ def config_class(kernel: str, arch: int, dclass: str, bucket: int, meta: dict) -
 
 
 def _constexprs(kernel: str, c: Config) -> dict:
-    # The launch constants a config sets: its tiles, and dK/dV's tile orientation.
+    # The launch constants a config sets: its tiles, and dK/dV's tile orientation or the
+    # fwd/dq key loop's TMA loads.
     blocks = {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}
-    return {**blocks, "QK_TILES": c.qk_tiles} if kernel == "dkdv" else blocks
+    if kernel == "dkdv":
+        return {**blocks, "QK_TILES": c.qk_tiles}
+    return {**blocks, "USE_TMA": c.tma}
 
 
 def _tune_bench(kernel_call, quantiles):
@@ -1006,10 +1041,12 @@ def _tune_bench(kernel_call, quantiles):
 
 
 @functools.cache
-def _autotuned(kernel: str, arch: int, dclass: str, bucket: int, fclass: str):
+def _autotuned(kernel: str, arch: int, dclass: str, bucket: int, fclass: str, tma: bool = False):
+    listed = CONFIGS[(kernel, arch, dclass, bucket, fclass)]
+    listed = listed + tma_twins(kernel, arch, dclass, bucket, fclass) if tma else listed
     configs = [
         triton.Config(_constexprs(kernel, c), num_warps=c.num_warps, num_stages=c.num_stages)
-        for c in CONFIGS[(kernel, arch, dclass, bucket, fclass)]
+        for c in listed
     ]
     # cache_results: the choice of each key is kept in Triton's cache directory, so a later
     # process (the next training run, bench or test) does not tune it again.
@@ -1017,11 +1054,69 @@ def _autotuned(kernel: str, arch: int, dclass: str, bucket: int, fclass: str):
     return tune(KERNELS[kernel])
 
 
+# --------------------------------------------------------------------------- TMA loads
+# FASTFORMER_ATTN_TMA=1 (read at import): on sm_90 and newer, the forward and dq kernels also
+# tune a twin of each 16-bit config whose key loop reads K and V through TMA descriptors (one
+# per program and slice, made on the device: `_slice_descriptor`). sm_90 compile: 186-201
+# registers instead of 249-255 for the d64 (128, 64, 4, 3) forward, 6% fewer SASS
+# instructions in its key loop. Off by default until a GPU run has measured it.
+TMA = os.environ.get("FASTFORMER_ATTN_TMA", "0") == "1"
+_TMA_KERNELS = ("fwd", "dq")
+# Twins that spill (compile_report, Triton 3.6 or 3.8): (kernel, bucket, feature class, config).
+_TMA_SPILLS = {
+    ("fwd", 256, "dropout", _C(128, 32, 8, 2)),
+    ("fwd", 256, "padded", _C(128, 64, 8, 2)),
+}
+
+
+def tma_twins(kernel: str, arch: int, dclass: str, bucket: int, fclass: str) -> list[Config]:
+    """The TMA twins of one CONFIGS list (sm_90 table, 16-bit fwd and dq), less the spilling."""
+    if arch != 90 or dclass != "16bit" or kernel not in _TMA_KERNELS:
+        return []
+    configs = CONFIGS[(kernel, arch, dclass, bucket, fclass)]
+    return [c._replace(tma=True) for c in configs if (kernel, bucket, fclass, c) not in _TMA_SPILLS]
+
+
+def tma_ok(kernel: str, *tensors: torch.Tensor) -> bool:
+    """Whether `kernel`'s TMA twins may tune for these K and V: enabled (TMA), a 16-bit CUDA
+    call on sm_90 or newer, and every (batch, head) slice meeting TMA's alignment (base and
+    row stride multiples of 16 bytes; the kernels' last stride is 1)."""
+    if not TMA or kernel not in _TMA_KERNELS:
+        return False
+    t = tensors[0]
+    if t.device.type != "cuda" or t.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if torch.cuda.get_device_capability(t.device)[0] < 9:
+        return False
+    return all(_tma_aligned(x) for x in tensors)
+
+
+def _tma_aligned(x: torch.Tensor) -> bool:
+    # Slice bases (data_ptr + b * stride_b + h * stride_h) and rows 16-byte aligned, rows
+    # distinct (a broadcast row stride of 0 is not a TMA layout).
+    step = 16 // x.element_size()
+    strides = x.stride()[:3]
+    return x.data_ptr() % 16 == 0 and strides[2] > 0 and all(st % step == 0 for st in strides)
+
+
+def _ensure_allocator() -> None:
+    """Device-made descriptors need Triton's scratch allocator (per thread: a context
+    variable); set one on the torch caching allocator, never over the user's."""
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(_scratch)
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    # The caching allocator's blocks are 512-byte aligned, above the 128 TMA needs.
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 class _Launch(NamedTuple):
     kernel: str
     grid: object  # the grid, or a function of the config's constants that gives it
     args: tuple
     meta: dict
+    tma: bool = False  # also tune the TMA twins of the configs (tma_ok said yes)
 
 
 def _precompile(launches: list[_Launch], q: torch.Tensor) -> None:
@@ -1032,8 +1127,10 @@ def _precompile(launches: list[_Launch], q: torch.Tensor) -> None:
     that fails here is compiled (and its error met) by the autotuner."""
     jobs = []
     for launch in launches:
-        if _tuned_key(launch.kernel, launch.args, launch.meta, q) not in _TUNED:
-            tuned = _autotuned(launch.kernel, *_table_key(launch.kernel, launch.meta, q))
+        if _tuned_key(launch.kernel, launch.args, launch.meta, q, launch.tma) not in _TUNED:
+            tuned = _autotuned(
+                launch.kernel, *_table_key(launch.kernel, launch.meta, q, launch.tma)
+            )
             jobs += [(launch, c) for c in tuned.configs] if len(tuned.configs) > 1 else []
     if len(jobs) >= 2 and (os.cpu_count() or 1) >= 2:
         _compile_at_once(jobs)
@@ -1057,11 +1154,14 @@ def _compile_at_once(jobs: list[tuple[_Launch, triton.Config]]) -> None:
                 pass
 
 
-def _table_key(kernel: str, meta: dict, q: torch.Tensor) -> tuple[int, str, int, str]:
-    # (arch, dtype class, head-dim bucket, feature class): which CONFIGS list tunes a launch.
+def _table_key(
+    kernel: str, meta: dict, q: torch.Tensor, tma: bool = False
+) -> tuple[int, str, int, str, bool]:
+    # (arch, dtype class, head-dim bucket, feature class, TMA twins): which candidates tune a
+    # launch.
     arch, dclass = arch_family(q.device), dtype_class(q.dtype)
     bucket = dim_bucket(meta["HEAD_D"], meta["HEAD_DV"])
-    return arch, dclass, bucket, config_class(kernel, arch, dclass, bucket, meta)
+    return arch, dclass, bucket, config_class(kernel, arch, dclass, bucket, meta), tma
 
 
 def _launch(
@@ -1072,26 +1172,32 @@ def _launch(
     q: torch.Tensor,
     config: Config | None,
     then: tuple[_Launch, ...] = (),
+    tma: bool = False,
 ) -> None:
     # then: the launches that follow this one in the same call (a backward's dK/dV after dq),
-    # whose new keys' candidates compile together with this one's.
+    # whose new keys' candidates compile together with this one's. tma: tma_ok(...) of the
+    # launch's K and V (the TMA twins join its candidates).
     if config is None and (INTERPRETED or q.device.type != "cuda"):
         config = INTERPRET_CONFIG
     if config is not None:
         blocks = _constexprs(kernel, config)
+        if config.tma and not INTERPRETED:
+            _ensure_allocator()
         KERNELS[kernel][grid(blocks)](
             *args, **meta, **blocks, num_warps=config.num_warps, num_stages=config.num_stages
         )
         return
-    key = _tuned_key(kernel, args, meta, q)
+    key = _tuned_key(kernel, args, meta, q, tma)
     best = _TUNED.get(key)
+    if tma:
+        _ensure_allocator()
     if best is not None:
         KERNELS[kernel][grid](*args, **meta, **best)
         return
-    table_key = _table_key(kernel, meta, q)
+    table_key = _table_key(kernel, meta, q, tma)
     tuned = _autotuned(kernel, *table_key)
     known = len(tuned.cache)
-    _precompile([_Launch(kernel, grid, args, meta), *then], q)
+    _precompile([_Launch(kernel, grid, args, meta, tma), *then], q)
     tuned[grid](*args, **meta)  # tunes on the first call of its key
     _TUNED[key] = tuned.best_config.all_kwargs()
     timed = len(tuned.configs) > 1 and len(tuned.cache) > known  # it benchmarked just now
@@ -1100,10 +1206,11 @@ def _launch(
 
 
 def _config_name(config) -> str:
-    # A triton.Config as "BLOCK_M x BLOCK_N, warps w, stages s[, qk]".
+    # A triton.Config as "BLOCK_M x BLOCK_N, warps w, stages s[, qk][, tma]".
     kw = config.kwargs
     qk = ", qk" if kw.get("QK_TILES") else ""
-    return f"{kw['BLOCK_M']}x{kw['BLOCK_N']} w{config.num_warps} s{config.num_stages}{qk}"
+    tma = ", tma" if kw.get("USE_TMA") else ""
+    return f"{kw['BLOCK_M']}x{kw['BLOCK_N']} w{config.num_warps} s{config.num_stages}{qk}{tma}"
 
 
 def _log_tuning(kernel: str, fclass: str, key: tuple, best, timings: dict | None) -> None:
@@ -1146,12 +1253,13 @@ _TENSOR_ARGS = {
 }
 
 
-def _tuned_key(kernel: str, args: tuple, meta: dict, q: torch.Tensor) -> tuple:
+def _tuned_key(kernel: str, args: tuple, meta: dict, q: torch.Tensor, tma: bool = False) -> tuple:
     # At least what Triton's autotuner keys on (_TUNE_KEY and every tensor argument's dtype),
-    # so the config read back after a tuned call is the one for this key; plus the device.
+    # so the config read back after a tuned call is the one for this key; plus the device and
+    # whether TMA twins were candidates (a TMA choice must not serve a call that cannot use it).
     iq, ik = _SEQ_BUCKET_ARGS[kernel]
     dtypes = [getattr(args[i], "dtype", None) for i in _TENSOR_ARGS[kernel]]
-    return (kernel, q.device, args[iq], args[ik], *meta.items(), *dtypes)
+    return (kernel, q.device, args[iq], args[ik], *meta.items(), *dtypes, tma)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -1361,7 +1469,8 @@ def attention_forward(
         *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *mask.strides, *pad.strides, h,
         h // hkv, lq, lk, _seq_bucket(lq), _seq_bucket(lk),
     )
-    _launch("fwd", lambda c: (_cdiv(lq, c["BLOCK_M"]), b * h), args, meta, q, config)
+    grid = lambda c: (_cdiv(lq, c["BLOCK_M"]), b * h)
+    _launch("fwd", grid, args, meta, q, config, tma=tma_ok("fwd", k, v))
     return out, lse
 
 
@@ -1483,9 +1592,9 @@ def _backward_kernels(
     )
     # dK/dV read the delta dq writes: dq first.
     dq_grid = lambda c: (_cdiv(lq, c["BLOCK_M"]), b * h)
-    _launch("dq", dq_grid, dq_args, dq_meta, q, config, then=dkdv)
+    _launch("dq", dq_grid, dq_args, dq_meta, q, config, then=dkdv, tma=tma_ok("dq", k, v))
     for launch in dkdv:
-        _launch(*launch, q, config)
+        _launch(*launch[:4], q, config, tma=launch.tma)
 # fmt: on
 
 
@@ -1539,6 +1648,7 @@ def _compile_inputs(
         "BLOCK_N": config.block_n,
         "PART": part,
         "QK_TILES": config.qk_tiles,
+        "USE_TMA": config.tma,
         "WRITE_DS": variant.mask_kind == MASK_FLOAT,
         "HAS_DLSE": True,
     }
@@ -1662,7 +1772,8 @@ def compile_jobs(arch: int = 90) -> list[tuple]:
     combination of its class (CHECK_VARIANTS). Every class, not only the heaviest that uses a
     config: a lighter one spilled where the heaviest did not (sm_80 fp32, 4-12 bytes). The
     first base config of the 128 and 256 buckets is also compiled in bf16 (wgmma there too;
-    same code and registers as fp16 but for the MMA type). Plus the key-range kernel.
+    same code and registers as fp16 but for the MMA type). On sm_90 the fwd and dq configs are
+    also compiled as their TMA twins (`tma_ok`). Plus the key-range kernel.
     """
     jobs = set()
     for (kernel, table_arch, dclass, bucket, fclass), configs in CONFIGS.items():
@@ -1674,6 +1785,8 @@ def compile_jobs(arch: int = 90) -> list[tuple]:
             jobs.add((kernel, dtype, bucket, tuple(config), fclass, arch, part))
             if dclass == "16bit" and fclass == "base" and config == configs[0] and bucket > 64:
                 jobs.add((kernel, "bfloat16", bucket, tuple(config), "base", arch, part))
+        for twin in tma_twins(kernel, arch, dclass, bucket, fclass):
+            jobs.add((kernel, dtype, bucket, tuple(twin), fclass, arch, 0))
     jobs = sorted(jobs)
     jobs.append(("kv_range", "float16", 64, (0, KV_RANGE_BLOCK, 4, 1), "base", arch, 0))
     return jobs

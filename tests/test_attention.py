@@ -521,10 +521,10 @@ def test_tuned_config_is_launched_directly_after_the_first_call(monkeypatch):
     meta = {"HEAD_D": 64, "HEAD_DV": 64, "IS_CAUSAL": False, "MASK_KIND": 0, "HAS_KPM": False,
             "HAS_DROPOUT": False}  # fmt: skip
 
-    def launch(mask_dtype=F16, seq_q=512, seq_k=512, **features):
+    def launch(mask_dtype=F16, seq_q=512, seq_k=512, tma=False, **features):
         args = [torch.empty(1, dtype=F16), torch.empty(1, dtype=mask_dtype)] + [3] * 40
         args[iq], args[ik] = seq_q, seq_k
-        kernels._launch("fwd", None, tuple(args), {**meta, **features}, q, None)
+        kernels._launch("fwd", None, tuple(args), {**meta, **features}, q, None, tma=tma)
         assert all(a is b for a, b in zip(launches[-1][1], args, strict=True))
         return launches[-1]
 
@@ -536,8 +536,11 @@ def test_tuned_config_is_launched_directly_after_the_first_call(monkeypatch):
     assert launch(seq_q=1024)[0] == launch(seq_k=64)[0] == "tuner"
     assert launch(IS_CAUSAL=True)[0] == "tuner"
     assert launch(IS_CAUSAL=True)[0] == launch(seq_q=1024)[0] == "direct"
+    monkeypatch.setattr(kernels, "_ensure_allocator", lambda: None)
+    assert launch(tma=True)[0] == "tuner"  # a choice made without TMA twins does not serve
+    assert launch(tma=True)[0] == "direct"
     # One log entry per tuned key: what it chose and each candidate's time (None: did not fit).
-    assert len(kernels.TUNING_LOG) == 5
+    assert len(kernels.TUNING_LOG) == 6
     entry = kernels.TUNING_LOG[0]
     assert entry["kernel"] == "fwd" and entry["feature_class"] == "base"
     assert entry["seq_q_bucket"] == 512 and entry["dtype"] == "torch.float16"
@@ -1168,7 +1171,7 @@ class CudaTensor:  # what _precompile reads of the query: its device and dtype
 driver.set_active(Sm90())
 A.arch_family = lambda device: 90
 launches = []
-A._launch = lambda *launch, then=(): launches.append((A._Launch(*launch[:4]), then))
+A._launch = lambda *launch, then=(), tma=False: launches.append((A._Launch(*launch[:4]), then))
 q, g = (torch.randn(1, 2, 64, 64, dtype=torch.float16) for _ in range(2))
 lse = torch.zeros(1, 2, 64)
 dq, dk, dv = (torch.empty_like(q) for _ in range(3))
@@ -1192,9 +1195,10 @@ for launch in launches:
     print(launch.kernel, len(configs), before, len(cache))
 # Failing in the compile (a tile of 3 rows) and before it (3 warps): the others compile.
 fwd = A._Launch("dq", launches[0].grid, launches[0].args, launches[0].meta)
-broken = [triton.Config({"BLOCK_M": 3, "BLOCK_N": 64}, num_warps=4, num_stages=3)]
-broken.append(triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=3, num_stages=3))
-broken.insert(1, triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2))
+tiles = lambda m, n: {"BLOCK_M": m, "BLOCK_N": n, "USE_TMA": False}
+broken = [triton.Config(tiles(3, 64), num_warps=4, num_stages=3)]
+broken.append(triton.Config(tiles(64, 64), num_warps=3, num_stages=3))
+broken.insert(1, triton.Config(tiles(64, 32), num_warps=4, num_stages=2))
 A._compile_at_once([(fwd, config) for config in broken])
 cache = A.KERNELS["dq"].device_caches[0][0]
 compiled = [kernel.result(ignore_errors=True) if hasattr(kernel, "future") else kernel
@@ -1283,6 +1287,119 @@ def test_check_compile_report_flags_problems():
     assert kernels.check_compile_report([{**row, "arch": 80, "wgmma": False}]) == []
 
 
+# --------------------------------------------------------------------------- TMA twins
+
+
+def _tma_runs_here() -> bool:
+    # The interpreter emulates descriptors on CPU; a GPU needs TMA (sm_90 or newer).
+    return DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >= 9
+
+
+_TMA_CASES = [
+    Case(lq=97, lk=129, d=40, dtype=F16),  # non-power-of-two head dim, ragged key tiles
+    Case(lq=64, lk=80, d=64, causal=True, kpm="edges", dtype=F16),
+    Case(h=4, hkv=2, lq=33, lk=47, d=32, layout="blhd", dtype=F16),  # GQA, (B, L, H, D) views
+    Case(lq=40, lk=70, d=16, dv=32, mask="float", dtype=F16),
+]
+
+
+@pytest.mark.skipif(not _tma_runs_here(), reason="TMA needs sm_90 or newer")
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3], ids=["no_dropout", "dropout"])
+@pytest.mark.parametrize("c", _TMA_CASES, ids=["d40", "causal_kpm", "gqa_blhd", "float_mask"])
+def test_tma_twin_is_bit_identical_to_pointer_loads(c, dropout_p):
+    """A config's TMA twin reads K and V through per-slice descriptors (zero past Lk and the
+    head dim) where the other reads them with masked pointer loads: out, LSE and every gradient
+    must come out the same, bit for bit."""
+    from fastformer.kernels import attention as kernels
+
+    q, k, v = (t.detach() for t in _qkv(c))
+    mask, kpm = _attn_mask(c), _key_padding(c)
+    mask = None if mask is None else mask.detach()
+    scale = q.shape[-1] ** -0.5
+    grad_out = _randn((c.b, c.h, c.lq, c.dv or c.d), c.dtype, seed=5)
+    results = []
+    for tma in (False, True):
+        config = kernels.Config(32, 32, 4, 1, tma=tma)
+        out, lse = kernels.attention_forward(
+            q, k, v, mask, kpm, 123, dropout_p, c.causal, scale, config=config
+        )
+        grads = kernels.attention_backward(
+            grad_out, None, q, k, v, out, lse, mask, kpm, 123, dropout_p, c.causal, scale,
+            mask is not None, config=config,
+        )  # fmt: skip
+        results.append((out, lse, *grads[:3], *([grads[3]] if mask is not None else [])))
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv", "dmask"], *results):
+        assert torch.equal(a, b), name
+
+
+def test_tma_alignment_rules():
+    """TMA needs 16-byte aligned slice bases and row strides and distinct rows: anything else
+    keeps the pointer loads."""
+    from fastformer.kernels import attention as kernels
+
+    dense = torch.zeros(2, 3, 17, 64, dtype=F16)
+    assert kernels._tma_aligned(dense)
+    assert kernels._tma_aligned(torch.zeros(2, 17, 3, 64, dtype=F16).transpose(1, 2))
+    assert not kernels._tma_aligned(torch.zeros(2, 3, 17, 20, dtype=F16))  # 40-byte rows
+    assert not kernels._tma_aligned(
+        torch.zeros(2 * 3 * 17 * 64 + 1, dtype=F16)[1:].view(2, 3, 17, 64)
+    )
+    assert not kernels._tma_aligned(torch.zeros(2, 3, 1, 64, dtype=F16).expand(2, 3, 17, 64))
+    assert not kernels._tma_aligned(torch.zeros(2, 3, 17, 72, dtype=F16)[:, :, 1:, 4:68])
+
+
+def test_tma_gate(monkeypatch):
+    """TMA twins tune only when enabled, for fwd and dq, and never for CPU tensors."""
+    from fastformer.kernels import attention as kernels
+
+    t = torch.zeros(1, 1, 16, 64, dtype=F16)
+    monkeypatch.setattr(kernels, "TMA", False)
+    assert not kernels.tma_ok("fwd", t, t)
+    monkeypatch.setattr(kernels, "TMA", True)
+    assert not kernels.tma_ok("fwd", t, t)  # CPU
+    assert not kernels.tma_ok("dkdv", t, t)
+
+
+def test_tma_twins_join_the_candidates():
+    """With TMA the autotuner times each config and its twin, and the tuned choice is kept
+    apart from the choice made without twins."""
+    from fastformer.kernels import attention as kernels
+
+    plain = kernels._autotuned("fwd", 90, "16bit", 64, "base")
+    both = kernels._autotuned("fwd", 90, "16bit", 64, "base", True)
+    assert [c.kwargs["USE_TMA"] for c in plain.configs] == [False] * len(plain.configs)
+    n = len(plain.configs)
+    assert [c.kwargs["USE_TMA"] for c in both.configs] == [False] * n + [True] * n
+    strip = [{k: v for k, v in c.all_kwargs().items() if k != "USE_TMA"} for c in both.configs]
+    assert strip[:n] == strip[n:]
+    args = [None] * len(kernels.attn_fwd.arg_names)
+    meta = {"HEAD_D": 64}
+    assert kernels._tuned_key("fwd", args, meta, t := torch.zeros(1)) != kernels._tuned_key(
+        "fwd", args, meta, t, True
+    )
+
+
+def test_tma_scratch_allocator_never_replaces_the_users():
+    import contextvars
+
+    import triton
+    from triton.runtime import _allocation
+
+    from fastformer.kernels import attention as kernels
+
+    def run(user):
+        if user is not None:
+            triton.set_allocator(user)
+        kernels._ensure_allocator()
+        return _allocation._allocator.get()
+
+    def users_allocator(size, alignment, stream):
+        raise AssertionError("not called")
+
+    assert contextvars.copy_context().run(run, None) is kernels._scratch
+    assert contextvars.copy_context().run(run, users_allocator) is users_allocator
+
+
 # --------------------------------------------------------------------------- GPU only
 
 
@@ -1324,3 +1441,16 @@ def test_cuda_backward_is_deterministic():
 
     for a, b in zip(grads(), grads()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(DEVICE == "cuda" and not _tma_runs_here(), reason="TMA needs sm_90+")
+def test_cuda_tma_twins_tune_and_keep_parity(monkeypatch):
+    """FASTFORMER_ATTN_TMA=1: the forward and dq autotuners take the TMA twins as candidates
+    (their tuned keys say so), and the result keeps the parity rule."""
+    from fastformer.kernels import attention as kernels
+
+    monkeypatch.setattr(kernels, "TMA", True)
+    _parity(Case(b=2, h=4, lq=777, lk=777, d=64, causal=True, kpm="edges", dtype=torch.bfloat16))
+    with_twins = {key[0] for key in kernels._TUNED if key[-1] is True}
+    assert with_twins == {"fwd", "dq"}
