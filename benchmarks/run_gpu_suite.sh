@@ -9,6 +9,7 @@
 #
 #   usage: benchmarks/run_gpu_suite.sh OUTDIR        (PYTHON=python3 by default)
 #
+#   SUITE_TMA=1: then the attention grid with FASTFORMER_ATTN_TMA=1 (up to 130 s more).
 #   SUITE_FULL=1: after the default benchmark, also the full per-op grid and the model with the
 #   whole eager and swapped models under torch.compile (`bench --full`, three more stages, up to
 #   130 + 80 + 200 s: well over the 8 minutes). SUITE_PROFILE_BEFORE_S (default 400): the
@@ -148,6 +149,13 @@ if [ "${SUITE_FULL:-0}" = 1 ]; then
     # and both with their steps replayed from CUDA graphs.
     stage bench_full_model 200 "$PY" -m fastformer bench --full --ops "" --max-seconds 170 \
         --out "$OUT/bench-full-model"
+fi
+# SUITE_TMA=1: the attention grid again with FASTFORMER_ATTN_TMA=1, each kernel's TMA twins tuned
+# next to its pointer-load configs (bench-tma/results.json's tuning log has every candidate's
+# time): the measurement that decides whether TMA goes on by default.
+if [ "${SUITE_TMA:-0}" = 1 ]; then
+    stage bench_tma 130 env FASTFORMER_ATTN_TMA=1 "$PY" -m fastformer bench --no-model \
+        --ops attention --max-seconds 100 --out "$OUT/bench-tma"
 fi
 # Where the time of a model training step and of each op goes (kernels vs host vs wall time): the
 # first diagnosis of a slow case; only when there is time left for it (a skipped profile is not a

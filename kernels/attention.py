@@ -52,8 +52,8 @@ class, head-dim bucket and feature class; the autotune key adds head dims, causa
 padding, dropout and power-of-two sequence buckets); under TRITON_INTERPRET=1 one fixed small
 config. A new key's candidates (a backward's dq and dK/dV ones together) are compiled at once in
 threads before the autotuner times them, and its choice is kept in Triton's cache directory.
-With FASTFORMER_ATTN_TMA=1 the sm_90 forward and dq lists also hold TMA twins of their 16-bit
-configs (K and V read through per-slice tensor descriptors; see `tma_ok`).
+With FASTFORMER_ATTN_TMA=1 the sm_90 lists also hold TMA twins of their 16-bit configs: the
+loops read K and V (fwd, dq) or Q and dO (dkdv) through per-slice tensor descriptors (`tma_ok`).
 `compile_report(arch)` (or `python -m fastformer.kernels.attention 90 80`) compiles every
 config of an arch table without a GPU and reports ptxas registers, spills and shared memory.
 """
@@ -122,6 +122,17 @@ def _slice_descriptor(base, n_rows, stride, N_COLS: tl.constexpr, BLOCK_ROWS: tl
     # launcher checks TMA's 16-byte alignment of the base and the stride: `tma_ok`).
     return tl.make_tensor_descriptor(base, shape=[n_rows, N_COLS], strides=[stride, 1],
                                      block_shape=[BLOCK_ROWS, BLOCK_COLS])
+
+
+@triton.jit
+def _tile_rows(base, start, offs, n_rows, stride, cols, N_COLS: tl.constexpr,
+               BLOCK_COLS: tl.constexpr, USE_TMA: tl.constexpr):
+    # _load_rows, or with USE_TMA the same tile through `base`, a _slice_descriptor.
+    if USE_TMA:
+        x = base.load([start, 0])
+    else:
+        x = _load_rows(base, start, offs, n_rows, stride, cols, N_COLS, BLOCK_COLS)
+    return x
 
 
 @triton.jit
@@ -278,10 +289,7 @@ def _fwd_tile(
     USE_TMA: tl.constexpr,
 ):
     cols = start_n + offs_n
-    if USE_TMA:  # k_base and v_base are the slice's descriptors (_slice_descriptor)
-        k = k_base.load([start_n, 0])
-    else:
-        k = _load_rows(k_base, start_n, offs_n, Lk, stride_kn, offs_d, HEAD_D, BLOCK_D)
+    k = _tile_rows(k_base, start_n, offs_n, Lk, stride_kn, offs_d, HEAD_D, BLOCK_D, USE_TMA)
     # The row max of unscaled scores, then scaled (s_scale > 0 commutes with max): ~10% fewer
     # instructions in the d64 key loop on sm_90 than scaling every score for the max first.
     s, s_scale = _unscaled(tl.dot(q, tl.trans(k), input_precision=DOT_PREC), qk_scale, MASK_KIND)
@@ -305,10 +313,7 @@ def _fwd_tile(
     if HAS_DROPOUT:
         p = tl.where(_dropout_keep(seed, drop_base, rows_local, start_n, offs_n, Lk, drop_t), p,
                      0.0)
-    if USE_TMA:
-        v = v_base.load([start_n, 0])
-    else:
-        v = _load_rows(v_base, start_n, offs_n, Lk, stride_vn, offs_dv, HEAD_DV, BLOCK_DV)
+    v = _tile_rows(v_base, start_n, offs_n, Lk, stride_vn, offs_dv, HEAD_DV, BLOCK_DV, USE_TMA)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
     return acc, l_i, m_new
 
@@ -412,7 +417,7 @@ def _dkdv_tile_t(
     seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-    CAUSAL_TILE: tl.constexpr,
+    CAUSAL_TILE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # Both accumulators, on transposed tiles (keys x queries) so that P^T and dS^T come out
     # directly as the first dot operand (the Triton tutorial's form; fewest registers with
@@ -421,8 +426,9 @@ def _dkdv_tile_t(
     # conversions through shared memory a tile (sm_90); the qk_tiles configs avoid them.
     rows = start_m + offs_m
     cols = col0 + offs_n
-    q = _load_rows(q_base, start_m, offs_m, Lq, stride_qm, offs_d, HEAD_D, BLOCK_D)
-    do = _load_rows(do_base, start_m, offs_m, Lq, stride_dom, offs_dv, HEAD_DV, BLOCK_DV)
+    q = _tile_rows(q_base, start_m, offs_m, Lq, stride_qm, offs_d, HEAD_D, BLOCK_D, USE_TMA)
+    do = _tile_rows(do_base, start_m, offs_m, Lq, stride_dom, offs_dv, HEAD_DV, BLOCK_DV,
+                    USE_TMA)
     lse = _lse_log2(Lse, bh_row0 + rows, rows, Lq)
     s_t, s_scale = _unscaled(tl.dot(k, tl.trans(q), input_precision=DOT_PREC), qk_scale,
                              MASK_KIND)
@@ -456,7 +462,7 @@ def _dkdv_tile_n(
     seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-    CAUSAL_TILE: tl.constexpr, PART: tl.constexpr,
+    CAUSAL_TILE: tl.constexpr, PART: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # Scores as (queries x keys) with K and V as the second dot operand, which wgmma reads from
     # shared memory instead of registers. PART 1: dV, 2: dK (one accumulator: for 16-bit head
@@ -464,8 +470,9 @@ def _dkdv_tile_n(
     # configs: this orientation takes _dropout_keep's tile as it comes, no conversion).
     rows = start_m + offs_m
     cols = col0 + offs_n
-    q = _load_rows(q_base, start_m, offs_m, Lq, stride_qm, offs_d, HEAD_D, BLOCK_D)
-    do = _load_rows(do_base, start_m, offs_m, Lq, stride_dom, offs_dv, HEAD_DV, BLOCK_DV)
+    q = _tile_rows(q_base, start_m, offs_m, Lq, stride_qm, offs_d, HEAD_D, BLOCK_D, USE_TMA)
+    do = _tile_rows(do_base, start_m, offs_m, Lq, stride_dom, offs_dv, HEAD_DV, BLOCK_DV,
+                    USE_TMA)
     lse = _lse_log2(Lse, bh_row0 + rows, rows, Lq)
     s, s_scale = _unscaled(tl.dot(q, tl.trans(k), input_precision=DOT_PREC), qk_scale, MASK_KIND)
     if MASK_KIND != 0:
@@ -496,6 +503,7 @@ def _dkdv_loop(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
     CAUSAL_TILE: tl.constexpr, PART: tl.constexpr, QK_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     for start_m in range(lo, hi, BLOCK_M):
         if PART == 0 and not QK_TILES:
@@ -504,7 +512,7 @@ def _dkdv_loop(
                 offs_n, offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
                 seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
                 HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC,
-                CAUSAL_TILE,
+                CAUSAL_TILE, USE_TMA,
             )
         else:
             dk, dv = _dkdv_tile_n(
@@ -512,7 +520,7 @@ def _dkdv_loop(
                 offs_n, offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
                 seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
                 HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC,
-                CAUSAL_TILE, PART,
+                CAUSAL_TILE, PART, USE_TMA,
             )
     return dk, dv
 
@@ -529,7 +537,7 @@ def attn_bwd_dkdv(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, PART: tl.constexpr,
-    QK_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QK_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """dK, dV of one (key block, batch*query head); grid (cdiv(Lk, BLOCK_N), B*H).
 
@@ -557,6 +565,9 @@ def attn_bwd_dkdv(
                        offs_dv, HEAD_DV, BLOCK_DV)
     q_base = Q + off_b * stride_qb + off_h * stride_qh
     do_base = DO + off_b * stride_dob + off_h * stride_doh
+    if USE_TMA:
+        q_base = _slice_descriptor(q_base, Lq, stride_qm, HEAD_D, BLOCK_M, BLOCK_D)
+        do_base = _slice_descriptor(do_base, Lq, stride_dom, HEAD_DV, BLOCK_M, BLOCK_DV)
     mask_base = Mask + off_b * stride_mb + off_h * stride_mh
     drop_base = off_bh.to(tl.int64) << 32
     bh_row0 = off_bh.to(tl.int64) * Lq
@@ -581,14 +592,14 @@ def attn_bwd_dkdv(
         offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
         seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC, True, PART, QK_TILES,
-        BLOCK_M,
+        BLOCK_M, USE_TMA,
     )
     dk, dv = _dkdv_loop(
         dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, diag_end, hi, col0, offs_m, offs_n,
         offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
         seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC, False, PART, QK_TILES,
-        BLOCK_M,
+        BLOCK_M, USE_TMA,
     )
     if HAS_KPM:
         # P was not masked for padding keys here (it is per key, constant over the loop): every
@@ -614,12 +625,8 @@ def _dq_tile(
     EDGE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     cols = start_n + offs_n
-    if USE_TMA:  # k_base and v_base are the slice's descriptors (_slice_descriptor)
-        k = k_base.load([start_n, 0])
-        v = v_base.load([start_n, 0])
-    else:
-        k = _load_rows(k_base, start_n, offs_n, Lk, stride_kn, offs_d, HEAD_D, BLOCK_D)
-        v = _load_rows(v_base, start_n, offs_n, Lk, stride_vn, offs_dv, HEAD_DV, BLOCK_DV)
+    k = _tile_rows(k_base, start_n, offs_n, Lk, stride_kn, offs_d, HEAD_D, BLOCK_D, USE_TMA)
+    v = _tile_rows(v_base, start_n, offs_n, Lk, stride_vn, offs_dv, HEAD_DV, BLOCK_DV, USE_TMA)
     s, s_scale = _unscaled(tl.dot(q, tl.trans(k), input_precision=DOT_PREC), qk_scale, MASK_KIND)
     if MASK_KIND != 0:
         s = _apply_attn_mask(s, mask_base, rows_local, row0 + rows_local, cols, Lq, Lk,
@@ -1025,12 +1032,10 @@ def config_class(kernel: str, arch: int, dclass: str, bucket: int, meta: dict) -
 
 
 def _constexprs(kernel: str, c: Config) -> dict:
-    # The launch constants a config sets: its tiles, and dK/dV's tile orientation or the
-    # fwd/dq key loop's TMA loads.
-    blocks = {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}
-    if kernel == "dkdv":
-        return {**blocks, "QK_TILES": c.qk_tiles}
-    return {**blocks, "USE_TMA": c.tma}
+    # The launch constants a config sets: its tiles, TMA loads in its loop, and dK/dV's tile
+    # orientation.
+    blocks = {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "USE_TMA": c.tma}
+    return {**blocks, "QK_TILES": c.qk_tiles} if kernel == "dkdv" else blocks
 
 
 def _tune_bench(kernel_call, quantiles):
@@ -1061,26 +1066,32 @@ def _autotuned(kernel: str, arch: int, dclass: str, bucket: int, fclass: str, tm
 # registers instead of 249-255 for the d64 (128, 64, 4, 3) forward, 6% fewer SASS
 # instructions in its key loop. Off by default until a GPU run has measured it.
 TMA = os.environ.get("FASTFORMER_ATTN_TMA", "0") == "1"
-_TMA_KERNELS = ("fwd", "dq")
+_TMA_KERNELS = ("fwd", "dq", "dkdv")
 # Twins that spill (compile_report, Triton 3.6 or 3.8): (kernel, bucket, feature class, config).
+# The split d256 dK/dV (PART 1 and 2) has none: its twins took 20-90 more registers than the
+# pointer loads, and the dK part spilled 4-832 bytes.
 _TMA_SPILLS = {
     ("fwd", 256, "dropout", _C(128, 32, 8, 2)),
     ("fwd", 256, "padded", _C(128, 64, 8, 2)),
+    ("dkdv", 128, "dropout", _QK(32, 64, 8, 2)),
 }
 
 
 def tma_twins(kernel: str, arch: int, dclass: str, bucket: int, fclass: str) -> list[Config]:
-    """The TMA twins of one CONFIGS list (sm_90 table, 16-bit fwd and dq), less the spilling."""
+    """The TMA twins of one CONFIGS list (sm_90 table, 16-bit), less the spilling."""
     if arch != 90 or dclass != "16bit" or kernel not in _TMA_KERNELS:
+        return []
+    if kernel == "dkdv" and bucket > 128:
         return []
     configs = CONFIGS[(kernel, arch, dclass, bucket, fclass)]
     return [c._replace(tma=True) for c in configs if (kernel, bucket, fclass, c) not in _TMA_SPILLS]
 
 
 def tma_ok(kernel: str, *tensors: torch.Tensor) -> bool:
-    """Whether `kernel`'s TMA twins may tune for these K and V: enabled (TMA), a 16-bit CUDA
-    call on sm_90 or newer, and every (batch, head) slice meeting TMA's alignment (base and
-    row stride multiples of 16 bytes; the kernels' last stride is 1)."""
+    """Whether `kernel`'s TMA twins may tune for the tensors its loop reads (K and V for fwd
+    and dq, Q and dO for dkdv): enabled (TMA), a 16-bit CUDA call on sm_90 or newer, and every
+    (batch, head) slice meeting TMA's alignment (base and row stride multiples of 16 bytes; the
+    kernels' last stride is 1)."""
     if not TMA or kernel not in _TMA_KERNELS:
         return False
     t = tensors[0]
@@ -1586,8 +1597,9 @@ def _backward_kernels(
     )
     dq_meta = {**meta, "WRITE_DS": ds is not None, "HAS_DLSE": grad_lse is not None}
     dkdv_grid = lambda c: (_cdiv(lk, c["BLOCK_N"]), b * h)
+    tma = tma_ok("dkdv", q, grad_out)
     dkdv = tuple(
-        _Launch("dkdv", dkdv_grid, args, {**meta, "PART": part})
+        _Launch("dkdv", dkdv_grid, args, {**meta, "PART": part}, tma)
         for part in dkdv_parts(q.dtype, meta["HEAD_D"], meta["HEAD_DV"])
     )
     # dK/dV read the delta dq writes: dq first.
@@ -1785,8 +1797,8 @@ def compile_jobs(arch: int = 90) -> list[tuple]:
             jobs.add((kernel, dtype, bucket, tuple(config), fclass, arch, part))
             if dclass == "16bit" and fclass == "base" and config == configs[0] and bucket > 64:
                 jobs.add((kernel, "bfloat16", bucket, tuple(config), "base", arch, part))
-        for twin in tma_twins(kernel, arch, dclass, bucket, fclass):
-            jobs.add((kernel, dtype, bucket, tuple(twin), fclass, arch, 0))
+        for twin, part in itertools.product(tma_twins(kernel, arch, dclass, bucket, fclass), parts):
+            jobs.add((kernel, dtype, bucket, tuple(twin), fclass, arch, part))
     jobs = sorted(jobs)
     jobs.append(("kv_range", "float16", 64, (0, KV_RANGE_BLOCK, 4, 1), "base", arch, 0))
     return jobs

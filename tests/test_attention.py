@@ -1304,12 +1304,14 @@ _TMA_CASES = [
 
 
 @pytest.mark.skipif(not _tma_runs_here(), reason="TMA needs sm_90 or newer")
+@pytest.mark.parametrize("qk_tiles", [False, True], ids=["kq_tiles", "qk_tiles"])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3], ids=["no_dropout", "dropout"])
 @pytest.mark.parametrize("c", _TMA_CASES, ids=["d40", "causal_kpm", "gqa_blhd", "float_mask"])
-def test_tma_twin_is_bit_identical_to_pointer_loads(c, dropout_p):
-    """A config's TMA twin reads K and V through per-slice descriptors (zero past Lk and the
-    head dim) where the other reads them with masked pointer loads: out, LSE and every gradient
-    must come out the same, bit for bit."""
+def test_tma_twin_is_bit_identical_to_pointer_loads(c, dropout_p, qk_tiles):
+    """A config's TMA twin reads the tiles of its loop (K and V in the forward and dQ, Q and dO
+    in dK/dV) through per-slice descriptors (zero past the sequence and the head dim) where the
+    other uses masked pointer loads: out, LSE and every gradient must come out the same, bit
+    for bit (dK/dV on both tile orientations)."""
     from fastformer.kernels import attention as kernels
 
     q, k, v = (t.detach() for t in _qkv(c))
@@ -1319,7 +1321,7 @@ def test_tma_twin_is_bit_identical_to_pointer_loads(c, dropout_p):
     grad_out = _randn((c.b, c.h, c.lq, c.dv or c.d), c.dtype, seed=5)
     results = []
     for tma in (False, True):
-        config = kernels.Config(32, 32, 4, 1, tma=tma)
+        config = kernels.Config(32, 32, 4, 1, qk_tiles=qk_tiles, tma=tma)
         out, lse = kernels.attention_forward(
             q, k, v, mask, kpm, 123, dropout_p, c.causal, scale, config=config
         )
@@ -1349,7 +1351,7 @@ def test_tma_alignment_rules():
 
 
 def test_tma_gate(monkeypatch):
-    """TMA twins tune only when enabled, for fwd and dq, and never for CPU tensors."""
+    """TMA twins tune only when enabled, for the attention kernels, never for CPU tensors."""
     from fastformer.kernels import attention as kernels
 
     t = torch.zeros(1, 1, 16, 64, dtype=F16)
@@ -1357,7 +1359,7 @@ def test_tma_gate(monkeypatch):
     assert not kernels.tma_ok("fwd", t, t)
     monkeypatch.setattr(kernels, "TMA", True)
     assert not kernels.tma_ok("fwd", t, t)  # CPU
-    assert not kernels.tma_ok("dkdv", t, t)
+    assert not kernels.tma_ok("kv_range", t, t)
 
 
 def test_tma_twins_join_the_candidates():
@@ -1446,11 +1448,11 @@ def test_cuda_backward_is_deterministic():
 @pytest.mark.cuda
 @pytest.mark.skipif(DEVICE == "cuda" and not _tma_runs_here(), reason="TMA needs sm_90+")
 def test_cuda_tma_twins_tune_and_keep_parity(monkeypatch):
-    """FASTFORMER_ATTN_TMA=1: the forward and dq autotuners take the TMA twins as candidates
+    """FASTFORMER_ATTN_TMA=1: the forward, dQ and dK/dV autotuners take the TMA twins too
     (their tuned keys say so), and the result keeps the parity rule."""
     from fastformer.kernels import attention as kernels
 
     monkeypatch.setattr(kernels, "TMA", True)
     _parity(Case(b=2, h=4, lq=777, lk=777, d=64, causal=True, kpm="edges", dtype=torch.bfloat16))
     with_twins = {key[0] for key in kernels._TUNED if key[-1] is True}
-    assert with_twins == {"fwd", "dq"}
+    assert with_twins == {"fwd", "dq", "dkdv"}

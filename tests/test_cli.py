@@ -54,6 +54,22 @@ def _swap_available() -> bool:
 # --------------------------------------------------------------------------- info
 
 
+def test_manifest_and_report_record_the_fastformer_settings(monkeypatch):
+    """FASTFORMER_* variables change which kernels run (FASTFORMER_ATTN_TMA, forced backends):
+    a results.json says which were set, and so does its report."""
+    from fastformer.cli import env, report
+
+    monkeypatch.setenv("FASTFORMER_ATTN_TMA", "1")
+    monkeypatch.setenv("NOT_FASTFORMER_X", "1")
+    settings = env.manifest()["fastformer_env"]
+    assert settings["FASTFORMER_ATTN_TMA"] == "1"
+    assert all(k.startswith("FASTFORMER_") for k in settings)
+    assert report.settings_lines({"fastformer_env": settings})[0].startswith(
+        "Settings: `FASTFORMER_ATTN_TMA=1`"
+    )
+    assert report.settings_lines({"fastformer_env": {}}) == report.settings_lines({}) == []
+
+
 def test_info_json_has_the_required_fields(capsys):
     assert main(["info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

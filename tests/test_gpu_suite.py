@@ -2,8 +2,8 @@
 
 A lent GPU session has one try at this script, so its stages, the parallel split of the tests
 and of the parity grid, the benchmark stages (the default `bench`; the full grid only with
-SUITE_FULL=1; the profile only when time is left), the exit status and the in-place build
-fallback are checked here.
+SUITE_FULL=1, the attention grid with TMA twins only with SUITE_TMA=1; the profile only when time
+is left), the exit status and the in-place build fallback are checked here.
 """
 
 import os
@@ -19,7 +19,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "run_gpu_suite.sh"
 # Logs each call; pip fails when STUB_PIP_RC=1; the prebuilt check fails unless
 # STUB_PREBUILT_RC=0; check shard 3 fails; check shards take 1 s.
 STUB = """#!/usr/bin/env bash
-echo "OMP_NUM_THREADS=${OMP_NUM_THREADS:-} PYTHONPATH=${PYTHONPATH:-} $*" >> "$STUB_LOG"
+echo "OMP_NUM_THREADS=${OMP_NUM_THREADS:-} PYTHONPATH=${PYTHONPATH:-} $*${FASTFORMER_ATTN_TMA:+ [TMA]}" >> "$STUB_LOG"
 case "$*" in
   "-m pip install"*) exit "${STUB_PIP_RC:-0}" ;;
   "-c import torch, fastformer._ext"*) exit "${STUB_PREBUILT_RC:-1}" ;;
@@ -57,7 +57,7 @@ def _run_suite(
     env = {**os.environ, "PYTHON": str(stub), "STUB_LOG": str(log), "STUB_PIP_RC": str(pip_rc)}
     env["STUB_PREBUILT_RC"] = str(prebuilt_rc)
     env.update(CHECK_SHARDS="4", PYTHONPATH="")
-    for name in ("SUITE_FULL", "SUITE_PROFILE_BEFORE_S"):  # the caller's, not the test's
+    for name in ("SUITE_FULL", "SUITE_TMA", "SUITE_PROFILE_BEFORE_S", "FASTFORMER_ATTN_TMA"):
         env.pop(name, None)
     env.update(extra_env)
     done = subprocess.run(
@@ -138,23 +138,47 @@ def test_suite_copies_a_carried_build_in_before_the_check(tmp_path):
     assert not any("-m pip install" in c for c in calls)
 
 
+# The optional stages of each flag, between the default bench and the profile: (commands with
+# {out} for the output folder, their stage names). [TMA]: run with FASTFORMER_ATTN_TMA=1.
+_OPTIONAL_STAGES = {
+    "SUITE_FULL": (
+        [
+            "-m fastformer bench --no-model --full --ops attention --max-seconds 100 "
+            "--out {out}/bench-full-attention",
+            "-m fastformer bench --no-model --full --ops layer_norm,ffn --max-seconds 60 "
+            "--out {out}/bench-full-ops",
+            "-m fastformer bench --full --ops  --max-seconds 170 --out {out}/bench-full-model",
+        ],
+        ["bench_full_attention", "bench_full_ops", "bench_full_model"],
+    ),
+    "SUITE_TMA": (
+        [
+            "-m fastformer bench --no-model --ops attention --max-seconds 100 "
+            "--out {out}/bench-tma [TMA]"
+        ],
+        ["bench_tma"],
+    ),
+}
+
+
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
-def test_suite_full_runs_the_full_grid_after_the_default_bench(tmp_path):
-    done, calls = _run_suite(tmp_path, pip_rc=0, SUITE_FULL="1")
+@pytest.mark.parametrize("flag", sorted(_OPTIONAL_STAGES))
+def test_suite_optional_stages_run_after_the_default_bench(tmp_path, flag):
+    """SUITE_FULL=1: the full grid and model variants; SUITE_TMA=1: the attention grid with
+    the TMA twins (the only command with FASTFORMER_ATTN_TMA=1)."""
+    done, calls = _run_suite(tmp_path, pip_rc=0, **{flag: "1"})
     assert done.returncode == 1, done.stdout + done.stderr  # only the failing shard counts
     commands = [c.split(" ", 2)[2] for c in calls]
     out = tmp_path / "out"
-    assert commands[-5:] == [
+    extra, stages = _OPTIONAL_STAGES[flag]
+    assert commands[-len(extra) - 2 :] == [
         f"-m fastformer bench --max-seconds 170 --out {out}/bench",
-        "-m fastformer bench --no-model --full --ops attention --max-seconds 100 "
-        f"--out {out}/bench-full-attention",
-        "-m fastformer bench --no-model --full --ops layer_norm,ffn --max-seconds 60 "
-        f"--out {out}/bench-full-ops",
-        f"-m fastformer bench --full --ops  --max-seconds 170 --out {out}/bench-full-model",
+        *(command.format(out=out) for command in extra),
         "benchmarks/profile_kernels.py --iters 3",
     ]
+    assert sum("[TMA]" in c for c in commands) == (flag == "SUITE_TMA")
     summary = (out / "summary.txt").read_text()
-    for name in ("bench_full_attention", "bench_full_ops", "bench_full_model"):
+    for name in stages:
         assert f"{name} rc=0" in summary
 
 

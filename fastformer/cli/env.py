@@ -121,5 +121,9 @@ def manifest() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+        # What changes which kernels run: forced backends, FASTFORMER_ATTN_TMA, ...
+        "fastformer_env": {
+            k: v for k, v in sorted(os.environ.items()) if k.startswith("FASTFORMER_")
+        },
         **build(),
     }

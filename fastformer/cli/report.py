@@ -277,6 +277,14 @@ def grid_label(results: dict[str, Any]) -> str:
     return f"grid: {kind} ({cases} case{'' if cases == 1 else 's'})"
 
 
+def settings_lines(manifest: dict[str, Any]) -> list[str]:
+    """The run's FASTFORMER_* settings (they change which kernels run), if any were set."""
+    settings = manifest.get("fastformer_env")  # older results.json files have no such key
+    if not settings:
+        return []
+    return ["Settings: " + ", ".join(f"`{k}={v}`" for k, v in settings.items()) + ".", ""]
+
+
 def markdown(results: dict[str, Any], images: list[str]) -> str:
     """report.md: environment, notes, model table, per-op tables, plots."""
     m, cfg = results["manifest"], results["config"]
@@ -294,6 +302,7 @@ def markdown(results: dict[str, Any], images: list[str]) -> str:
         + ").",
         "",
     ]
+    lines += settings_lines(m)
     if cfg["reduced"]:
         lines += ["> **Reduced size.** " + " ".join(n + "." for n in cfg["notes"]), ""]
     roof = results["rooflines"]
