@@ -1060,11 +1060,12 @@ def _autotuned(kernel: str, arch: int, dclass: str, bucket: int, fclass: str, tm
 
 
 # --------------------------------------------------------------------------- TMA loads
-# FASTFORMER_ATTN_TMA=1 (read at import): on sm_90 and newer, the forward and dq kernels also
-# tune a twin of each 16-bit config whose key loop reads K and V through TMA descriptors (one
-# per program and slice, made on the device: `_slice_descriptor`). sm_90 compile: 186-201
-# registers instead of 249-255 for the d64 (128, 64, 4, 3) forward, 6% fewer SASS
-# instructions in its key loop. Off by default until a GPU run has measured it.
+# FASTFORMER_ATTN_TMA=1 (read at import): on sm_90 and newer, each kernel also tunes a twin of
+# each 16-bit config whose loop reads its tiles (K and V in fwd and dq, Q and dO in dkdv)
+# through TMA descriptors (one per program and slice, made on the device: `_slice_descriptor`).
+# sm_90 compile: 186-201 registers instead of 249-255 for the d64 (128, 64, 4, 3) forward, 6%
+# fewer SASS instructions in its key loop (benchmarks/NOTES.md). Off by default until a GPU run
+# has measured it.
 TMA = os.environ.get("FASTFORMER_ATTN_TMA", "0") == "1"
 _TMA_KERNELS = ("fwd", "dq", "dkdv")
 # Twins that spill (compile_report, Triton 3.6 or 3.8): (kernel, bucket, feature class, config).
