@@ -1048,7 +1048,7 @@ def _tune_bench(kernel_call, quantiles):
 @functools.cache
 def _autotuned(kernel: str, arch: int, dclass: str, bucket: int, fclass: str, tma: bool = False):
     listed = CONFIGS[(kernel, arch, dclass, bucket, fclass)]
-    listed = listed + tma_twins(kernel, arch, dclass, bucket, fclass) if tma else listed
+    listed = listed + tma_candidates(kernel, arch, dclass, bucket, fclass) if tma else listed
     configs = [
         triton.Config(_constexprs(kernel, c), num_warps=c.num_warps, num_stages=c.num_stages)
         for c in listed
@@ -1078,14 +1078,31 @@ _TMA_SPILLS = {
 }
 
 
-def tma_twins(kernel: str, arch: int, dclass: str, bucket: int, fclass: str) -> list[Config]:
-    """The TMA twins of one CONFIGS list (sm_90 table, 16-bit), less the spilling."""
+# TMA-only tiles: bigger or deeper-pipelined tiles that the pointer loads leave no registers
+# for (the d64 (128, 64, 4, 3) forward was at 255 with them), tuned with the twins. 0 spills with
+# TMA, causal or not (sm_90, Triton 3.6 and 3.8). (kernel, bucket, feature class) -> configs.
+_TMA_EXTRA = {
+    ("fwd", 64, "base"): [
+        _C(128, 128, 8, 4, tma=True),
+        _C(256, 64, 8, 3, tma=True),
+        _C(128, 64, 4, 4, tma=True),
+    ],
+    ("fwd", 128, "base"): [_C(128, 64, 8, 4, tma=True)],
+}
+
+
+def tma_candidates(kernel: str, arch: int, dclass: str, bucket: int, fclass: str) -> list[Config]:
+    """What FASTFORMER_ATTN_TMA=1 adds to one CONFIGS list (sm_90 table, 16-bit): the TMA twin
+    of each config, less the spilling, and the TMA-only tiles."""
     if arch != 90 or dclass != "16bit" or kernel not in _TMA_KERNELS:
         return []
     if kernel == "dkdv" and bucket > 128:
         return []
     configs = CONFIGS[(kernel, arch, dclass, bucket, fclass)]
-    return [c._replace(tma=True) for c in configs if (kernel, bucket, fclass, c) not in _TMA_SPILLS]
+    twins = [
+        c._replace(tma=True) for c in configs if (kernel, bucket, fclass, c) not in _TMA_SPILLS
+    ]
+    return twins + _TMA_EXTRA.get((kernel, bucket, fclass), [])
 
 
 def tma_ok(kernel: str, *tensors: torch.Tensor) -> bool:
@@ -1785,8 +1802,8 @@ def compile_jobs(arch: int = 90) -> list[tuple]:
     combination of its class (CHECK_VARIANTS). Every class, not only the heaviest that uses a
     config: a lighter one spilled where the heaviest did not (sm_80 fp32, 4-12 bytes). The
     first base config of the 128 and 256 buckets is also compiled in bf16 (wgmma there too;
-    same code and registers as fp16 but for the MMA type). On sm_90 the fwd and dq configs are
-    also compiled as their TMA twins (`tma_ok`). Plus the key-range kernel.
+    same code and registers as fp16 but for the MMA type). On sm_90 the TMA candidates too
+    (`tma_candidates`). Plus the key-range kernel.
     """
     jobs = set()
     for (kernel, table_arch, dclass, bucket, fclass), configs in CONFIGS.items():
@@ -1798,8 +1815,9 @@ def compile_jobs(arch: int = 90) -> list[tuple]:
             jobs.add((kernel, dtype, bucket, tuple(config), fclass, arch, part))
             if dclass == "16bit" and fclass == "base" and config == configs[0] and bucket > 64:
                 jobs.add((kernel, "bfloat16", bucket, tuple(config), "base", arch, part))
-        for twin, part in itertools.product(tma_twins(kernel, arch, dclass, bucket, fclass), parts):
-            jobs.add((kernel, dtype, bucket, tuple(twin), fclass, arch, part))
+        tma = tma_candidates(kernel, arch, dclass, bucket, fclass)
+        for config, part in itertools.product(tma, parts):
+            jobs.add((kernel, dtype, bucket, tuple(config), fclass, arch, part))
     jobs = sorted(jobs)
     jobs.append(("kv_range", "float16", 64, (0, KV_RANGE_BLOCK, 4, 1), "base", arch, 0))
     return jobs

@@ -1366,17 +1366,19 @@ def test_tma_gate(monkeypatch):
 
 
 def test_tma_twins_join_the_candidates():
-    """With TMA the autotuner times each config and its twin, and the tuned choice is kept
-    apart from the choice made without twins."""
+    """With TMA the autotuner times each config, its twin and the TMA-only tiles, and the tuned
+    choice is kept apart from the choice made without them."""
     from fastformer.kernels import attention as kernels
 
     plain = kernels._autotuned("fwd", 90, "16bit", 64, "base")
     both = kernels._autotuned("fwd", 90, "16bit", 64, "base", True)
-    assert [c.kwargs["USE_TMA"] for c in plain.configs] == [False] * len(plain.configs)
-    n = len(plain.configs)
-    assert [c.kwargs["USE_TMA"] for c in both.configs] == [False] * n + [True] * n
+    n, extra = len(plain.configs), kernels._TMA_EXTRA[("fwd", 64, "base")]
+    assert [c.kwargs["USE_TMA"] for c in plain.configs] == [False] * n
+    assert [c.kwargs["USE_TMA"] for c in both.configs] == [False] * n + [True] * (n + len(extra))
     strip = [{k: v for k, v in c.all_kwargs().items() if k != "USE_TMA"} for c in both.configs]
-    assert strip[:n] == strip[n:]
+    assert strip[:n] == strip[n : 2 * n]
+    assert kernels.tma_candidates("dkdv", 90, "16bit", 256, "base") == []  # they spilled
+    assert kernels.tma_candidates("fwd", 80, "16bit", 64, "base") == []
     args = [None] * len(kernels.attn_fwd.arg_names)
     key = functools.partial(kernels._tuned_key, "fwd", args, {"HEAD_D": 64}, torch.zeros(1))
     assert key() != key(True)
