@@ -75,6 +75,18 @@ struct FfnBackwardArgs {
   const int64_t* seed_ptr = nullptr;  // as in FfnForwardArgs
 };
 
+// Column sums of a (rows, cols) matrix, out[c] = sum over rows of src[r][c] (the bias gradient
+// of linear2: grad_out summed over tokens), deterministic: fp32 partial sums per row block
+// (`partials`, (ffn_bias_grad_row_blocks(rows), cols)), then summed in a fixed order.
+struct FfnColumnSumArgs {
+  const void* src;
+  float* partials;
+  void* out;
+  int64_t rows;
+  int64_t cols;
+  FfnDtype dtype;
+};
+
 // Rows one backward block covers per pass, and the most row blocks (partials) per column.
 constexpr int64_t kFfnRowsPerBlock = 32;
 constexpr int64_t kFfnMaxRowBlocks = 256;
@@ -89,6 +101,7 @@ inline int64_t ffn_bias_grad_row_blocks(int64_t rows) {
 #if defined(__CUDACC__) || defined(FASTFORMER_WITH_CUDA)
 void ffn_forward_cuda_launch(const FfnForwardArgs& args, cudaStream_t stream);
 void ffn_backward_cuda_launch(const FfnBackwardArgs& args, cudaStream_t stream);
+void ffn_column_sum_cuda_launch(const FfnColumnSumArgs& args, cudaStream_t stream);
 #endif
 
 }  // namespace fastformer

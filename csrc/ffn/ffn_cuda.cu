@@ -3,7 +3,8 @@
 // The GEMMs run in cuBLAS(Lt) through ATen (ffn.cpp); these kernels do what lies between them:
 //   forward:  g = dropout(act(h))                      (one read of h, one write of g)
 //   backward: dh = dg * keep / (1 - p) * act'(h), g recomputed for linear2's weight gradient,
-//             and the bias gradient of linear1 as a deterministic column reduction.
+//             and the bias gradient of linear1 as a deterministic column reduction;
+//   and linear2's bias gradient, grad_out's column sums, by the same two-stage reduction.
 // Blocks are 32 column-vectors x 8 rows, so each warp reads 16-byte vectors along one row
 // (coalesced) and a block's column sums need only one shared-memory pass.
 #include <cuda_bf16.h>
@@ -197,6 +198,29 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dg, const T* 
   }
 }
 
+// The block's column sums into its row of partials (`width` floats a row): each thread's kAcc
+// sums are added over the kThreadsY rows in order of y, then sum j goes to column j (j < kVec),
+// or j - kVec + `second` (the up half of a gated width). `partials` points at the thread's
+// first column in row 0.
+template <int kAcc, int kVec>
+__device__ __forceinline__ void write_partials(float (&lanes)[kThreadsY][kThreadsX * kAcc],
+                                               const float (&acc)[kAcc], bool active,
+                                               float* __restrict__ partials, int64_t width,
+                                               int64_t second) {
+#pragma unroll
+  for (int j = 0; j < kAcc; ++j) lanes[threadIdx.y][threadIdx.x * kAcc + j] = acc[j];
+  __syncthreads();
+  if (threadIdx.y != 0 || !active) return;
+  float* row = partials + static_cast<int64_t>(blockIdx.y) * width;
+#pragma unroll
+  for (int j = 0; j < kAcc; ++j) {
+    float sum = 0.f;
+#pragma unroll
+    for (int r = 0; r < kThreadsY; ++r) sum += lanes[r][threadIdx.x * kAcc + j];
+    row[j < kVec ? j : second + (j - kVec)] = sum;
+  }
+}
+
 // dh, recomputed g and per-block column partial sums of dh (partials[blockIdx.y][column]).
 template <typename T, FfnActivation A, int VEC>
 __global__ void __launch_bounds__(kThreadsX* kThreadsY)
@@ -219,19 +243,34 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
                                     acc);
     }
   }
-#pragma unroll
-  for (int j = 0; j < kAcc; ++j) lanes[threadIdx.y][threadIdx.x * kAcc + j] = acc[j];
-  __syncthreads();
-  if (threadIdx.y != 0 || !active) return;
   const int64_t width = is_gated(A) ? 2 * d_ff : d_ff;
+  // Gated: the gate columns' sums, then the up columns' (d_ff further on).
+  write_partials<kAcc, VEC>(lanes, acc, active, partials + col, width, d_ff);
+}
+
+// partials[blockIdx.y][c] = the sum of src's column c over the rows of the block's row block
+// (the first stage of ffn_column_sum_cuda_launch); blocks as the backward stage's.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kThreadsX* kThreadsY)
+    ffn_column_partials_kernel(const T* __restrict__ src, float* __restrict__ partials,
+                               int64_t rows, int64_t cols) {
+  __shared__ float lanes[kThreadsY][kThreadsX * VEC];
+  const int64_t col = (static_cast<int64_t>(blockIdx.x) * kThreadsX + threadIdx.x) * VEC;
+  const bool active = col < cols;
+  float acc[VEC];
 #pragma unroll
-  for (int j = 0; j < kAcc; ++j) {
-    float sum = 0.f;
+  for (int j = 0; j < VEC; ++j) acc[j] = 0.f;
+  if (active) {
+    const int64_t row_step = static_cast<int64_t>(gridDim.y) * kThreadsY;
+    for (int64_t row = static_cast<int64_t>(blockIdx.y) * kThreadsY + threadIdx.y; row < rows;
+         row += row_step) {
+      float v[VEC];
+      load<T, VEC>(src + row * cols + col, v);
 #pragma unroll
-    for (int r = 0; r < kThreadsY; ++r) sum += lanes[r][threadIdx.x * kAcc + j];
-    const int64_t column = j < VEC ? col + j : d_ff + col + (j - VEC);
-    partials[static_cast<int64_t>(blockIdx.y) * width + column] = sum;
+      for (int j = 0; j < VEC; ++j) acc[j] += v[j];
+    }
   }
+  write_partials<VEC, VEC>(lanes, acc, active, partials + col, cols, 0);
 }
 
 // db[c] = the sum over row blocks b of partials[b][c], in column_sum's fixed order. (A thread
@@ -304,15 +343,24 @@ void launch_backward(const FfnBackwardArgs& a, cudaStream_t stream) {
       a.dropout_p > 0.f ? a.dropout_scale : 1.f);
 }
 
+// db[c] = sum of partials[b][c] over the `blocks` row blocks (0 blocks: zeros).
 template <typename T>
-void launch_finalize(const FfnBackwardArgs& a, cudaStream_t stream) {
-  const int64_t width = ffn_is_gated(a.act) ? 2 * a.d_ff : a.d_ff;
+void launch_finalize(const float* partials, void* db, int64_t blocks, int64_t width,
+                     cudaStream_t stream) {
   if (width == 0) return;
-  const int64_t blocks = a.rows > 0 && a.d_ff > 0 ? ffn_bias_grad_row_blocks(a.rows) : 0;
   const dim3 block(kColumnSumWidth, kFinalizeRows);
   ffn_bias_grad_finalize_kernel<T><<<static_cast<unsigned>(ceil_div(width, kColumnSumWidth)),
-                                     block, 0, stream>>>(a.partials, static_cast<T*>(a.db1),
-                                                         blocks, width);
+                                     block, 0, stream>>>(partials, static_cast<T*>(db), blocks,
+                                                         width);
+}
+
+template <typename T, int VEC>
+void launch_column_partials(const FfnColumnSumArgs& a, cudaStream_t stream) {
+  const dim3 block(kThreadsX, kThreadsY);
+  const dim3 grid(static_cast<unsigned>(ceil_div(ceil_div(a.cols, VEC), kThreadsX)),
+                  static_cast<unsigned>(ffn_bias_grad_row_blocks(a.rows)));
+  ffn_column_partials_kernel<T, VEC><<<grid, block, 0, stream>>>(
+      static_cast<const T*>(a.src), a.partials, a.rows, a.cols);
 }
 
 }  // namespace
@@ -353,7 +401,25 @@ void ffn_backward_cuda_launch(const FfnBackwardArgs& args, cudaStream_t stream) 
         }
       });
     }
-    launch_finalize<T>(args, stream);
+    const int64_t width = ffn_is_gated(args.act) ? 2 * args.d_ff : args.d_ff;
+    const bool any = args.rows > 0 && args.d_ff > 0;
+    launch_finalize<T>(args.partials, args.db1, any ? ffn_bias_grad_row_blocks(args.rows) : 0,
+                       width, stream);
+  });
+}
+
+void ffn_column_sum_cuda_launch(const FfnColumnSumArgs& args, cudaStream_t stream) {
+  dispatch_dtype(args.dtype, [&](auto type_tag) {
+    using T = typename decltype(type_tag)::type;
+    constexpr int kVec = 16 / sizeof(T);
+    const bool any = args.rows > 0 && args.cols > 0;
+    if (any && args.cols % kVec == 0 && aligned16(args.src)) {
+      launch_column_partials<T, kVec>(args, stream);
+    } else if (any) {
+      launch_column_partials<T, 1>(args, stream);
+    }
+    launch_finalize<T>(args.partials, args.out, any ? ffn_bias_grad_row_blocks(args.rows) : 0,
+                       args.cols, stream);
   });
 }
 

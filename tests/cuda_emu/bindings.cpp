@@ -270,6 +270,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ffn_backward(const at::Tensor& dg
   return {dh, g, db1};
 }
 
+// ffn.cpp's column_sum_cuda (linear2's bias gradient): the column sums of src (rows, cols).
+at::Tensor ffn_column_sum(const at::Tensor& src_in) {
+  TORCH_CHECK(src_in.dim() == 2, "cuda_emu ffn_column_sum: src must be (rows, cols)");
+  Arena arena;
+  const at::Tensor src = arena.input(src_in, "src");
+  const int64_t rows = src.size(0), cols = src.size(1);
+  at::Tensor out = arena.empty({cols}, src.scalar_type(), "out");
+  at::Tensor partials =
+      arena.empty({fastformer::ffn_bias_grad_row_blocks(rows), cols}, at::kFloat, "partials");
+  const fastformer::FfnColumnSumArgs args{src.const_data_ptr(), partials.data_ptr<float>(),
+                                          out.data_ptr(),       rows,
+                                          cols,                 ffn_dtype(src)};
+  fastformer::ffn_column_sum_cuda_launch(args, nullptr);
+  arena.check();
+  return out;
+}
+
 // rng.cpp's uniform_cuda: philox_uniform (element false) or element_uniform of int64 offsets.
 at::Tensor uniform(int64_t seed, const at::Tensor& offsets, bool element) {
   TORCH_CHECK(offsets.scalar_type() == at::kLong, "offsets must be int64");
@@ -330,6 +347,7 @@ TORCH_LIBRARY(fastformer_emu, m) {
   m.def(
       "ffn_backward(Tensor dg, Tensor saved, str activation, float dropout_p, int seed, "
       "bool seed_in_memory=False) -> (Tensor, Tensor, Tensor)");
+  m.def("ffn_column_sum(Tensor src) -> Tensor");
   m.def("uniform(int seed, Tensor offsets, bool element) -> Tensor");
   m.def("selftest(str name, Tensor x, int blocks, int threads, int smem) -> Tensor");
   // No tensor arguments: catch-all kernels.
@@ -345,6 +363,7 @@ TORCH_LIBRARY_IMPL(fastformer_emu, CPU, m) {
   m.impl("layer_norm_bwd", &layer_norm_bwd);
   m.impl("ffn_forward", &ffn_forward);
   m.impl("ffn_backward", &ffn_backward);
+  m.impl("ffn_column_sum", &ffn_column_sum);
   m.impl("uniform", &uniform);
   m.impl("selftest", &selftest);
 }
