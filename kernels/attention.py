@@ -1067,7 +1067,6 @@ def _autotuned(kernel: str, arch: int, dclass: str, bucket: int, fclass: str, tm
 # fewer SASS instructions in its key loop (benchmarks/NOTES.md). Off by default until a GPU run
 # has measured it.
 TMA = os.environ.get("FASTFORMER_ATTN_TMA", "0") == "1"
-_TMA_KERNELS = ("fwd", "dq", "dkdv")
 # Twins that spill (compile_report, Triton 3.6 or 3.8): (kernel, bucket, feature class, config).
 # The split d256 dK/dV (PART 1 and 2) has none: its twins took 20-90 more registers than the
 # pointer loads, and the dK part spilled 4-832 bytes.
@@ -1094,7 +1093,7 @@ _TMA_EXTRA = {
 def tma_candidates(kernel: str, arch: int, dclass: str, bucket: int, fclass: str) -> list[Config]:
     """What FASTFORMER_ATTN_TMA=1 adds to one CONFIGS list (sm_90 table, 16-bit): the TMA twin
     of each config, less the spilling, and the TMA-only tiles."""
-    if arch != 90 or dclass != "16bit" or kernel not in _TMA_KERNELS:
+    if arch != 90 or dclass != "16bit" or kernel not in KERNELS:
         return []
     if kernel == "dkdv" and bucket > 128:
         return []
@@ -1110,7 +1109,7 @@ def tma_ok(kernel: str, *tensors: torch.Tensor) -> bool:
     and dq, Q and dO for dkdv): enabled (TMA), a 16-bit CUDA call on sm_90 or newer, and every
     (batch, head) slice meeting TMA's alignment (base and row stride multiples of 16 bytes; the
     kernels' last stride is 1)."""
-    if not TMA or kernel not in _TMA_KERNELS:
+    if not TMA or kernel not in KERNELS:
         return False
     t = tensors[0]
     if t.device.type != "cuda" or t.dtype not in (torch.float16, torch.bfloat16):
