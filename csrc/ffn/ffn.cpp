@@ -110,14 +110,7 @@ Problem check_problem(const at::Tensor& x, const at::Tensor& w1, const at::Tenso
 // there, so that each replay uses that replay's draw; `seed` is then ignored). CPU ops take the
 // seed as the int.
 const int64_t* device_seed_ptr(const OptTensor& device_seed, const at::Tensor& x) {
-  if (!device_seed.has_value()) return nullptr;
-  const at::Tensor& s = *device_seed;
-  TORCH_CHECK(x.is_cuda() && s.device() == x.device() && s.scalar_type() == at::kLong &&
-                  s.numel() == 1,
-              "ffn: device_seed must be a 1-element int64 tensor on x's CUDA device, got ",
-              s.scalar_type(), " on ", s.device(), " with ", s.numel(), " elements for x on ",
-              x.device());
-  return s.data_ptr<int64_t>();
+  return device_seed.has_value() ? device_seed_data(*device_seed, x, "ffn") : nullptr;
 }
 
 // Shape of `saved` for a forward whose activation ran outside cuBLASLt: h, or for relu (never

@@ -63,12 +63,8 @@ void set_cuda_seed(Args& a, const at::Tensor& seed, const at::Tensor& x) {
     a.seed = seed_value(seed);
     return;
   }
-  TORCH_CHECK(seed.device() == x.device() && seed.scalar_type() == at::kLong && seed.numel() == 1,
-              "layer_norm: a device seed must be a 1-element int64 tensor on x's device ",
-              x.device(), ", got ", seed.scalar_type(), " on ", seed.device(), " with ",
-              seed.numel(), " elements");
   a.seed = 0;
-  a.seed_ptr = seed.data_ptr<int64_t>();
+  a.seed_ptr = device_seed_data(seed, x, "layer_norm");
 }
 
 // A per-column parameter (weight or bias): (cols,), the input dtype or fp32, on x's device.
