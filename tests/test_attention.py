@@ -823,6 +823,46 @@ def test_reference_backward_gradcheck_float64(dropout_p):
     assert torch.autograd.gradcheck(fn, (q, k, v, mask))
 
 
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_public_op_in_float64_runs_the_torch_backend_and_passes_gradcheck(dropout_p):
+    # float64 (what a swapped float64 model feeds the op) runs the torch backend: the Triton
+    # kernel refuses it with a reason, and the public op's out and lse (float64) have exact
+    # gradients for q, k, v and a float mask, with causal, key padding, GQA and empty rows.
+    c = Case(b=2, h=4, hkv=2, lq=5, lk=6, d=3, causal=True, mask="float", mask_shape="b1qk")
+    q, k, v = (t.detach().double().requires_grad_() for t in _qkv(c))
+    mask = _attn_mask(c).detach().double().requires_grad_()
+    kpm = torch.zeros(c.b, c.lk, dtype=torch.bool, device=DEVICE)
+    kpm[1, :3] = True  # with causal: rows 0-2 of batch 1 see no key
+    reasons = dict(attn.backend_reasons(q, k, v, mask, enable_gqa=True, key_padding_mask=kpm))
+    assert any("torch.float64" in r for r in reasons["triton"]) and reasons["torch"] == []
+
+    def fn(q, k, v, m):
+        torch.manual_seed(5)  # one dropout seed for every evaluation gradcheck makes
+        out, lse = attn.scaled_dot_product_attention_with_lse(
+            q, k, v, m, dropout_p, True, 0.4, True, key_padding_mask=kpm
+        )
+        assert out.dtype == lse.dtype == attn.lse_dtype(q.dtype) == torch.float64
+        return out, lse.masked_fill(torch.isinf(lse), 0)
+
+    want = ref.scaled_dot_product_attention(
+        q, k, v, mask, dropout_p, True, 0.4, enable_gqa=True, key_padding_mask=kpm,
+        dropout_mask=attn.dropout_keep_mask(_seed_of_call(5), 2, 4, 5, 6, dropout_p)
+        if dropout_p else None,
+    )  # fmt: skip
+    torch.testing.assert_close(fn(q, k, v, mask)[0], want, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(fn, (q, k, v, mask))
+    # The fake says what the op returns in float64 (lse included), for torch.compile.
+    q, k, v = (t.detach().double().requires_grad_() for t in _qkv(replace(c, hkv=0)))
+    op = torch.ops.fastformer.attention.default
+    torch.library.opcheck(op, (q, k, v, mask, kpm, 0.0, True, 0.4))
+
+
+def _seed_of_call(manual_seed: int) -> int:
+    """The dropout seed a CPU op call draws right after torch.manual_seed(manual_seed)."""
+    torch.manual_seed(manual_seed)
+    return rng.draw_call_seed(torch.device("cpu"))
+
+
 @pytest.mark.parametrize(
     ("dropout_p", "mask", "flash"),
     [(0.0, "float", True), (0.0, "", True), (0.2, "", False)],

@@ -135,6 +135,33 @@ def test_transformer_parity_with_torch(batch_first, norm_first):
     module_parity(ours, theirs, (src, tgt), masks, ["src", "tgt"])
 
 
+def test_swapped_float64_transformer_matches_torch():
+    # A float64 model (gradcheck, numerics) keeps working after swap: the attention op takes
+    # float64 on its torch backend, the LayerNorm and FFN ops in their C++ kernels.
+    from fastformer.swap import swap
+
+    kw = dict(num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=FF, dropout=0.0)
+    theirs = perturb(nn.Transformer(E, H, batch_first=True, **kw)).double()
+    ours = copy.deepcopy(theirs)
+    swap(ours)
+    assert isinstance(ours.encoder.layers[0].self_attn, fnn.MultiheadAttention)
+    src, tgt = _seq(True, S, seed=1).double(), _seq(True, T, seed=2).double()
+    src_kpm = _padding(B, S, seed=3)
+    masks = dict(
+        tgt_mask=nn.Transformer.generate_square_subsequent_mask(T, dtype=torch.float64),
+        tgt_is_causal=True,
+        src_key_padding_mask=src_kpm,
+        memory_key_padding_mask=src_kpm,
+    )
+    outs = [model(src, tgt, **masks) for model in (theirs, ours)]
+    assert outs[1].dtype == torch.float64
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-12)
+    grads = [torch.autograd.grad(o.square().sum(), [src, *m.parameters()]) for o, m in
+             zip(outs, (theirs, ours))]  # fmt: skip
+    for mine, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(mine, want, rtol=0, atol=1e-11)
+
+
 # --------------------------------------------------------------------------- layers and masks
 
 

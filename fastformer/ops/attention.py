@@ -50,6 +50,7 @@ __all__ = [
     "AttentionInputs",
     "backend_reasons",
     "dropout_keep_mask",
+    "lse_dtype",
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_with_lse",
 ]
@@ -58,7 +59,8 @@ OP = "attention"
 MAX_HEAD_DIM = 256
 MAX_DROPOUT_CALLS = 2**32  # Lq * dropout_calls(Lk) must stay below: the low 32 bits of the counter
 DROPOUT_BLOCK = 32  # key columns served by 4 Philox calls (8 scores a call, 16 bits each)
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the Triton kernel's
+_DTYPES = (*_KERNEL_DTYPES, torch.float64)  # float64: the torch backend (tests, gradcheck)
 _MASK_DIMS = ("batch", "heads", "seq_q", "seq_k")
 
 
@@ -80,7 +82,8 @@ def scaled_dot_product_attention(
     """Fused `softmax(q k^T * scale + masks) v` with dropout on the probabilities.
 
     Args:
-        query: (B, H, Lq, D) float16, bfloat16 or float32, 1 <= D <= 256.
+        query: (B, H, Lq, D) float16, bfloat16 or float32, 1 <= D <= 256; float64 runs
+            on the torch backend (the reference's math, for tests and gradcheck).
         key: (B, Hkv, Lk, D), same dtype and device; Hkv == H unless enable_gqa.
         value: (B, Hkv, Lk, Dv), 1 <= Dv <= 256.
         attn_mask: bool (True = attend) or float (added to the scores; the query dtype or
@@ -126,8 +129,9 @@ def scaled_dot_product_attention_with_lse(
     """`scaled_dot_product_attention` plus the log-sum-exp of the scaled, masked scores.
 
     Returns:
-        (out, lse): out (B, H, Lq, Dv) in the query dtype; lse (B, H, Lq) float32, natural log,
-        -inf for a row with every key masked. Both are differentiable.
+        (out, lse): out (B, H, Lq, Dv) in the query dtype; lse (B, H, Lq) in `lse_dtype`
+        (float32; float64 for float64 inputs), natural log, -inf for a row with every key
+        masked. Both are differentiable.
     """
     scale = _check_inputs(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
@@ -184,6 +188,11 @@ def dropout_keep_mask(
     return lanes >= dropout_threshold(dropout_p)
 
 
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the log-sum-exp for inputs of `dtype`: float32, float64 for float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def dropout_calls(seq_k: int) -> int:
     """Philox calls per query row of the attention dropout scheme: 4 per 32 key columns."""
     return 4 * -(-seq_k // DROPOUT_BLOCK)
@@ -223,7 +232,7 @@ def _check_qkv(query, key, value, enable_gqa) -> None:
                 f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}"
             )
         if t.dtype not in _DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
     for name, t in (("key", key), ("value", value)):
         if t.dtype != query.dtype:
             raise TypeError(
@@ -267,10 +276,10 @@ def _check_heads(h: int, hkv: int, enable_gqa) -> None:
 def _check_attn_mask(mask, query: Tensor, key: Tensor) -> None:
     if not isinstance(mask, Tensor):
         raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(mask).__name__}")
-    if mask.dtype != torch.bool and mask.dtype not in (query.dtype, torch.float32):
-        raise TypeError(
-            f"attn_mask must be bool or float ({query.dtype} or torch.float32), got {mask.dtype}"
-        )
+    floats = dict.fromkeys((query.dtype, torch.float32))  # the query's dtype first, no repeat
+    if mask.dtype != torch.bool and mask.dtype not in floats:
+        allowed = " or ".join(str(d) for d in floats)
+        raise TypeError(f"attn_mask must be bool or float ({allowed}), got {mask.dtype}")
     if mask.device != query.device:
         raise ValueError(f"attn_mask is on {mask.device} but query is on {query.device}")
     target = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
@@ -404,6 +413,8 @@ def _triton_reasons(inputs) -> list[str]:
         return _interpreter_reasons() if interpreted else []
     q = inputs.query
     reasons = []
+    if q.dtype not in _KERNEL_DTYPES:
+        reasons.append(f"{q.dtype}: the kernel takes float16, bfloat16 or float32")
     if q.device.type == "cuda":
         if interpreted:
             reasons.append(
@@ -581,7 +592,7 @@ def _reference_forward(q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scal
         dropout_mask=keep,
         return_lse=True,
     )
-    return out, lse  # float32 for 16-bit inputs
+    return out, lse  # lse_dtype(q.dtype)
 
 
 def _torch_backward(
@@ -684,7 +695,7 @@ def _forward(
 def _attention_fake(query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale):
     b, h, lq, _ = query.shape
     out = query.new_empty(b, h, lq, value.shape[-1])
-    lse = query.new_empty(b, h, lq, dtype=torch.float32)
+    lse = query.new_empty(b, h, lq, dtype=lse_dtype(query.dtype))
     return out, lse, torch.empty((), dtype=torch.int64)
 
 
