@@ -19,7 +19,8 @@ NEED_GB=${COMPAT_NEED_GB:-8}
 if [ ! -x "$VENV/bin/python" ]; then
     FREE_GB=$(df -Pk "$ROOT" | awk 'NR == 2 {print int($4 / 1048576)}')
     if [ "$FREE_GB" -lt "$NEED_GB" ]; then
-        echo "COMPAT STAGE NOT RUN: $FREE_GB GB free on $ROOT, the torch 2.11 venv needs ~$NEED_GB GB"
+        echo "COMPAT STAGE NOT RUN: $FREE_GB GB free on $ROOT;" \
+            "the torch 2.11 venv needs ~$NEED_GB GB"
         exit 0
     fi
     python3 -m venv "$VENV"

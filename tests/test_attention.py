@@ -846,7 +846,7 @@ def test_public_op_in_float64_runs_the_torch_backend_and_passes_gradcheck(dropou
 
     want = ref.scaled_dot_product_attention(
         q, k, v, mask, dropout_p, True, 0.4, enable_gqa=True, key_padding_mask=kpm,
-        dropout_mask=attn.dropout_keep_mask(_seed_of_call(5), 2, 4, 5, 6, dropout_p)
+        dropout_mask=attn.dropout_keep_mask(_seed_of_call(5), c.b, c.h, c.lq, c.lk, dropout_p)
         if dropout_p else None,
     )  # fmt: skip
     torch.testing.assert_close(fn(q, k, v, mask)[0], want, rtol=0, atol=1e-12)

@@ -12,7 +12,8 @@
 
 // The data of a seed drawn on x's CUDA device (inside CUDA graph capture), after checking it is
 // one int64 there; `op` names the op in the message.
-inline const int64_t* device_seed_data(const at::Tensor& seed, const at::Tensor& x, const char* op) {
+inline const int64_t* device_seed_data(const at::Tensor& seed, const at::Tensor& x,
+                                       const char* op) {
   TORCH_CHECK(x.is_cuda() && seed.device() == x.device() && seed.scalar_type() == at::kLong &&
                   seed.numel() == 1,
               op, ": device_seed must be a 1-element int64 tensor on x's CUDA device, got ",
