@@ -333,9 +333,9 @@ def markdown(results: dict[str, Any], images: list[str]) -> str:
 def tuning_lines(entries: list[dict[str, Any]]) -> list[str]:
     """One row per autotuned (kernel, key): the config chosen and each candidate's ms."""
     lines = [
-        "Config = BLOCK_M x BLOCK_N, warps, stages (qk: dK/dV on query x key tiles; tma: K "
-        "and V through TMA descriptors); ms = the autotuner's median for that config (- = did "
-        "not fit).",
+        "Config = BLOCK_M x BLOCK_N, warps, stages (qk: dK/dV on query x key tiles; tma: the "
+        "loop's tiles, K and V or for dK/dV Q and dO, through TMA descriptors); ms = the "
+        "autotuner's median for that config (- = did not fit).",
         "",
         "| kernel | class | D | causal | mask | padding | dropout | seq q / k | dtype | chosen "
         "| candidates ms |",
