@@ -797,8 +797,9 @@ _SM90 = {
     # (128, 64, 8, 3) fits dropout without spills since the keep-mask needs no conversion.
     # base: (128, 64, 4, 3) won on an H200 (0.716 ms against 0.811 for (128, 128, 8, 3), d64
     # s2048): one warpgroup a CTA, two CTAs an SM (255 registers). (64, 128, 4, 2) is built the
-    # same way (178 registers) with 128-key tiles: its Q K^T wgmma reads 25% fewer shared-memory
-    # bytes a FLOP (Q and K both come from shared memory) and it rescales O half as often a score.
+    # same way (178-226 registers) with 128-key tiles: its Q K^T wgmma reads 25% fewer
+    # shared-memory bytes a FLOP (Q and K both come from shared memory) and it rescales O half
+    # as often a score.
     ("fwd", "16bit", 64): ([_C(128, 64, 4, 3), _C(128, 128, 8, 3), _C(64, 128, 4, 2)],
                            [_C(128, 64, 8, 3)],
                            [_C(128, 32, 8, 3), _C(64, 32, 4, 3), _C(128, 64, 8, 3)]),
