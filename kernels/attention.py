@@ -65,8 +65,6 @@ import functools
 import itertools
 import math
 import os
-import re
-import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -1728,30 +1726,17 @@ def _pointer_type(name: str, ty: str, variant: Variant) -> str:
     return ty
 
 
-def cuobjdump_path() -> str:
-    """cuobjdump: CUOBJDUMP if set, else the copy Triton's wheel ships next to its ptxas."""
-    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    return os.environ.get("CUOBJDUMP", os.path.join(bundled, "cuobjdump"))
-
-
 def _cubin_usage(cubin: bytes) -> dict:
-    """Registers, stack frame and local memory of the cubin Triton built, as
-    `cuobjdump -res-usage` reads them. Spilled registers live in the stack frame, so a kernel
-    spills when its frame is not empty. Read from the cubin itself: a separate ptxas run on the
-    PTX (this check until 2026-11-30) used other flags than Triton's (Triton 3.8 adds
-    --regAllocOptLevel=2) and the toolkit's ptxas rather than Triton's."""
+    """Registers, stack frame (spills) and local memory of the one kernel of a cubin Triton
+    built (fastformer._cuobjdump says why the cubin and not a second ptxas run)."""
+    from fastformer import _cuobjdump
+
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        result = subprocess.run(
-            [cuobjdump_path(), "-res-usage", path], capture_output=True, text=True, check=True
-        )
-    usage = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", result.stdout)
-    if usage is None:
-        raise RuntimeError(f"no resource usage in cuobjdump's output:\n{result.stdout[-2000:]}")
-    registers, stack, local = (int(x) for x in usage.groups())
-    return {"registers": registers, "stack": stack, "local": local}
+        (usage,) = _cuobjdump.resource_usage(path).values()
+    return {"registers": usage["REG"], "stack": usage["STACK"], "local": usage["LOCAL"]}
 
 
 def compile_one(

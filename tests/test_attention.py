@@ -14,7 +14,6 @@ import functools
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -1118,9 +1117,9 @@ _COMPILE_TESTS = ("test_compile_report",)
 
 
 def _cuobjdump_found() -> bool:
-    from fastformer.kernels import attention as kernels
+    from fastformer import _cuobjdump
 
-    return shutil.which(kernels.cuobjdump_path()) is not None
+    return _cuobjdump.cuobjdump_path() is not None
 
 
 def _compile_dir(tmp_path_factory) -> Path:

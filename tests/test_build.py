@@ -1,7 +1,6 @@
 """The fastformer._C build: what it records, its op registrations, and its CUDA kernels' resource
 usage (every kernel built for sm_80 and sm_90 with 0 bytes of spills)."""
 
-import importlib.util
 import re
 import shutil
 import subprocess
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 import fastformer
-from fastformer import _ext
+from fastformer import _cuobjdump, _ext
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_SOURCES = sorted((ROOT / "csrc").rglob("*.cu"))
@@ -123,35 +122,6 @@ def test_missing_extension_says_how_to_build():
     assert "pip install --no-build-isolation -e ." in out.stdout
 
 
-def cuobjdump() -> str | None:
-    """cuobjdump: the CUDA toolkit's, else the copy Triton's wheel ships."""
-    candidates = [shutil.which("cuobjdump") or str(Path(NVCC).parent / "cuobjdump")]
-    triton = importlib.util.find_spec("triton")
-    if triton is not None and triton.origin is not None:
-        bin_dir = Path(triton.origin).parent / "backends" / "nvidia" / "bin"
-        candidates.append(str(bin_dir / "cuobjdump"))
-    return next((p for p in candidates if Path(p).exists()), None)
-
-
-def resource_usage(report: str) -> dict[tuple[str, str, str], dict[str, int]]:
-    """{(arch, source file name, kernel): {"REG": .., "STACK": .., "LOCAL": .., ...}} parsed from
-    `cuobjdump -res-usage` of a binary."""
-    usage, arch, source, kernel = {}, None, None, None
-    for line in report.splitlines():
-        line = line.strip()
-        if line.startswith("arch = "):
-            arch = line.removeprefix("arch = ")
-        elif line.startswith("identifier = "):
-            source = Path(line.removeprefix("identifier = ")).name
-        elif line.startswith("Function "):
-            kernel = line.removeprefix("Function ").rstrip(":")
-        elif kernel and line.startswith("REG:"):
-            fields = dict(field.split(":", 1) for field in line.split())
-            usage[(arch, source, kernel)] = {k: int(v) for k, v in fields.items() if v.isdigit()}
-            kernel = None
-    return usage
-
-
 def test_resource_usage_parser_sees_stack_frames():
     sample = (
         "Fatbin elf code:\n================\narch = sm_80\ncode version = [1,8]\n"
@@ -159,7 +129,7 @@ def test_resource_usage_parser_sees_stack_frames():
         "  GLOBAL:0\n Function _Z3fooPf:\n"
         "  REG:64 STACK:8 SHARED:128 LOCAL:0 CONSTANT[0]:384 TEXTURE:0 SURFACE:0 SAMPLER:0\n"
     )
-    usage = resource_usage(sample)
+    usage = _cuobjdump.parse(sample)
     assert list(usage) == [("sm_80", "layer_norm_cuda.cu", "_Z3fooPf")]
     assert usage[("sm_80", "layer_norm_cuda.cu", "_Z3fooPf")]["STACK"] == 8
 
@@ -173,12 +143,8 @@ def test_built_cuda_kernels_have_no_spills():
     the build's --use_fast_math passed while the build's sm_80 fused LayerNorm forward spilled."""
     if not fastformer.cuda_kernels_compiled():
         pytest.skip("this build has no CUDA kernels")
-    tool = cuobjdump()
-    assert tool is not None, "cuobjdump not found (CUDA toolkit or Triton's wheel)"
-    binary = fastformer._C.__file__
-    out = subprocess.run([tool, "-res-usage", binary], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    usage = resource_usage(out.stdout)
+    assert _cuobjdump.cuobjdump_path() is not None, "cuobjdump not found (CUDA toolkit or Triton)"
+    usage = _cuobjdump.resource_usage(fastformer._C.__file__)
     arch_list = fastformer.build_info()["arch_list"].replace("+PTX", "")
     archs = {"sm_" + a.replace(".", "") for a in re.split(r"[;\s]+", arch_list.strip())}
     seen = {(arch, source) for arch, source, _ in usage}
