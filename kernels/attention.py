@@ -240,6 +240,9 @@ def _resolved_seed(seed, Seed, HAS_DROPOUT: tl.constexpr):
     # seed < 0: the seed is at Seed, drawn on the device inside CUDA graph capture so that each
     # replay uses a new one; otherwise it is the launch argument itself and Seed is not read.
     if HAS_DROPOUT:
+        # The launch's -1 is typed int32 and the loaded seed int64: Triton 3.6 refused the
+        # branch until both were int64 (H200, 2026-11-30: every captured dropout call failed).
+        seed = seed.to(tl.int64)
         if seed < 0:
             seed = tl.load(Seed)
     return seed

@@ -1502,3 +1502,26 @@ def test_cuda_tma_twins_tune_and_keep_parity(monkeypatch):
     _parity(Case(b=2, h=4, lq=777, lk=777, d=64, causal=True, kpm="edges", dtype=torch.bfloat16))
     with_twins = {key[0] for key in kernels._TUNED if key[-1] is True}
     assert with_twins == {"fwd", "dq", "dkdv"}
+
+
+_INT32_SEED_SCRIPT = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from fastformer.kernels import attention as A
+for kernel in ("fwd", "dq", "dkdv"):
+    cfg = A.CONFIGS[(kernel, 90, "16bit", 64, "dropout")][0]
+    sig, ce, attrs = A._compile_inputs(
+        kernel, torch.float16, 64, cfg, A.CHECK_VARIANTS["dropout"], 0
+    )
+    sig["seed"] = "i32"  # what Triton types the -1 of a launch inside CUDA graph capture
+    src = triton.compiler.ASTSource(A.KERNELS[kernel], sig, ce, attrs)
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    print(kernel)
+"""
+
+
+def test_dropout_kernels_compile_with_an_int32_seed_argument(tmp_path):
+    """Inside CUDA graph capture the kernels get seed -1 (typed int32) and read the seed from
+    device memory (int64): Triton 3.6 refused that branch on an H200 until both were int64."""
+    assert _run_sm90(_INT32_SEED_SCRIPT, tmp_path).split() == ["fwd", "dq", "dkdv"]
