@@ -9,7 +9,9 @@
 #
 #   usage: benchmarks/run_gpu_suite.sh OUTDIR        (PYTHON=python3 by default)
 #
-#   SUITE_TMA=1: then the attention grid with FASTFORMER_ATTN_TMA=1 (up to 130 s more).
+#   SUITE_TMA=1: the GPU tests and the parity grid run with FASTFORMER_ATTN_TMA=1 (the autotuners
+#   take the TMA twins: what goes on by default once they pass and win), and after the default
+#   benchmark the attention grid with it too (up to 130 s more).
 #   SUITE_FULL=1: after the default benchmark, also the full per-op grid and the model with the
 #   whole eager and swapped models under torch.compile (`bench --full`, three more stages, up to
 #   130 + 80 + 200 s: well over the 8 minutes). SUITE_PROFILE_BEFORE_S (default 400): the
@@ -122,7 +124,9 @@ timeout 20 "$PY" -m fastformer info --json >"$OUT/info.json" 2>/dev/null
 # Two CPU threads a process: 16 processes of 16 threads each made the non-attention tests ~10x
 # slower on the H200 machine (17 of 87 in 130 s; with OMP_NUM_THREADS=2, all 87 in 44 s).
 # Per-test timeouts dump the stacks of a hung test as it happens (-v: each result as it comes).
-PYTEST="OMP_NUM_THREADS=2 \"$PY\" -m pytest -m cuda -v -p no:cacheprovider -ra --timeout 80"
+# `gpu_too`: CPU tests that compare two GPU code paths where a GPU is present (TMA twins).
+PYTEST="OMP_NUM_THREADS=2 \"$PY\" -m pytest -m 'cuda or gpu_too' -v -p no:cacheprovider -ra"
+PYTEST+=" --timeout 80"
 PYTEST+=" --timeout-method thread --durations 20"
 jobs=("tests_attention=$PYTEST -n 4 tests/test_attention.py"
       "tests_other=$PYTEST -n 4 tests --ignore=tests/test_attention.py")
@@ -131,7 +135,11 @@ jobs+=("check_ln_ffn=$CHECK --ops layer_norm,ffn")  # C++ ops: fast, never cut b
 for k in $(seq 1 "$CHECK_SHARDS"); do
     jobs+=("check$k=$CHECK --ops attention --shard $k/$CHECK_SHARDS")
 done
-parallel_stage verify 130 "${jobs[@]}"
+if [ "${SUITE_TMA:-0}" = 1 ]; then
+    FASTFORMER_ATTN_TMA=1 parallel_stage verify 130 "${jobs[@]}"
+else
+    parallel_stage verify 130 "${jobs[@]}"
+fi
 
 # Budget (seconds), so far at most build 130 + info 15 + verify 130; from here: bench 200, then
 # profile 60 only if the suite is still under SUITE_PROFILE_BEFORE_S (400 s): 8 minutes at most.

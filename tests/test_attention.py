@@ -1350,6 +1350,7 @@ _TMA_CASES = {
 }
 
 
+@pytest.mark.gpu_too
 @pytest.mark.skipif(not _tma_runs_here(), reason="TMA needs sm_90 or newer")
 @pytest.mark.parametrize("qk_tiles", [False, True], ids=["kq_tiles", "qk_tiles"])
 @pytest.mark.parametrize("c, dropout_p", _TMA_CASES.values(), ids=_TMA_CASES.keys())
