@@ -5,6 +5,7 @@
 # codegen: the sm_80/sm_90 compile check, the interpreter) before a GPU session finds it.
 #
 #   scripts/test_compat.sh [pytest args...]      (or `make test-compat PYTEST_ARGS=...`)
+#   scripts/test_compat.sh --venv-only           make the venv only (CI starts it early)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -14,22 +15,30 @@ TORCH_SPEC=${COMPAT_TORCH:-torch==2.11.0}
 
 # A CUDA build of torch takes ~5.5 GB in a venv. Without the room, this extra stage is reported
 # as not run (loudly, exit 0): it re-checks on other versions what `make test` has just passed,
-# and a full disk is the machine's state, not the code's.
+# and a full disk is the machine's state, not the code's. (CI's early --venv-only call asks for
+# the room of both venvs, as the main one is being made beside it; short of that, it leaves the
+# venv to the stage itself.)
 NEED_GB=${COMPAT_NEED_GB:-8}
 if [ ! -x "$VENV/bin/python" ]; then
     FREE_GB=$(df -Pk "$ROOT" | awk 'NR == 2 {print int($4 / 1048576)}')
     if [ "$FREE_GB" -lt "$NEED_GB" ]; then
-        echo "COMPAT STAGE NOT RUN: $FREE_GB GB free on $ROOT;" \
-            "the torch 2.11 venv needs ~$NEED_GB GB"
+        if [ "${1:-}" = --venv-only ]; then
+            echo "compat venv not made early: $FREE_GB GB free on $ROOT, $NEED_GB GB asked"
+        else
+            echo "COMPAT STAGE NOT RUN: $FREE_GB GB free on $ROOT;" \
+                "the torch 2.11 venv needs ~$NEED_GB GB"
+        fi
         exit 0
     fi
     python3 -m venv "$VENV"
     # numpy<2.4: Triton 3.6's interpreter fails on NumPy 2.4 (fastformer refuses that pair).
-    "$VENV/bin/python" -m pip install -q "$TORCH_SPEC" "numpy<2.4" pytest pytest-xdist \
-        pytest-timeout pytest-benchmark matplotlib ninja setuptools wheel ||
+    # --no-compile: as in the Makefile.
+    "$VENV/bin/python" -m pip install -q --no-compile "$TORCH_SPEC" "numpy<2.4" pytest \
+        pytest-xdist pytest-timeout pytest-benchmark matplotlib ninja setuptools wheel ||
         { rm -rf "$VENV"; exit 1; }  # a half-made venv would be taken as ready next time
 fi
 "$VENV/bin/python" -c 'import torch, triton; print("compat stack: torch", torch.__version__, "triton", triton.__version__)'
+[ "${1:-}" = --venv-only ] && exit 0
 
 # The tracked and untracked-but-not-ignored files, as `git status` sees the tree.
 rm -rf "$SRC"
