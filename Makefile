@@ -18,12 +18,9 @@ endif
 
 .PHONY: install build test test-compat bench check info lint format clean
 
-# --no-compile: Python compiles a module on its first import instead; byte-compiling all of
-# torch at install took a third of the install's time (torch 2.11 and the test tools: 104 s
-# against 70 on a 2-core CI VM).
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --no-compile $(TORCH_SPEC) $(DEV_DEPS)
+	$(VENV)/bin/python -m pip install $(TORCH_SPEC) $(DEV_DEPS)
 
 # Builds fastformer._C (ninja, incremental) and installs the package in editable mode.
 install: $(if $(filter 1,$(OWN_ENV)),$(VENV)/bin/python)
