@@ -408,16 +408,17 @@ def _measure_impl(name, fn, bench, mode, device, pacer) -> dict[str, Any]:
         return {"not_run": NOT_RUN}
     call = runner(fn, bench.args, mode)
     try:
-        # First call: compilation / autotuning, and any "not supported" error. On CUDA it also
-        # gives the memory each implementation needs beyond its inputs (saved tensors, scores,
-        # ...): the allocator counts exactly (CPU would need the profiler, so not there).
+        # First call: compilation / autotuning, and any "not supported" error.
         start = time.perf_counter()
+        call()
+        first_s = time.perf_counter() - start
+        # On CUDA, the memory each implementation needs beyond its inputs (saved tensors,
+        # scores, ...), exactly by the allocator (CPU would need the profiler, so not there), on
+        # a second call: the first one's autotuning allocates do_bench's 256 MB L2-flush buffer
+        # (an H200 run read 322 MiB for fastformer's d64 forward, whose kernels need 66).
         peak = None
         if device.type == "cuda":
             peak = timing.peak_memory(call, device, above_start=True)[0]
-        else:
-            call()
-        first_s = time.perf_counter() - start
         ms = timing.time_op(call, device, pacer.current())
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
