@@ -53,6 +53,8 @@ TORCH_CUDA_ARCH_LIST=${COMPAT_ARCHS:-9.0} \
 # - the CUDA emulator's tests: they run the .cu kernels compiled by g++, the same on any torch and
 #   Triton, and would rebuild the emulator (minutes on 2 cores);
 # - the GPU suite's tests: they run its bash script with a stub Python, no torch in it;
+# - the CLI's tests: the GPU suite runs `check` and `bench` on torch 2.11 itself, and here their
+#   cold torch.compile builds took minutes of CPU;
 # - the sm_80 compile check: 107 Triton compiles (~290 s of CPU); this stage checks the GPU
 #   machine's arch, sm_90;
 # - the interpreter's extra tile-shape and TMA-twin grids (~90 s of CPU): on CPU they run the
@@ -60,7 +62,8 @@ TORCH_CUDA_ARCH_LIST=${COMPAT_ARCHS:-9.0} \
 #   grid still runs here, and the TMA twins run on the GPU in the GPU suite.
 A=tests/test_attention.py
 "$VENV/bin/python" -m pytest tests --ignore=tests/test_cuda_emu.py \
-    --ignore=tests/test_gpu_suite.py --deselect "$A::test_compile_report[80]" \
+    --ignore=tests/test_gpu_suite.py --ignore=tests/test_cli.py \
+    --deselect "$A::test_compile_report[80]" \
     --deselect "$A::test_parity_other_tile_shapes" \
     --deselect "$A::test_dropout_parity_other_tile_shapes" \
     --deselect "$A::test_tma_twin_is_bit_identical_to_pointer_loads" "$@"
