@@ -2,7 +2,7 @@
 # The test suite on the GPU machine's software stack (torch 2.11 + triton 3.6, see
 # ENVIRONMENT.md), on CPU: a second venv and a copy of the source tree, so that the main build
 # stays untouched. It catches what only those versions break (torch library APIs, Triton 3.6
-# codegen: the sm_80/sm_90 compile check, the interpreter) before a GPU session finds it.
+# codegen: the sm_90 compile check, the interpreter) before a GPU session finds it.
 #
 #   scripts/test_compat.sh [pytest args...]      (or `make test-compat PYTEST_ARGS=...`)
 #   scripts/test_compat.sh --venv-only           make the venv only (CI starts it early)
