@@ -24,12 +24,7 @@ from fastformer.ops import rng
 from fastformer.testing import ATOL_FLOOR, assert_parity, compare_with_reference, parity
 
 REASON = ce.unavailable_reason()
-pytestmark = [
-    pytest.mark.skipif(REASON is not None, reason=f"CUDA emulator: {REASON}"),
-    # One pytest-xdist worker for the module (with --dist loadgroup, as CI runs): the other waited
-    # idle on the build lock for up to a minute when it drew a test of it.
-    pytest.mark.xdist_group("cuda_emu"),
-]
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"CUDA emulator: {REASON}")
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 ORDERS = ("forward", "reverse")
