@@ -77,6 +77,7 @@ from triton.runtime import _allocation
 LOG2E = 1.4426950408889634
 MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
 INT32_LIMIT = 2**31  # offsets inside one (batch, head) slice are int32
+MAX_GRID_YZ = 65535  # CUDA's limit on grid dims 1 and 2 (dim 0: 2**31 - 1)
 KV_RANGE_BLOCK = 1024  # key_padding_mask columns attn_kv_range reads a step
 
 
@@ -236,6 +237,16 @@ def _lse_log2(Lse, row_ptrs, rows, Lq):
 
 
 @triton.jit
+def _batch_head(H):
+    # (batch, head) of a program of `bh_grid` as int64, and b * H + h as int32 (B * H < 2**31:
+    # fastformer.ops.attention's shape reasons): as an int64 held through the key loop it cost
+    # the d256 forward's TMA twins, at 255 registers, a spill more.
+    off_b = tl.program_id(2)
+    off_h = tl.program_id(1)
+    return off_b.to(tl.int64), off_h.to(tl.int64), off_b * H + off_h
+
+
+@triton.jit
 def _resolved_seed(seed, Seed, HAS_DROPOUT: tl.constexpr):
     # seed < 0: the seed is at Seed, drawn on the device inside CUDA graph capture so that each
     # replay uses a new one; otherwise it is the launch argument itself and Seed is not read.
@@ -355,12 +366,10 @@ def attn_fwd(
     HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """O and LSE for one (query block, batch*head); grid (cdiv(Lq, BLOCK_M), B*H)."""
+    """O and LSE for one (query block, batch*head); grid `bh_grid`."""
     seed = _resolved_seed(seed, Seed, HAS_DROPOUT)
     start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
-    off_b = (off_bh // H).to(tl.int64)
-    off_h = (off_bh % H).to(tl.int64)
+    off_b, off_h, off_bh = _batch_head(H)
     off_hkv = off_h // GROUP
     row0 = start_m * BLOCK_M
     rows_local = tl.arange(0, BLOCK_M)
@@ -541,15 +550,13 @@ def attn_bwd_dkdv(
     HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, PART: tl.constexpr,
     QK_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """dK, dV of one (key block, batch*query head); grid (cdiv(Lk, BLOCK_N), B*H).
+    """dK, dV of one (key block, batch*query head); grid `bh_grid`.
 
     PART (see dkdv_parts): 0 computes both, on (key x query) tiles, or on (query x key) tiles
     when QK_TILES (a config choice); 1 only dV, 2 only dK (fp16/bf16 head dims > 128: two
     launches, each holding one accumulator, as both together do not fit in registers)."""
     seed = _resolved_seed(seed, Seed, HAS_DROPOUT)
-    off_bh = tl.program_id(1)
-    off_b = (off_bh // H).to(tl.int64)
-    off_h = (off_bh % H).to(tl.int64)
+    off_b, off_h, off_bh = _batch_head(H)
     off_hkv = off_h // GROUP
     col0 = tl.program_id(0) * BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
@@ -690,12 +697,10 @@ def attn_bwd_dq(
     USE_TMA: tl.constexpr,
 ):
     """dQ (and dS if WRITE_DS) of one (query block, batch*head), and its rows of Delta for
-    attn_bwd_dkdv, which runs after it; grid (cdiv(Lq, BLOCK_M), B*H)."""
+    attn_bwd_dkdv, which runs after it; grid `bh_grid`."""
     seed = _resolved_seed(seed, Seed, HAS_DROPOUT)
     start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
-    off_b = (off_bh // H).to(tl.int64)
-    off_h = (off_bh % H).to(tl.int64)
+    off_b, off_h, off_bh = _batch_head(H)
     off_hkv = off_h // GROUP
     row0 = start_m * BLOCK_M
     rows_local = tl.arange(0, BLOCK_M)
@@ -841,7 +846,9 @@ _SM90 = {
     # dkdv masked / dropout: the base configs spilled 4-260 bytes with a float mask or the
     # transposed 32-column keep-mask tile (sm_90 or sm_80, Triton 3.6 or 3.8); these do not.
     ("dkdv", "fp32", 64): ([_C(16, 32, 4, 2)], [_C(16, 32, 4, 2)], [_C(16, 32, 8, 2)]),
-    ("dkdv", "fp32", 128): ([_C(16, 32, 8, 2)], [_C(16, 16, 8, 2)], [_C(16, 16, 8, 2)]),
+    # masked: (16, 16, 8, 2) spilled 16 bytes with Triton 3.8 (sm_90) once the grid gave batch
+    # and head a dim each, at 80 registers; 4 warps do not (128-142 registers, 3.6 and 3.8).
+    ("dkdv", "fp32", 128): ([_C(16, 32, 8, 2)], [_C(16, 16, 4, 2)], [_C(16, 16, 8, 2)]),
     ("dkdv", "fp32", 256): ([_C(16, 16, 4, 2)], [_C(16, 16, 8, 2)], [_C(16, 16, 8, 2)]),
     ("dq", "fp32", 64): ([_C(16, 16, 4, 2)],) * 3,
     ("dq", "fp32", 128): ([_C(16, 16, 4, 2)],) * 3,
@@ -876,7 +883,9 @@ _SM80 = {
     # (16, 16, 8, 2) causal (Triton 3.6 or 3.8). dkdv d64 dropout: (16, 32, 8, 2) spilled 8
     # bytes in Triton 3.6's own compile (its cubin), (16, 32, 4, 2) 8-16 with either version.
     ("dkdv", "fp32", 64): ([_C(16, 32, 8, 2)], [_C(16, 32, 4, 2)], [_C(16, 16, 8, 2)]),
-    ("dkdv", "fp32", 256): ([_C(16, 16, 8, 2)],) * 3,
+    # d256 dropout: (16, 16, 8, 2) spilled 8 bytes with Triton 3.8 once the grid gave batch
+    # and head a dim each (3.8 held it at 128 registers); (16, 16, 4, 1) takes 216, 3.6 and 3.8.
+    ("dkdv", "fp32", 256): ([_C(16, 16, 8, 2)], [_C(16, 16, 8, 2)], [_C(16, 16, 4, 1)]),
     # (32, 16, 8, 2) spills 20 bytes with key padding and Triton 3.6 (_VERSION_SPILLS), where
     # (16, 16, 4, 2) compiles cleanly with either version.
     ("dq", "fp32", 256): ([_C(32, 16, 8, 2)], [_C(32, 16, 8, 2), _C(16, 16, 4, 2)],
@@ -986,6 +995,16 @@ def dropout_threshold(dropout_p: float) -> int:
     return round(dropout_p * 65536)
 
 
+def bh_grid(blocks: int, batch: int, heads: int) -> tuple[int, int, int]:
+    """The grid of the three attention kernels: (blocks along the sequence, heads, batch).
+
+    The sequence blocks of one (batch, head) come first in launch order, so the programs running
+    at once share that head's keys and values in L2. Batch and heads get a grid dim each, each
+    up to MAX_GRID_YZ: in one dim, B * H could not pass 65535 (B = 2048 with H = 32 is 65536).
+    Larger batches or head counts take the torch backend (fastformer.ops.attention)."""
+    return (blocks, heads, batch)
+
+
 def _cdiv(a: int, b: int) -> int:
     # triton.cdiv and triton.next_power_of_2 are constexpr functions: ~2 us a call on the host.
     return -(-a // b)
@@ -1086,6 +1105,7 @@ TMA = os.environ.get("FASTFORMER_ATTN_TMA", "0") == "1"
 # pointer loads, and the dK part spilled 4-832 bytes.
 _TMA_SPILLS = {
     ("fwd", 256, "dropout", _C(128, 32, 8, 2)),
+    ("fwd", 256, "masked", _C(128, 32, 8, 2)),
     ("fwd", 256, "padded", _C(128, 64, 8, 2)),
     ("dkdv", 128, "dropout", _QK(32, 64, 8, 2)),
 }
@@ -1511,7 +1531,7 @@ def attention_forward(
         *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *mask.strides, *pad.strides, h,
         h // hkv, lq, lk, _seq_bucket(lq), _seq_bucket(lk),
     )
-    grid = lambda c: (_cdiv(lq, c["BLOCK_M"]), b * h)
+    grid = lambda c: bh_grid(_cdiv(lq, c["BLOCK_M"]), b, h)
     _launch("fwd", grid, args, meta, q, config, tma=tma_ok("fwd", k, v))
     return out, lse
 
@@ -1627,14 +1647,14 @@ def _backward_kernels(
         *out.stride()[:3], *tail,
     )
     dq_meta = {**meta, "WRITE_DS": ds is not None, "HAS_DLSE": grad_lse is not None}
-    dkdv_grid = lambda c: (_cdiv(lk, c["BLOCK_N"]), b * h)
+    dkdv_grid = lambda c: bh_grid(_cdiv(lk, c["BLOCK_N"]), b, h)
     tma = tma_ok("dkdv", q, grad_out)
     dkdv = tuple(
         _Launch("dkdv", dkdv_grid, args, {**meta, "PART": part}, tma)
         for part in dkdv_parts(q.dtype, meta["HEAD_D"], meta["HEAD_DV"])
     )
     # dK/dV read the delta dq writes: dq first.
-    dq_grid = lambda c: (_cdiv(lq, c["BLOCK_M"]), b * h)
+    dq_grid = lambda c: bh_grid(_cdiv(lq, c["BLOCK_M"]), b, h)
     _launch("dq", dq_grid, dq_args, dq_meta, q, config, then=dkdv, tma=tma_ok("dq", k, v))
     for launch in dkdv:
         _launch(*launch[:4], q, config, tma=launch.tma)

@@ -766,7 +766,31 @@ def test_backend_reasons():
         "triton"
     ]
     assert any("attn_mask spans" in r for r in why)
+    huge_batch = torch.zeros(1, 1, 8, 16, device=DEVICE).expand(2**16, 2, 8, 16)
+    why = dict(_dispatch.explain(attn.OP, attn.AttentionInputs(huge_batch)))["triton"]
+    assert any("batch 65536" in r and "grid limit" in r for r in why)
+    assert attn._grid_reasons(65535, 65535) and attn._grid_reasons(65535, 32769)
+    assert attn._grid_reasons(65535, 32768) == [] and attn._grid_reasons(2048, 32) == []
     assert isinstance(dict(_dispatch.explain(attn.OP, None))["triton"], list)
+
+
+def test_launch_grids_stay_within_cuda_limits(monkeypatch):
+    # CUDA caps grid dims 1 and 2 at 65535: B * H = 65536 (B 2048, H 32) must still launch.
+    from fastformer.kernels import attention as kernels
+
+    grids = []
+
+    def record(kernel, grid, *args, **kwargs):
+        grids.append((kernel, grid({"BLOCK_M": 16, "BLOCK_N": 16})))
+
+    monkeypatch.setattr(kernels, "_launch", record)
+    q = torch.zeros(2048, 32, 4, 16, device=DEVICE)
+    out, lse = kernels.attention_forward(q, q, q, None, None, 0, 0.0, False, 0.25)
+    kernels.attention_backward(q, None, q, q, q, out, lse, None, None, 0, 0.0, False, 0.25, False)
+    assert [kernel for kernel, _ in grids] == ["fwd", "dq", "dkdv"]
+    for kernel, grid in grids:
+        assert grid == (1, 32, 2048), kernel
+        assert max(grid[1:]) <= kernels.MAX_GRID_YZ
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,9 @@ Backends (fastformer.ops._dispatch, FASTFORMER_BACKEND_ATTENTION forces one): `t
 fused kernel of fastformer.kernels.attention (CUDA tensors, or CPU tensors under
 TRITON_INTERPRET=1), then `torch`: on CPU without dropout torch's own fused CPU attention (the
 kernels of SDPA's CPU flash path) fed with fastformer's masks, otherwise the eager reference fed
-with the same dropout mask.
+with the same dropout mask. The torch backend also takes what the kernel cannot: head dims over
+256, a batch or head count over 65535 (CUDA's grid limit) or batch x heads of 2**31 or more,
+(batch, head) slices past int32 offsets (`backend_reasons` says which).
 
 Dropout: each call draws a seed from the torch generator of the query's device (inside the
 custom op, so torch.compile never bakes it in). Inside CUDA graph capture (`torch.cuda.graph`)
@@ -442,7 +444,8 @@ def _triton_reasons(inputs) -> list[str]:
 
 
 def _shape_reasons(inputs: AttentionInputs) -> list[str]:
-    """Head dims over 256, and (batch, head) slices too large for the kernels' int32 offsets."""
+    """Head dims over 256, (batch, head) slices too large for the kernels' int32 offsets, and
+    batches or head counts beyond the kernels' grid."""
     limit = _kernels().INT32_LIMIT
     reasons = []
     for name in ("query", "key", "value"):
@@ -456,6 +459,9 @@ def _shape_reasons(inputs: AttentionInputs) -> list[str]:
                 f"a (batch, head) slice of {name} has {t.shape[2] * t.shape[3]} elements: the "
                 "kernel's int32 offsets need < 2**31"
             )
+    q = inputs.query
+    if q is not None and q.dim() == 4:
+        reasons += _grid_reasons(q.shape[0], q.shape[1])
     if inputs.value is None and (inputs.value_head_dim or 0) > MAX_HEAD_DIM:
         reasons.append(f"value head dim must be <= {MAX_HEAD_DIM}, got {inputs.value_head_dim}")
     mask = inputs.attn_mask
@@ -467,6 +473,20 @@ def _shape_reasons(inputs: AttentionInputs) -> list[str]:
                 "offsets need < 2**31"
             )
     return reasons
+
+
+def _grid_reasons(batch: int, heads: int) -> list[str]:
+    """The kernels' grid gives batch and heads a dim each (CUDA: 65535 at most) and numbers the
+    (batch, head) pairs in int32."""
+    kernels = _kernels()
+    if max(batch, heads) > kernels.MAX_GRID_YZ:
+        return [
+            f"batch {batch} and heads {heads} must each be <= {kernels.MAX_GRID_YZ} (CUDA's "
+            "grid limit)"
+        ]
+    if batch * heads >= kernels.INT32_LIMIT:
+        return [f"batch x heads is {batch * heads}: the kernels number them in int32 (< 2**31)"]
+    return []
 
 
 def _torch_reasons(inputs) -> list[str]:
