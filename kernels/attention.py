@@ -1381,6 +1381,23 @@ def _seed_args(seed: int | torch.Tensor, device: torch.device) -> tuple[torch.Te
     return dummy, seed
 
 
+def _on_device_of(fn):
+    """`fn` run with its first argument's CUDA device current. Triton launches on the current
+    device and its current stream, whatever device the tensors are on: a model on cuda:1 in a
+    process whose current device is cuda:0 would launch there, on memory of another GPU."""
+
+    @functools.wraps(fn)
+    def run(first: torch.Tensor, *args, **kwargs):
+        device = first.device
+        if device.type != "cuda" or device.index == torch.cuda.current_device():
+            return fn(first, *args, **kwargs)
+        with torch.cuda.device(device):
+            return fn(first, *args, **kwargs)
+
+    return run
+
+
+@_on_device_of
 def key_range(key_padding_mask: torch.Tensor) -> torch.Tensor:
     """(B, 2) int32: each batch row's first kept key and last kept key + 1, (0, 0) when every
     key is padding; one attn_kv_range launch. The forward's can serve its backward."""
@@ -1481,6 +1498,7 @@ def _meta(q, k, v, mask: _Mask, kpm, dropout_p: float, is_causal: bool) -> dict:
     }
 
 
+@_on_device_of
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1536,6 +1554,7 @@ def attention_forward(
     return out, lse
 
 
+@_on_device_of
 def attention_backward(
     grad_out: torch.Tensor,
     grad_lse: torch.Tensor | None,

@@ -774,6 +774,57 @@ def test_backend_reasons():
     assert isinstance(dict(_dispatch.explain(attn.OP, None))["triton"], list)
 
 
+def test_launches_make_the_device_of_their_tensors_current(monkeypatch):
+    # Triton launches on the current device: a call on cuda:1 while cuda:0 is current must
+    # switch to cuda:1 for its launches (a stub device context stands in for a GPU here).
+    from fastformer.kernels import attention as kernels
+
+    events = []
+
+    class Device:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            events.append(("enter", self.device))
+
+        def __exit__(self, *exc):
+            events.append(("exit", self.device))
+
+    class Stub:  # the wrapper reads the first argument's device only
+        def __init__(self, device):
+            self.device = torch.device(device)
+
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    launch = kernels._on_device_of(lambda t, x: events.append(("launch", x)) or x)
+    assert launch(Stub("cuda:1"), 7) == 7
+    cuda1 = torch.device("cuda:1")
+    assert events == [("enter", cuda1), ("launch", 7), ("exit", cuda1)]
+    events.clear()
+    assert launch(Stub("cuda:0"), 8) == 8 and launch(Stub("cpu"), 9) == 9
+    assert events == [("launch", 8), ("launch", 9)]  # already current, or not CUDA
+    for fn in (kernels.attention_forward, kernels.attention_backward, kernels.key_range):
+        assert fn.__wrapped__ is not None, fn.__name__
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two NVIDIA GPUs")
+def test_cuda_second_gpu_while_the_first_is_current():
+    # The same call on cuda:1, with cuda:1 current and with cuda:0 current: identical results.
+    def run(current):
+        q, k, v = (_randn((2, 4, 128, 64), torch.bfloat16, s, True, "cuda:1") for s in range(3))
+        kpm = torch.zeros(2, 128, dtype=torch.bool, device="cuda:1")
+        kpm[:, -9:] = True
+        with torch.cuda.device(current):
+            out = attn.scaled_dot_product_attention(q, k, v, key_padding_mask=kpm, is_causal=True)
+            out.float().sum().backward()
+        return out, q.grad, k.grad, v.grad
+
+    for got, expected in zip(run(0), run(1)):
+        assert got.device == torch.device("cuda:1") and torch.equal(got, expected)
+
+
 def test_launch_grids_stay_within_cuda_limits(monkeypatch):
     # CUDA caps grid dims 1 and 2 at 65535: B * H = 65536 (B 2048, H 32) must still launch.
     from fastformer.kernels import attention as kernels
