@@ -857,6 +857,10 @@ def test_interpreter_refuses_triton36_with_numpy24(
     import numpy
     import triton
 
+    # Import the kernels before faking the version: their config tables read it at import,
+    # and a first import here (backend_reasons imports them lazily) kept the fake one for the
+    # rest of the worker (the compile check then counted a job that 3.6 leaves out).
+    attn._kernels()
     monkeypatch.setattr(triton, "__version__", triton_version)
     monkeypatch.setattr(numpy, "__version__", numpy_version)
     q, k, v = _qkv(Case(lq=8, lk=8, d=16, grad=False))
