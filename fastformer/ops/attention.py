@@ -11,9 +11,9 @@ Backends (fastformer.ops._dispatch, FASTFORMER_BACKEND_ATTENTION forces one): `t
 fused kernel of fastformer.kernels.attention (CUDA tensors, or CPU tensors under
 TRITON_INTERPRET=1), then `torch`: on CPU without dropout torch's own fused CPU attention (the
 kernels of SDPA's CPU flash path) fed with fastformer's masks, otherwise the eager reference fed
-with the same dropout mask. The torch backend also takes what the kernel cannot: head dims over
-256, a batch or head count over 65535 (CUDA's grid limit) or batch x heads of 2**31 or more,
-(batch, head) slices past int32 offsets (`backend_reasons` says which).
+with the same dropout mask. The torch backend also takes what the kernel cannot: a batch or head
+count over 65535 (CUDA's grid limit) or batch x heads of 2**31 or more, and (batch, head) slices
+past int32 offsets (`backend_reasons` says which).
 
 Dropout: each call draws a seed from the torch generator of the query's device (inside the
 custom op, so torch.compile never bakes it in). Inside CUDA graph capture (`torch.cuda.graph`)
