@@ -152,7 +152,10 @@ def _safe_softmax(scores: Tensor) -> tuple[Tensor, Tensor]:
     Written out (max-subtract, exp, sum, divide) so that fully masked rows produce neither
     NaN values nor NaN gradients.
     """
-    row_max = scores.amax(dim=-1, keepdim=True)
+    if scores.shape[-1] == 0:  # no keys at all: every row is empty (amax refuses a 0-size dim)
+        row_max = scores.new_full((*scores.shape[:-1], 1), float("-inf"))
+    else:
+        row_max = scores.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)
     exp = torch.exp(scores - row_max)
     total = exp.sum(dim=-1, keepdim=True)

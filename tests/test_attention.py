@@ -237,14 +237,19 @@ def test_batch_zero_with_key_padding():
     assert out.shape == (0, 2, 4, 16) and q.grad.shape == q.shape
 
 
+@pytest.mark.parametrize("backend", ["default", "torch"])
 @pytest.mark.parametrize("lq, lk", [(0, 5), (5, 0)])
 @pytest.mark.parametrize("padding", [False, True], ids=["", "kpm"])
-def test_empty_sequences(lq, lk, padding):
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_empty_sequences(monkeypatch, backend, lq, lk, padding, dropout_p):
+    # No keys at all is every key masked: out 0, lse -inf, zero gradients (torch's SDPA gives
+    # 0 too); the reference's softmax once raised on the empty key dim.
+    _use_backend(monkeypatch, backend)
     q = _randn((2, 2, lq, 16), grad=True)
     k, v = _randn((2, 2, lk, 16), seed=1, grad=True), _randn((2, 2, lk, 8), seed=2, grad=True)
     kpm = torch.zeros(2, lk, dtype=torch.bool, device=DEVICE) if padding else None
     out, lse = attn.scaled_dot_product_attention_with_lse(
-        q, k, v, dropout_p=0.1, key_padding_mask=kpm
+        q, k, v, dropout_p=dropout_p, key_padding_mask=kpm, is_causal=True
     )
     assert out.shape == (2, 2, lq, 8) and torch.all(out == 0) and torch.all(torch.isneginf(lse))
     out.sum().backward()
