@@ -29,7 +29,7 @@ from fastformer.ops import attention as attn
 from fastformer.testing import assert_parity, compare_with_reference, max_abs_diff
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-F16, F32 = torch.float16, torch.float32
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
 
 @pytest.fixture(autouse=True)
@@ -322,21 +322,32 @@ def _predicted_seed(manual_seed: int, device=DEVICE) -> int:
     return rng.draw_seed(device)
 
 
-@pytest.mark.parametrize(
-    "c",
-    [
-        Case(lq=33, lk=47, d=32, causal=True, kpm="random"),
-        Case(h=4, hkv=2, lq=47, lk=33, d=16, mask="float", dtype=F16),
-    ],
-    ids=["fp32_causal_kpm", "fp16_gqa_float_mask"],
-)
-def test_dropout_parity_with_regenerated_mask(c):
+DROPOUT_CASES = {
+    "fp32_causal_kpm": Case(lq=33, lk=47, d=32, causal=True, kpm="random"),
+    "fp16_gqa_float_mask": Case(h=4, hkv=2, lq=47, lk=33, d=16, mask="float", dtype=F16),
+    # The torch backend lost up to ~3x the bound in 16 bits before it computed in float32.
+    "fp16_causal_float_mask": Case(
+        b=1, lq=7, lk=47, d=16, causal=True, mask="float", mask_shape="qk", dtype=F16
+    ),  # fmt: skip
+    "fp16_dv8": Case(b=1, lq=7, lk=64, d=64, dv=8, dtype=F16, scale=0.5),
+    "bf16_causal": Case(b=1, lq=16, lk=64, d=64, causal=True, dtype=BF16, scale=0.5),
+}
+
+
+@pytest.mark.parametrize("backend", ["default", "torch"])
+@pytest.mark.parametrize("c", DROPOUT_CASES.values(), ids=DROPOUT_CASES.keys())
+def test_dropout_parity_with_regenerated_mask(monkeypatch, c, backend):
+    _use_backend(monkeypatch, backend)
+    _dropout_parity(c)
+
+
+def _dropout_parity(c: Case) -> None:
     p = 0.3
     q, k, v = _qkv(c)
     mask, kpm = _attn_mask(c), _key_padding(c)
     keep = attn.dropout_keep_mask(_predicted_seed(11), c.b, c.h, c.lq, c.lk, p, device=DEVICE)
     gqa = (c.hkv or c.h) != c.h
-    kw = dict(is_causal=c.causal, enable_gqa=gqa, key_padding_mask=kpm)
+    kw = dict(is_causal=c.causal, scale=c.scale, enable_gqa=gqa, key_padding_mask=kpm)
     inputs = [q, k, v] + ([mask] if mask is not None else [])
 
     def fast(q, k, v, m=None):
@@ -361,7 +372,7 @@ def test_dropout_parity_other_tile_shapes(monkeypatch, blocks, dtype, qk_tiles):
 
     monkeypatch.setattr(kernels, "INTERPRET_CONFIG", kernels.Config(*blocks, 4, 1, qk_tiles))
     c = Case(lq=47, lk=81, d=16, causal=True, kpm="edges", dtype=dtype)
-    test_dropout_parity_with_regenerated_mask(c)
+    _dropout_parity(c)
 
 
 @pytest.mark.parametrize("lk", [64, 45], ids=["whole_blocks", "partial_last_block"])

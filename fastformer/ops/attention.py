@@ -11,7 +11,8 @@ Backends (fastformer.ops._dispatch, FASTFORMER_BACKEND_ATTENTION forces one): `t
 fused kernel of fastformer.kernels.attention (CUDA tensors, or CPU tensors under
 TRITON_INTERPRET=1), then `torch`: on CPU without dropout torch's own fused CPU attention (the
 kernels of SDPA's CPU flash path) fed with fastformer's masks, otherwise the eager reference fed
-with the same dropout mask. The torch backend also takes what the kernel cannot: a batch or head
+with the same dropout mask (computed in float32 for float16 / bfloat16 inputs, like the kernels;
+results in the input dtype). The torch backend also takes what the kernel cannot: a batch or head
 count over 65535 (CUDA's grid limit) or batch x heads of 2**31 or more, and (batch, head) slices
 past int32 offsets (`backend_reasons` says which).
 
@@ -63,6 +64,7 @@ MAX_DROPOUT_CALLS = 2**32  # Lq * dropout_calls(Lk) must stay below: the low 32 
 DROPOUT_BLOCK = 32  # key columns served by 4 Philox calls (8 scores a call, 16 bits each)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the Triton kernel's
 _DTYPES = (*_KERNEL_DTYPES, torch.float64)  # float64: the torch backend (tests, gradcheck)
+_HALF = (torch.float16, torch.bfloat16)
 _MASK_DIMS = ("batch", "heads", "seq_q", "seq_k")
 
 
@@ -594,16 +596,21 @@ def _torch_forward(q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scale):
     return _reference_forward(q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scale)
 
 
+def _wide(*tensors: Tensor | None) -> list[Tensor | None]:
+    """float16 / bfloat16 tensors as float32: the torch backend computes softmax, products and
+    gradients in float32 like the kernels (in 16 bits its explicit backward, ordered otherwise
+    than autograd's, lost up to ~3x the 16-bit reference's error with dropout). Others as they
+    are."""
+    return [t.float() if t is not None and t.dtype in _HALF else t for t in tensors]
+
+
 def _reference_forward(q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scale):
     b, h, lq, _ = q.shape
     keep = None
     if dropout_p > 0:
         keep = dropout_keep_mask(seed, b, h, lq, k.shape[2], dropout_p, device=q.device)
     out, lse = reference.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask,
+        *_wide(q, k, v, attn_mask),
         dropout_p,
         is_causal,
         scale,
@@ -612,7 +619,7 @@ def _reference_forward(q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scal
         dropout_mask=keep,
         return_lse=True,
     )
-    return out, lse  # lse_dtype(q.dtype)
+    return out.to(q.dtype), lse  # lse: float32 for 16-bit q, lse_dtype(q.dtype)
 
 
 def _torch_backward(
@@ -642,6 +649,9 @@ def _reference_backward(
     dQ = dS K_heads * scale, dK = dS^T Q * scale, d attn_mask = dS summed to its shape.
     Explicit rather than autograd: inside a custom op the Autograd key is excluded, and
     torch.func's wrapped tensors break the dispatch modes of fake tensors and opcheck."""
+    dtypes = [t.dtype for t in (q, k, v)]
+    mask_dtype = None if attn_mask is None else attn_mask.dtype
+    grad_out, grad_lse, q, k, v, attn_mask = _wide(grad_out, grad_lse, q, k, v, attn_mask)
     b, h, lq, _ = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     kh, vh = reference._repeat_kv_heads(q, k, v, hkv != h)
@@ -664,8 +674,9 @@ def _reference_backward(
     grad_k, grad_v = _sum_kv_groups(grad_k, hkv), _sum_kv_groups(grad_v, hkv)
     grad_mask = None
     if mask_grad:
-        grad_mask = grad_scores.sum_to_size(attn_mask.shape).to(attn_mask.dtype)
-    return grad_q, grad_k, grad_v, grad_mask
+        grad_mask = grad_scores.sum_to_size(attn_mask.shape).to(mask_dtype)
+    grads = (grad_q, grad_k, grad_v)
+    return (*(g.to(dtype) for g, dtype in zip(grads, dtypes)), grad_mask)
 
 
 # --------------------------------------------------------------------------- custom ops
