@@ -151,10 +151,12 @@ def dropout_add_layer_norm(
     torch.nn adds the sub-layer output to the residual first, which promotes the dtypes (under
     autocast a bfloat16 attention output meets a float32 residual): both go in promoted.
     """
-    dtype = torch.promote_types(x.dtype, residual.dtype)
-    x, residual = x.to(dtype), residual.to(dtype)
+    if x.dtype != residual.dtype:
+        dtype = torch.promote_types(x.dtype, residual.dtype)
+        x, residual = x.to(dtype), residual.to(dtype)
     x, autocast = _norm_input(x)
-    residual = residual.to(x.dtype)
+    if residual.dtype != x.dtype:
+        residual = residual.to(x.dtype)
     weight, bias = _norm_params(x, weight, bias)
     args = (x, residual, weight, bias, eps, dropout_p, prenorm)
     if _record.active():

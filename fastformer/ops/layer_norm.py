@@ -130,7 +130,7 @@ def _check_param(fn: str, name: str, p: object, x: Tensor, shape: tuple[int, ...
         return
     if not isinstance(p, Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor or None, got {type(p).__name__}")
-    if tuple(p.shape) != shape:
+    if p.shape != shape:  # torch.Size is a tuple: no copy to compare
         raise ValueError(f"{fn}: {name} must have shape {shape}, got {tuple(p.shape)}")
     if p.dtype not in (x.dtype, torch.float32):
         raise TypeError(
@@ -150,6 +150,8 @@ def _check_params(fn: str, x: Tensor, shape: tuple[int, ...], weight: object, bi
 
 
 def _check_eps(fn: str, eps: object) -> float:
+    if type(eps) is float and 0.0 < eps < math.inf:  # the usual case, without the ABC checks
+        return eps
     if not isinstance(eps, numbers.Real) or isinstance(eps, bool):
         raise TypeError(f"{fn}: eps must be a float, got {type(eps).__name__}")
     if not (math.isfinite(eps) and eps > 0):
@@ -158,6 +160,8 @@ def _check_eps(fn: str, eps: object) -> float:
 
 
 def _check_dropout_p(fn: str, dropout_p: object) -> float:
+    if type(dropout_p) is float and 0.0 <= dropout_p < 1.0:  # the usual case
+        return dropout_p
     if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool):
         raise TypeError(f"{fn}: dropout_p must be a float, got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p < 1.0:
