@@ -47,6 +47,7 @@ from torch import Tensor
 
 from fastformer import reference
 from fastformer.ops import rng
+from fastformer.ops._autograd import first_order
 from fastformer.ops._dispatch import Backend, explain, register, select
 
 __all__ = [
@@ -843,6 +844,7 @@ class _AttentionFunction(torch.autograd.Function):
         return output[0], output[1]
 
     @staticmethod
+    @first_order("attention")
     def backward(ctx, grad_out, grad_lse):
         def run(*args):
             return _backward_kernels(

@@ -43,6 +43,7 @@ from torch import Tensor
 from fastformer import reference
 from fastformer._ext import cuda_kernels_compiled, extension_error
 from fastformer.ops import rng
+from fastformer.ops._autograd import first_order
 from fastformer.ops._dispatch import Backend, register, select_by_key
 
 __all__ = [
@@ -464,6 +465,7 @@ class _FfnFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order("FFN")
     def backward(ctx, grad_out):
         if grad_out is None:
             return (None,) * 7

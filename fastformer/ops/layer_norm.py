@@ -41,6 +41,7 @@ from torch import Tensor
 from fastformer import reference
 from fastformer._ext import cuda_kernels_compiled, extension_error
 from fastformer.ops import rng
+from fastformer.ops._autograd import first_order
 from fastformer.ops._dispatch import Backend, register, select_by_key
 
 __all__ = [
@@ -331,6 +332,7 @@ class _LayerNormFunction(torch.autograd.Function):
         return output[0], output[1]
 
     @staticmethod
+    @first_order("LayerNorm / RMSNorm")
     def backward(ctx, dout, dpre):
         return _grads(ctx, dout, dpre)
 

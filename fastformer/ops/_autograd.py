@@ -1,0 +1,61 @@
+"""First-order gradients only, said loudly: the backward of the ops' eager autograd Functions.
+
+Their backward runs compiled kernels (C++/CUDA, Triton) whose results carry no autograd graph.
+Taken with ``create_graph=True`` (a gradient penalty, a Hessian-vector product), those gradients
+would look constant to a second backward, which would then return zeros or partial sums in
+silence. ``first_order(op)`` makes the second backward raise instead, naming the op.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+
+class _SecondDerivative(torch.autograd.Function):
+    """Identity on a backward's results, tied to the tensors they depend on; raises when a
+    second backward reaches it."""
+
+    @staticmethod
+    def forward(ctx, op: str, n_inputs: int, *args):
+        ctx.op = op
+        return tuple(None if r is None else r.clone() for r in args[n_inputs:])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"fastformer's {ctx.op} kernels compute first-order gradients only, and a second "
+            "derivative (a backward through gradients taken with create_graph=True) was asked "
+            "for; use the torch.nn / torch.nn.functional op where double backward is needed"
+        )
+
+
+def first_order(op: str) -> Callable:
+    """Decorator of an autograd.Function's backward whose results are not differentiable.
+
+    Outside ``create_graph=True`` it only calls the backward. Inside, it runs the backward
+    without recording a graph and returns its results through a node that depends on the
+    incoming gradients and the saved tensors that require grad, so that differentiating
+    them raises a RuntimeError naming `op` rather than giving wrong second derivatives.
+    """
+
+    def wrap(backward: Callable) -> Callable:
+        @functools.wraps(backward)
+        def run(ctx, *grads):
+            if not torch.is_grad_enabled():
+                return backward(ctx, *grads)
+            with torch.no_grad():
+                results = backward(ctx, *grads)
+            tied = [
+                t for t in (*grads, *ctx.saved_tensors) if isinstance(t, Tensor) and t.requires_grad
+            ]
+            if not tied:
+                return results
+            return _SecondDerivative.apply(op, len(tied), *tied, *results)
+
+        return run
+
+    return wrap
