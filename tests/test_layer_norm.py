@@ -634,3 +634,24 @@ def test_cuda_matches_cpu_kernels_and_is_deterministic():
         grads.append(g)
     for a, c in zip(*grads):
         assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cols", [7, 8, 64, 1000, 1023])
+@pytest.mark.parametrize("weight_scale", [1.0, 1e-6], ids=["normal", "subnormal_out"])
+def test_cpu_16bit_is_float32_math_rounded_once(dtype, cols, weight_scale):
+    # The CPU kernels read 16-bit rows into float32 and round the results once (nearest even):
+    # bit for bit the float32 kernels' results on the same values, rounded by torch. Checks the
+    # vectorized conversions (F16C for float16, integer lanes for bfloat16), their scalar tails
+    # and subnormal outputs.
+    g = torch.Generator().manual_seed(cols)
+    x = (torch.randn(33, cols, generator=g) * 3 + 1).to(dtype).requires_grad_()
+    x32 = x.detach().float().requires_grad_()
+    w = (torch.randn(cols, generator=g) * weight_scale).requires_grad_()
+    b = (torch.randn(cols, generator=g) * weight_scale).requires_grad_()
+    dy = torch.randn(33, cols, generator=g).to(dtype)
+    out, out32 = ln.layer_norm(x, cols, w, b), ln.layer_norm(x32, cols, w, b)
+    assert torch.equal(out, out32.to(dtype))
+    dx, dw, db = torch.autograd.grad(out, (x, w, b), dy)
+    dx32, dw32, db32 = torch.autograd.grad(out32, (x32, w, b), dy.float())
+    assert torch.equal(dx, dx32.to(dtype)) and torch.equal(dw, dw32) and torch.equal(db, db32)
