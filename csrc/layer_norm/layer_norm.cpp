@@ -595,7 +595,10 @@ void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
       }
 #ifdef FF_FUSED_BF16
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (!p.fused) total = row_convert_sum(p.x + row * n, buf.data(), n), summed = true;
+        if (!p.fused) {
+          total = row_convert_sum(p.x + row * n, buf.data(), n);
+          summed = true;
+        }
       }
 #endif
       if (v == buf.data() && !summed) load_row<T, A>(p, row, buf.data());
