@@ -328,7 +328,7 @@ DROPOUT_CASES = {
     # The torch backend lost up to ~3x the bound in 16 bits before it computed in float32.
     "fp16_causal_float_mask": Case(
         b=1, lq=7, lk=47, d=16, causal=True, mask="float", mask_shape="qk", dtype=F16
-    ),  # fmt: skip
+    ),
     "fp16_dv8": Case(b=1, lq=7, lk=64, d=64, dv=8, dtype=F16, scale=0.5),
     "bf16_causal": Case(b=1, lq=16, lk=64, d=64, causal=True, dtype=BF16, scale=0.5),
 }

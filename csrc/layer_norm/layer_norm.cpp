@@ -195,26 +195,35 @@ FF_INLINE A lane_sum(const Vec<A>& v) {
   return s;
 }
 
-// sum(f(p[j])) over the row; f maps vectors (the tail goes through f as a splat vector).
-template <typename A, typename F>
-FF_INLINE A sum_map(const A* p, int64_t n, const F& f) {
+// sum(f(row[j])) over a row of n elements, in one fixed order (every sum of the CPU kernels
+// takes it, so that equal rows give equal bits): load(j) gives the vector of elements j..j+k-1,
+// load_one(j) element j of the tail; f maps vectors (the tail goes through f as a splat vector).
+template <typename A, typename L, typename L1, typename F>
+FF_INLINE A sum_loaded(int64_t n, const L& load, const L1& load_one, const F& f) {
   constexpr int64_t k = kLanes<A>;
   Vec<A> a0 = vsplat<A>(0), a1 = a0, a2 = a0, a3 = a0;
   int64_t j = 0;
   for (; j + 4 * k <= n; j += 4 * k) {
-    a0 = a0 + f(vload(p + j));
-    a1 = a1 + f(vload(p + j + k));
-    a2 = a2 + f(vload(p + j + 2 * k));
-    a3 = a3 + f(vload(p + j + 3 * k));
+    a0 = a0 + f(load(j));
+    a1 = a1 + f(load(j + k));
+    a2 = a2 + f(load(j + 2 * k));
+    a3 = a3 + f(load(j + 3 * k));
   }
-  for (; j + k <= n; j += k) a0 = a0 + f(vload(p + j));
+  for (; j + k <= n; j += k) a0 = a0 + f(load(j));
   A s = lane_sum<A>((a0 + a1) + (a2 + a3));
   A tail[kLanes<A>];
   for (; j < n; ++j) {
-    vstore(tail, f(vsplat(p[j])));
+    vstore(tail, f(vsplat<A>(load_one(j))));
     s += tail[0];
   }
   return s;
+}
+
+// sum(f(p[j])) over the row.
+template <typename A, typename F>
+FF_INLINE A sum_map(const A* p, int64_t n, const F& f) {
+  return sum_loaded<A>(
+      n, [p](int64_t j) { return vload(p + j); }, [p](int64_t j) { return p[j]; }, f);
 }
 
 template <typename A>
@@ -378,26 +387,16 @@ FF_INLINE void convert_impl(const float* src, c10::BFloat16* dst, int64_t n) {
 
 // The bfloat16 forward's first and last passes fused with the conversions (`perf`: the separate
 // conversion passes took 30% of it). The same operations in the same order as convert_impl
-// then sum_impl, and normalize_impl then convert_impl: the same bits, in 3 passes, not 5.
+// then sum_impl (sum_loaded), and normalize_impl then convert_impl: the same bits, in 3 passes,
+// not 5.
 FF_INLINE float convert_sum_impl(const c10::BFloat16* src, float* dst, int64_t n) {
-  constexpr int64_t k = 8;
-  Vec<float> a[4] = {vsplat(0.f), vsplat(0.f), vsplat(0.f), vsplat(0.f)};
-  int64_t j = 0;
-  for (; j + 4 * k <= n; j += 4 * k) {
-    for (int i = 0; i < 4; ++i) {
-      const Vec<float> v = load_bf16x8(src + j + i * k);
-      vstore(dst + j + i * k, v);
-      a[i] = a[i] + v;
-    }
-  }
-  for (; j + k <= n; j += k) {
+  const auto load = [src, dst](int64_t j) {
     const Vec<float> v = load_bf16x8(src + j);
     vstore(dst + j, v);
-    a[0] = a[0] + v;
-  }
-  float s = lane_sum<float>((a[0] + a[1]) + (a[2] + a[3]));
-  for (; j < n; ++j) s += dst[j] = static_cast<float>(src[j]);
-  return s;
+    return v;
+  };
+  const auto load_one = [src, dst](int64_t j) { return dst[j] = static_cast<float>(src[j]); };
+  return sum_loaded<float>(n, load, load_one, [](const Vec<float>& v) { return v; });
 }
 
 FF_INLINE void normalize_store_impl(const float* x, c10::BFloat16* out, int64_t n, float mean,
