@@ -93,6 +93,28 @@ void check_offsets(const at::Tensor& offsets, const char* op = "philox_uniform")
               offsets.scalar_type());
 }
 
+// One row of attention's keep-mask from its Philox words: column j = 32 g + 8 w + 2 c + l takes
+// half l of word w of call 4 g + c. Whole groups of 32 columns in fixed loops (no index
+// arithmetic an element: that took 2.3x the Philox time), the ragged tail by the formula.
+void keep_row(const uint32_t* words, int64_t seq_k, uint32_t t, bool* row) {
+  const int64_t groups = seq_k / 32;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint32_t* group = words + 16 * g;
+    bool* out = row + 32 * g;
+    for (int w = 0; w < 4; ++w) {
+      for (int c = 0; c < 4; ++c) {
+        const uint32_t word = group[4 * c + w];
+        out[8 * w + 2 * c] = (word & 0xFFFFu) >= t;
+        out[8 * w + 2 * c + 1] = (word >> 16) >= t;
+      }
+    }
+  }
+  for (int64_t j = 32 * groups; j < seq_k; ++j) {
+    const int64_t call = 4 * (j / 32) + (j / 2) % 4, w = (j / 8) % 4, l = j % 2;
+    row[j] = ((words[4 * call + w] >> (16 * l)) & 0xFFFFu) >= t;
+  }
+}
+
 // Attention's dropout keep-mask (fastformer.ops.attention.dropout_keep_mask), shape
 // row_offsets.shape + (seq_k,): in row r, key column j = 32 g + 8 w + 2 c + l is kept when
 // 16-bit half l of word w of the Philox call at counter row_offsets[r] + 4 g + c is >= threshold.
@@ -116,11 +138,7 @@ at::Tensor attention_keep_mask_cpu(int64_t seed, const at::Tensor& row_offsets, 
     std::vector<uint32_t> words(4 * calls);
     for (int64_t r = begin; r < end; ++r) {
       philox_words_cpu(key, static_cast<uint64_t>(base[r]), calls, words.data());
-      bool* row = dst + r * seq_k;
-      for (int64_t j = 0; j < seq_k; ++j) {  // j = 32 g + 8 w + 2 c + l: call 4 g + c, word w
-        const int64_t call = 4 * (j / 32) + (j / 2) % 4, w = (j / 8) % 4, l = j % 2;
-        row[j] = ((words[4 * call + w] >> (16 * l)) & 0xFFFFu) >= t;
-      }
+      keep_row(words.data(), seq_k, t, dst + r * seq_k);
     }
   });
   return out;

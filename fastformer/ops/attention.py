@@ -606,21 +606,61 @@ def _wide(*tensors: Tensor | None) -> list[Tensor | None]:
 
 
 def _reference_forward(q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scale):
+    """The reference's function with the Philox keep-mask of `seed`, computed with fewer
+    passes than the reference spells out (`_scores`, `_softmax`): on CPU the reference's
+    out-of-place elementwise passes cost more than its two matrix products."""
     b, h, lq, _ = q.shape
-    keep = None
+    wq, wk, wv, wmask = _wide(q, k, v, attn_mask)
+    kh, vh = reference._repeat_kv_heads(wq, wk, wv, k.shape[1] != h)
+    scores = _scores(wq, kh, wmask, is_causal, scale, kpm)
+    probs, lse = _softmax(scores, with_lse=True)
     if dropout_p > 0:
-        keep = dropout_keep_mask(seed, b, h, lq, k.shape[2], dropout_p, device=q.device)
-    out, lse = reference.scaled_dot_product_attention(
-        *_wide(q, k, v, attn_mask),
-        dropout_p,
-        is_causal,
-        scale,
-        enable_gqa=k.shape[1] != h,
-        key_padding_mask=kpm,
-        dropout_mask=keep,
-        return_lse=True,
-    )
-    return out.to(q.dtype), lse  # lse: float32 for 16-bit q, lse_dtype(q.dtype)
+        probs.mul_(_kept_scale(seed, probs, dropout_p, out=scores))
+    return (probs @ vh).to(q.dtype), lse  # lse: float32 for 16-bit q, lse_dtype(q.dtype)
+
+
+def _scores(q: Tensor, k: Tensor, attn_mask, is_causal: bool, scale: float, kpm) -> Tensor:
+    """The reference's masked scaled scores (`reference._attention_scores`, -inf = masked), with
+    the scale and the masks applied in place."""
+    lq, lk = q.shape[2], k.shape[2]
+    scores = torch.matmul(q, k.transpose(-2, -1)).mul_(scale)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores.masked_fill_(~attn_mask, float("-inf"))
+        else:
+            scores.add_(attn_mask.to(scores.dtype))
+    if is_causal:
+        future = torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu_(1)
+        scores.masked_fill_(future, float("-inf"))
+    if kpm is not None:
+        scores.masked_fill_(kpm[:, None, None, :], float("-inf"))
+    return scores
+
+
+def _softmax(scores: Tensor, with_lse: bool = False):
+    """Softmax over the last dim by torch's fused kernel, where rows with every score masked
+    give 0 as in the reference (torch's give NaN); with_lse: also the log-sum-exp, as
+    max - log(max probability) (exact to rounding: that probability is exp(max - lse), at
+    least 1 / Lk)."""
+    if scores.shape[-1] == 0:  # no keys (amax refuses a 0-size dim): lse -inf
+        return (scores, scores.new_full(scores.shape[:-1], float("-inf"))) if with_lse else scores
+    row_max = scores.amax(-1)
+    empty = torch.isneginf(row_max)
+    probs = torch.softmax(scores, -1)
+    if probs.device.type != "cpu" or bool(empty.any()):  # a pass saved; no GPU sync
+        probs.masked_fill_(empty[..., None], 0.0)
+    if not with_lse:
+        return probs
+    return probs, (row_max - probs.amax(-1).log()).masked_fill_(empty, float("-inf"))
+
+
+def _kept_scale(seed, probs: Tensor, dropout_p: float, out: Tensor) -> Tensor:
+    """`out` (probs's shape and dtype; a buffer the caller is done with) set to the keep-mask K
+    of `seed` times 1 / (1 - p): dropout is then one multiply (two `where`s took 4x as long,
+    and a fresh buffer's page faults cost more than the multiply)."""
+    b, h, lq, lk = probs.shape
+    keep = dropout_keep_mask(seed, b, h, lq, lk, dropout_p, device=probs.device)
+    return out.copy_(keep).mul_(1.0 / (1.0 - dropout_p))
 
 
 def _torch_backward(
@@ -644,29 +684,28 @@ def _torch_backward(
 def _reference_backward(
     grad_out, grad_lse, q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scale, mask_grad
 ):  # fmt: skip
-    """The reference's gradients written out, on its recomputed probabilities P and the same
-    keep-mask K (drop scale c): with S the masked scaled scores and O = (P * K * c) V,
-    dV = (P * K * c)^T dO, dP = (dO V^T) * K * c, dS = P * (dP - rowsum(P * dP) + dlse),
-    dQ = dS K_heads * scale, dK = dS^T Q * scale, d attn_mask = dS summed to its shape.
-    Explicit rather than autograd: inside a custom op the Autograd key is excluded, and
-    torch.func's wrapped tensors break the dispatch modes of fake tensors and opcheck."""
+    """The reference's gradients written out, on the recomputed probabilities P and the same
+    keep-mask K (drop scale c): with S the masked scaled scores and
+    O = (P * K * c) V, dV = (P * K * c)^T dO, dP = (dO V^T) * K * c,
+    dS = P * (dP - rowsum(P * dP) + dlse), dQ = dS K_heads * scale, dK = dS^T Q * scale,
+    d attn_mask = dS summed to its shape. Explicit rather than autograd: inside a custom op the
+    Autograd key is excluded, and torch.func's wrapped tensors break the dispatch modes of fake
+    tensors and opcheck."""
     dtypes = [t.dtype for t in (q, k, v)]
     mask_dtype = None if attn_mask is None else attn_mask.dtype
     grad_out, grad_lse, q, k, v, attn_mask = _wide(grad_out, grad_lse, q, k, v, attn_mask)
-    b, h, lq, _ = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
-    kh, vh = reference._repeat_kv_heads(q, k, v, hkv != h)
-    scores = reference._attention_scores(q, kh, attn_mask, is_causal, scale, kpm)
-    probs, _ = reference._safe_softmax(scores)
+    hkv = k.shape[1]
+    kh, vh = reference._repeat_kv_heads(q, k, v, hkv != q.shape[1])
+    scores = _scores(q, kh, attn_mask, is_causal, scale, kpm)
+    probs = _softmax(scores)
     grad_probs = grad_out.to(probs.dtype) @ vh.transpose(-2, -1)
     dropped = probs
-    if dropout_p > 0:  # x * c where kept, else 0: two passes, not the reference's three
-        keep = dropout_keep_mask(seed, b, h, lq, lk, dropout_p, device=q.device)
-        c = 1.0 / (1.0 - dropout_p)
-        dropped = torch.where(keep, probs * c, 0.0)
-        grad_probs = torch.where(keep, grad_probs.mul_(c), 0.0)
+    if dropout_p > 0:  # scores's buffer is free: it takes K * c, then P * K * c
+        dropped = _kept_scale(seed, probs, dropout_p, out=scores)
+        grad_probs.mul_(dropped)
+        dropped.mul_(probs)
     grad_v = dropped.transpose(-2, -1) @ grad_out.to(probs.dtype)
-    row = (probs * grad_probs).sum(-1, keepdim=True)
+    row = torch.mul(probs, grad_probs, out=scores).sum(-1, keepdim=True)  # scores free again
     if grad_lse is not None:
         row = row - grad_lse.to(probs.dtype)[..., None]
     grad_scores = grad_probs.sub_(row).mul_(probs)
