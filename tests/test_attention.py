@@ -888,6 +888,25 @@ def test_interpreter_refuses_triton36_with_numpy24(
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_autocast_does_not_reach_the_torch_backend(monkeypatch, dropout_p):
+    # The op computes in its inputs' dtype with autocast on or off, as its fake says (float32
+    # lse): autocast reached the torch backend's products, called inside an autocast region
+    # (the op, or a backward, run there), which returned a bfloat16 lse and bf16-rounded values.
+    _use_backend(monkeypatch, "torch")
+    q, k, v = _qkv(Case(b=2, h=2, lq=9, lk=11, d=8))
+    results = []
+    for autocast in (False, True):
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out, lse = attn.scaled_dot_product_attention_with_lse(q, k, v, None, dropout_p)
+            loss = out.square().sum() + lse.sum()  # the lse gradient: the explicit backward
+            results.append((out, lse, *torch.autograd.grad(loss, (q, k, v))))
+    assert results[1][1].dtype == torch.float32
+    for plain, under_autocast in zip(*results):
+        torch.testing.assert_close(under_autocast, plain, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
 def test_reference_backward_gradcheck_float64(dropout_p):
     # The torch backend's backward where torch's CPU flash kernels do not apply (dropout, an lse
     # gradient, a float mask's gradient), in float64 (which only these internals take): q, k, v,

@@ -310,6 +310,27 @@ def test_compiled_ops_take_any_leading_dims(lead):
 # --------------------------------------------------------------------------- registration
 
 
+@pytest.mark.parametrize("backend", ["default", "torch"])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_autocast_does_not_reach_the_ops_gemms(dropout_p, backend, monkeypatch):
+    # The ops compute in their inputs' dtype whether or not autocast is on, as their fakes say;
+    # before, the C++ ops' own at::mm calls were autocast to bfloat16 and the float32 passes
+    # after them raised, and the torch backend computed in bfloat16 and returned it.
+    if backend != "default":
+        monkeypatch.setenv("FASTFORMER_BACKEND_FFN", backend)
+    x, w1, b1, w2, b2 = make_inputs((5,), 8, 12, "gelu")
+    results = []
+    for autocast in (False, True):
+        torch.manual_seed(3)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = ffn(x, w1, b1, w2, b2, "gelu", dropout_p)
+            grads = torch.autograd.grad(out.square().sum(), (x, w1, b1, w2, b2))
+        results.append((out, *grads))
+    assert results[1][0].dtype == torch.float32
+    for plain, autocast in zip(*results):
+        torch.testing.assert_close(autocast, plain, rtol=0, atol=0)
+
+
 def test_ops_registered():
     for name in ("ffn_forward", "ffn_backward"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fastformer::{name}", "CPU")

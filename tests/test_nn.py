@@ -531,6 +531,39 @@ def test_autocast_gives_torch_dtypes(kind, dtype):
     assert all(p.grad is not None and p.grad.dtype == p.dtype for p in ours.parameters())
 
 
+@pytest.mark.parametrize("kind", ["EncoderLayer", "DecoderLayerPreLN"])
+def test_float32_block_inside_autocast_with_backward_under_autocast(kind):
+    # A float32 sub-block (autocast switched off around it) whose backward runs where autocast
+    # is on, as `loss.backward()` inside the training step's autocast region does. The FFN's
+    # C++ ops called at::mm there, which returned bfloat16 to their float32 passes (an error).
+    # The FFN's gradients are now those without autocast; the projections' are torch's own
+    # linear backward, which autocast takes to bfloat16 there (in torch.nn too).
+    torch_cls, fast_cls, args, kwargs, n_inputs = _autocast_pairs()[kind]
+    theirs, ours = _pair(torch_cls, fast_cls, *args, **kwargs)
+    x = _randn(S, B, E)
+    grads = {}
+    for name, module, autocast in (
+        ("plain", ours, False),
+        ("ours", ours, True),
+        ("theirs", theirs, True),
+    ):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            with torch.autocast("cpu", enabled=False):
+                out = module(*(x,) * n_inputs)
+            assert out.dtype == torch.float32
+            grads[name] = dict(
+                zip(
+                    dict(module.named_parameters()),
+                    torch.autograd.grad(out.square().mean(), list(module.parameters())),
+                )
+            )
+    for name, grad in grads["ours"].items():
+        scale = float(grads["plain"][name].abs().max())
+        torch.testing.assert_close(grad, grads["theirs"][name], atol=0.05 * scale, rtol=0, msg=name)
+        if name.startswith("linear"):  # the FFN op's parameters
+            torch.testing.assert_close(grad, grads["plain"][name], atol=0, rtol=0, msg=name)
+
+
 # --------------------------------------------------------------------------- the other paths
 
 

@@ -17,6 +17,7 @@
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/bit_cast.h>
 #include <torch/library.h>
 
@@ -691,12 +692,16 @@ void check_rank(const at::Tensor& t, const char* name, const char* last) {
   TORCH_CHECK(t.dim() >= 1, "ffn: ", name, " must be (..., ", last, "), got a 0-d tensor");
 }
 
+// The ops compute in their inputs' dtypes: autocast, when on, must not reach the GEMMs they
+// call through the dispatcher (at::mm of float32 operands would return bfloat16 there, which
+// the fused passes refuse; the module door casts the inputs as torch.nn would beforehand).
 template <auto Impl>
 Forward forward_op(const at::Tensor& x, const at::Tensor& w1, const OptTensor& b1,
                    const at::Tensor& w2, const OptTensor& b2, c10::string_view activation,
                    double dropout_p, int64_t seed, bool fused_epilogue,
                    const OptTensor& device_seed) {
   check_rank(x, "x", "d_model");
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   auto [out, saved] = Impl(as_rows(x), w1, b1, w2, b2, activation, dropout_p, seed,
                            fused_epilogue, device_seed);
   return {with_lead(out, x), saved};
@@ -708,6 +713,7 @@ Backward backward_op(const at::Tensor& grad_out, const at::Tensor& x, const at::
                      double dropout_p, int64_t seed, const OptTensor& device_seed) {
   check_rank(x, "x", "d_model");
   check_rank(grad_out, "grad_out", "d_out");
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   auto [dx, dw1, db1, dw2, db2] = Impl(as_rows(grad_out), as_rows(x), w1, w2, saved, activation,
                                        dropout_p, seed, device_seed);
   return {with_lead(dx, x), dw1, db1, dw2, db2};

@@ -1,4 +1,5 @@
-"""First-order gradients only, said loudly: the backward of the ops' eager autograd Functions.
+"""Wrappers of the ops' implementations: first-order gradients only, said loudly (the backward
+of the ops' eager autograd Functions), and autocast kept out of their plain-PyTorch backends.
 
 Their backward runs compiled kernels (C++/CUDA, Triton) whose results carry no autograd graph.
 Taken with ``create_graph=True`` (a gradient penalty, a Hessian-vector product), those gradients
@@ -59,3 +60,23 @@ def first_order(op: str) -> Callable:
         return run
 
     return wrap
+
+
+def autocast_off(fn: Callable) -> Callable:
+    """`fn` run with autocast off for its first argument's device type when it is on there.
+
+    The ops compute in their inputs' dtypes, as their fake implementations promise (the modules
+    cast the inputs as torch.nn would first). Autocast would otherwise reach the plain-PyTorch
+    backends' products, called where it is on: a backward run inside an autocast region, or an
+    op called there directly; they would compute in bfloat16 and return some results in it.
+    """
+
+    @functools.wraps(fn)
+    def run(first: Tensor, *args, **kwargs):
+        device = first.device.type
+        if not torch.is_autocast_enabled(device):
+            return fn(first, *args, **kwargs)
+        with torch.autocast(device, enabled=False):
+            return fn(first, *args, **kwargs)
+
+    return run

@@ -47,7 +47,7 @@ from torch import Tensor
 
 from fastformer import reference
 from fastformer.ops import rng
-from fastformer.ops._autograd import first_order
+from fastformer.ops._autograd import autocast_off, first_order
 from fastformer.ops._dispatch import Backend, explain, register, select
 
 __all__ = [
@@ -589,6 +589,7 @@ def _cpu_flash_backward(grad_out, q, k, v, out, lse, attn_mask, kpm, is_causal, 
     return dq, _sum_kv_groups(dk, hkv), _sum_kv_groups(dv, hkv)
 
 
+@autocast_off
 def _torch_forward(q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scale):
     """torch's CPU flash kernels where they apply (`_cpu_flash_ok`), else the eager reference
     with the Philox keep-mask of `seed` (materialized: fine here)."""
@@ -663,6 +664,7 @@ def _kept_scale(seed, probs: Tensor, dropout_p: float, out: Tensor) -> Tensor:
     return out.copy_(keep).mul_(1.0 / (1.0 - dropout_p))
 
 
+@autocast_off
 def _torch_backward(
     grad_out, grad_lse, q, k, v, out, lse, attn_mask, kpm, seed, dropout_p, is_causal, scale,
     mask_grad,

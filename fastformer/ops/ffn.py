@@ -43,7 +43,7 @@ from torch import Tensor
 from fastformer import reference
 from fastformer._ext import cuda_kernels_compiled, extension_error
 from fastformer.ops import rng
-from fastformer.ops._autograd import first_order
+from fastformer.ops._autograd import autocast_off, first_order
 from fastformer.ops._dispatch import Backend, register, select_by_key
 
 __all__ = [
@@ -503,6 +503,7 @@ def _dropout(g: Tensor, seed: int, dropout_p: float) -> Tensor:
     return g * keep.to(g.dtype) * (1.0 / (1.0 - dropout_p))
 
 
+@autocast_off
 def _torch_forward(x, w1, b1, w2, b2, activation, dropout_p, seed) -> tuple[Tensor, Tensor]:
     """Plain-PyTorch forward: (out, saved) with the same meaning as ffn_forward's."""
     h = F.linear(x, w1, b1)
@@ -515,6 +516,7 @@ def _torch_forward(x, w1, b1, w2, b2, activation, dropout_p, seed) -> tuple[Tens
     return F.linear(g, w2, b2), g if activation == "relu" else h
 
 
+@autocast_off
 def _torch_backward(grad_out, x, w1, w2, saved, seed, activation, dropout_p):
     """Plain-PyTorch backward from (x, saved, seed): (dx, dw1, db1, dw2, db2)."""
     dg = grad_out @ w2
