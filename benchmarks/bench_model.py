@@ -1,6 +1,6 @@
 """The paper's base Transformer: training step (forward + backward + Adam) and inference of
-the eager reference, the model after fastformer.swap, and torch.compile of the eager model's
-layers and of the whole model, same weights and
+the eager reference, the same weights in torch.nn.Transformer, the model after fastformer.swap,
+and torch.compile of the eager model's layers and of the whole model, same weights and
 batch as `python -m fastformer bench` (bf16 on the GPU)."""
 
 import copy
@@ -12,7 +12,7 @@ import torch
 from fastformer.cli import bench as B
 from fastformer.cli.cases import model_case
 
-VARIANTS = ["eager", "fastformer", B.COMPILE_LAYERS, B.COMPILE_WHOLE]
+VARIANTS = ["eager", B.TORCH_NN, "fastformer", B.COMPILE_LAYERS, B.COMPILE_WHOLE]
 
 
 @functools.lru_cache(maxsize=1)
@@ -30,6 +30,8 @@ def _variant(name):
         model, info = B.swapped(eager)
         if model is None:
             pytest.skip(info["error"])
+    elif name == B.TORCH_NN:
+        model = B.torch_nn_twin(eager)
     loss_fn, forward = model.loss, model
     if name in B.COMPILED:
         loss_fn, forward = B.compiled_model(name, model)

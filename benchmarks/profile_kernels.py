@@ -96,8 +96,9 @@ def _profiled(call: Callable[[], None], iters: int, top: int, device, what: str)
 
 
 def profile_model(case: ModelCase, iters: int, top: int, device="cuda") -> list[str]:
-    """Report lines of one training step of the eager reference and of its fastformer.swap
-    copy (same weights and batch; bf16 on CUDA, float32 on CPU for a dry run)."""
+    """Report lines of one training step of the eager reference, its torch.nn.Transformer twin
+    and its fastformer.swap copy (same weights and batch; bf16 on CUDA, float32 on CPU for a
+    dry run)."""
     device = torch.device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     eager = bench.build_model(case, device, dtype, case.dropout)
@@ -105,9 +106,10 @@ def profile_model(case: ModelCase, iters: int, top: int, device="cuda") -> list[
     src, tgt = bench.synthetic_batch(case, device)
     tokens = bench.real_tokens(src, tgt)
     lines = [f"model {case.name}: {tokens} tokens a step (src + tgt, no padding), {dtype}"]
-    for name, model in (("eager", eager), (FAST, fast)):
-        if model is None:
-            lines.append(f"  {name}: not run ({info['error']})")
+    twin = bench.torch_nn_twin(eager)
+    for name, model in (("eager", eager), (bench.TORCH_NN, twin), (FAST, fast)):
+        if model is None or isinstance(model, str):
+            lines.append(f"  {name}: not run ({model or info['error']})")
             continue
         model.train()
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)

@@ -276,10 +276,11 @@ def test_model_variants_compile_layers_by_default_and_whole_models_and_graphs_wi
     fast = torch.nn.Linear(2, 2)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")  # only the type is read
     default = B.model_variants(eager, fast, {}, cuda, full=False)
-    assert list(default) == ["eager", "fastformer", B.COMPILE_LAYERS]
+    assert list(default) == ["eager", B.TORCH_NN, "fastformer", B.COMPILE_LAYERS]
+    assert "not a fastformer.reference.TransformerModel" in default[B.TORCH_NN]
     full = B.model_variants(eager, fast, {}, cuda, full=True)
     compiled = [B.COMPILE_LAYERS, B.COMPILE_WHOLE, B.FAST_COMPILED, *B.GRAPHED]
-    assert list(full) == ["eager", "fastformer", *compiled]
+    assert list(full) == ["eager", B.TORCH_NN, "fastformer", *compiled]
     assert list(B.GRAPHED) == ["eager+cuda-graph", "fastformer+cuda-graph"]
     assert torch.equal(full["fastformer+cuda-graph"].weight, fast.weight)
     # Compiled variants are copies: compiling must not change the models measured eagerly.
@@ -290,6 +291,42 @@ def test_model_variants_compile_layers_by_default_and_whole_models_and_graphs_wi
     assert {on_cpu[name] for name in compiled} == {"not measured on CPU (GPU only)"}
     failed = B.model_variants(eager, None, {"error": "swap failed"}, cuda, full=True)
     assert failed["fastformer"] == failed[B.FAST_COMPILED] == "swap failed"
+
+
+@pytest.mark.filterwarnings("ignore:.*nested:UserWarning")  # torch.nn's own
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_torch_nn_twin_is_the_eager_model_on_torch_nn(norm_first):
+    """The torch.nn variant runs torch.nn.Transformer with the eager model's weights: the same
+    loss and gradients at dropout 0, and it trains and infers (the fast path) as the bench
+    runs it."""
+    case = ModelCase("t", 16, 2, 2, 2, 32, 0.0, 50, batch=3, max_len=7)
+    device = torch.device("cpu")
+    eager = B.build_model(case, device, torch.float32, 0.1)
+    if norm_first:  # the reference model's pre-LN layout, same weights
+        for layer in [*eager.transformer.encoder.layers, *eager.transformer.decoder.layers]:
+            layer.norm_first = True
+    twin = B.torch_nn_twin(eager)
+    assert type(twin.transformer) is torch.nn.Transformer
+    assert twin.transformer.encoder.layers[0].norm_first is norm_first
+    assert twin.transformer.encoder.layers[0].dropout.p == 0.1
+    assert twin.state_dict().keys() == eager.state_dict().keys()
+    src, tgt = B.synthetic_batch(case, device)
+    loss, grads = B._loss_and_grads(eager, src, tgt)
+    twin_loss, twin_grads = B._loss_and_grads(twin, src, tgt)
+    torch.testing.assert_close(twin_loss, loss, rtol=1e-5, atol=1e-6)
+    assert twin_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(twin_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    twin.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(twin(src, tgt), eager.eval()(src, tgt), rtol=1e-4, atol=1e-5)
+
+
+def test_torch_nn_twin_refuses_what_torch_nn_lacks():
+    from fastformer import reference as R
+
+    gated = R.TransformerModel(20, 20, 8, 2, 1, 1, 16, activation="swiglu")
+    assert "no 'swiglu' activation" in B.torch_nn_twin(gated)
 
 
 @pytest.mark.slow
@@ -479,9 +516,9 @@ def test_profile_kernels_dry_run_on_cpu(monkeypatch):
     lines = prof.profile_model(MODELS["tiny"], 1, 2, "cpu")
     assert lines[0].startswith("model tiny: ")
     steps = [line for line in lines if line.startswith("  ") and not line.startswith("   ")]
-    assert [line.split(":")[0] for line in steps] == ["  eager", "  fastformer"]
+    assert [line.split(":")[0] for line in steps] == ["  eager", "  torch.nn", "  fastformer"]
     assert all(" ms in " in line and "per step" in line for line in steps)
-    assert len(lines) == 1 + 2 * 3  # a heading, then a step line and 2 kernels per variant
+    assert len(lines) == 1 + 3 * 3  # a heading, then a step line and 2 kernels per variant
 
 
 def test_profile_kernels_prints_the_attention_tuning_of_each_case(monkeypatch, capsys):

@@ -21,6 +21,7 @@ import importlib
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,40 @@ def swapped(model) -> tuple[Any, dict[str, Any]]:
     except Exception as exc:
         return None, {"error": f"fastformer.swap failed: {type(exc).__name__}: {exc}"}
     return fast, {"report": str(rep)}
+
+
+def torch_nn_twin(model) -> Any:
+    """A copy of the eager `model` whose encoder-decoder is `torch.nn.Transformer` with the same
+    weights: the model as a torch.nn user writes it (SDPA's fused attention, PyTorch's
+    inference fast path), where the eager reference spells every op out. A reason string if
+    `model` is not the reference's TransformerModel."""
+    from fastformer import reference as R
+
+    if not isinstance(model, R.TransformerModel):
+        return f"not a fastformer.reference.TransformerModel: {type(model).__name__}"
+    ref = model.transformer
+    layer = ref.encoder.layers[0]
+    if layer.activation not in ("relu", "gelu") and not callable(layer.activation):
+        return f"torch.nn.Transformer has no {layer.activation!r} activation"
+    weight = layer.linear1.weight
+    twin = copy.deepcopy(model)
+    twin.transformer = torch.nn.Transformer(
+        ref.d_model,
+        ref.nhead,
+        len(ref.encoder.layers),
+        len(ref.decoder.layers),
+        layer.linear1.out_features,
+        layer.dropout.p,
+        layer.activation,
+        layer_norm_eps=layer.norm1.eps,
+        batch_first=True,
+        norm_first=layer.norm_first,
+        bias=layer.linear1.bias is not None,
+        device=weight.device,
+        dtype=weight.dtype,
+    )
+    twin.transformer.load_state_dict(ref.state_dict())
+    return twin
 
 
 def _loss_and_grads(model, src, tgt) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -305,12 +340,21 @@ GRAPHED = {
     FAST + "+cuda-graph": "the model after fastformer.swap, each step captured in a CUDA graph "
     "and replayed (dropout seeds drawn on the device)",
 }
-NOTES = {**COMPILED, **GRAPHED}
+# The eager model with its encoder-decoder built of torch.nn modules (`torch_nn_twin`): what
+# fastformer.swap replaces in a torch.nn user's model; the eager reference writes attention's
+# softmax, masks and dropout out op by op, torch.nn runs SDPA's fused kernels.
+TORCH_NN = "torch.nn"
+NOTES = {
+    TORCH_NN: "the same model and weights with torch.nn.Transformer as its encoder-decoder "
+    "(SDPA's fused attention; PyTorch's fast path in inference)",
+    **COMPILED,
+    **GRAPHED,
+}
 
 
 def model_variants(eager, fast, swap_info: dict, device, full: bool) -> dict[str, Any]:
     """name -> model to measure, or why it is not measured (the compiled ones are copies)."""
-    variants: dict[str, Any] = {"eager": eager}
+    variants: dict[str, Any] = {"eager": eager, TORCH_NN: torch_nn_twin(eager)}
     variants[FAST] = fast if fast is not None else swap_info["error"]
     gpu_only = "not measured on CPU (GPU only)"
     for name in NOTES if full else [COMPILE_LAYERS]:
@@ -379,9 +423,13 @@ def bench_model(
             if name in COMPILED:
                 loss_fn, fwd_fn = compiled_model(name, model)
             try:
-                out["variants"][name] = _measure_variant(
-                    name, model, loss_fn, fwd_fn, src, tgt, device, pacer, name in GRAPHED
-                )
+                with warnings.catch_warnings():
+                    # torch.nn's inference fast path warns that its nested tensors are a
+                    # prototype, once a process: noise in the job's output
+                    warnings.filterwarnings("ignore", "The PyTorch API of nested tensors")
+                    out["variants"][name] = _measure_variant(
+                        name, model, loss_fn, fwd_fn, src, tgt, device, pacer, name in GRAPHED
+                    )
                 if name in NOTES:
                     out["variants"][name]["note"] = NOTES[name]
             except Exception as exc:  # report the failure, keep benchmarking the rest
