@@ -171,7 +171,8 @@ class MultiheadAttention(nn.MultiheadAttention):
     weights; note torch's default is True — pass need_weights=False), add_bias_kv,
     add_zero_attn, nested-tensor inputs.
 
-    A query row whose keys are all masked gives 0 here (torch.nn gives NaN).
+    A query row whose keys are all masked gives 0 here, as torch.nn does with need_weights=False
+    (its SDPA path); with need_weights=True both give NaN (this module falls back to torch.nn).
     """
 
     @property
