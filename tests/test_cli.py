@@ -10,6 +10,7 @@ import argparse
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -781,11 +782,20 @@ def test_model_report_shows_host_time_where_measured():
         "parity": {"skipped": "test"}, "variants": {"eager": dict(variant)},
     }  # fmt: skip
     text = "\n".join(R.model_lines(model))
-    assert "| eager | 1000 | 70.0 | 3000 | 20.0 | 1024 |" in text and "(host)" not in text
+    assert "| eager | 1000 | 70.0 | 3000 | 20.0 | 1024 | - / - |" in text
+    assert "(host)" not in text
     model["variants"]["eager"].update(train_host_ms=65.4, infer_host_ms=5.2)
     text = "\n".join(R.model_lines(model))
-    assert "| eager | 1000 | 70.0 (65.4) | 3000 | 20.0 (5.2) | 1024 |" in text
+    assert "| eager | 1000 | 70.0 (65.4) | 3000 | 20.0 (5.2) | 1024 | - / - |" in text
     assert "(host): milliseconds" in text
+    # fastformer's tokens/s over each variant's, in report.md and on the terminal
+    fast = dict(variant, train_tokens_per_s=2500.0, infer_tokens_per_s=3300.0)
+    model["variants"]["fastformer"] = fast
+    text = "\n".join(R.model_lines(model))
+    assert "| eager | 1000 | 70.0 (65.4) | 3000 | 20.0 (5.2) | 1024 | 2.5 / 1.1 |" in text
+    table = R.terminal_table({"config": {"reduced": False}, "model": model, "ops": {}})
+    assert re.search(r"\neager +1000 +3000 +1024  2\.5 / 1\.1\n", table), table
+    assert re.search(r"\nfastformer +2500 +3300 +1024  1 / 1\n", table), table
     # A compiled variant says what was compiled, under the table.
     compiled = dict(variant, note=B.NOTES[B.COMPILE_LAYERS])
     model["variants"][B.COMPILE_LAYERS] = compiled

@@ -157,18 +157,19 @@ def model_lines(model: dict[str, Any]) -> list[str]:
     ms = "ms (host)" if host else "ms"
     lines += [
         f"| variant | train tokens/s | train step {ms} | inference tokens/s | inference {ms} "
-        "| peak memory MiB |",
-        "|---|---|---|---|---|---|",
+        "| peak memory MiB | fastformer's speedup: train / inference |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, v in model["variants"].items():
         if "train_tokens_per_s" not in v:
-            lines.append(f"| {name} | {v.get('skipped') or v.get('error')} | | | | |")
+            lines.append(f"| {name} | {v.get('skipped') or v.get('error')} | | | | | |")
             continue
+        train, infer = (_num(x) for x in model_speedups(model, name))
         lines.append(
             f"| {name} | {v['train_tokens_per_s']:.0f} | {v['train_step_ms']:.1f}"
             f"{_host(v, 'train_host_ms')} | {v['infer_tokens_per_s']:.0f} | "
             f"{v['infer_ms']:.1f}{_host(v, 'infer_host_ms')} | "
-            f"{v['peak_memory_bytes'] / 2**20:.0f} |"
+            f"{v['peak_memory_bytes'] / 2**20:.0f} | {train} / {infer} |"
         )
     if host:
         lines += [
@@ -194,6 +195,16 @@ def model_lines(model: dict[str, Any]) -> list[str]:
         ]
         lines += [f"- {f}" for f in par["failed"]]
     return lines
+
+
+def model_speedups(model: dict[str, Any], name: str) -> tuple[float | None, float | None]:
+    """fastformer's training and inference tokens/s over variant `name`'s (None where either
+    was not measured)."""
+    fast, other = model["variants"].get(FAST, {}), model["variants"].get(name, {})
+    return tuple(
+        fast[key] / other[key] if fast.get(key) and other.get(key) else None
+        for key in ("train_tokens_per_s", "infer_tokens_per_s")
+    )
 
 
 def _host(variant: dict[str, Any], key: str) -> str:
@@ -361,15 +372,19 @@ def terminal_table(results: dict[str, Any]) -> str:
     model = results.get("model")
     if model:
         lines.append(f"\nmodel {model['config']['name']} ({model['dtype']})")
-        lines.append(f"{'variant':<18} {'train tok/s':>12} {'infer tok/s':>12} {'peak MiB':>9}")
+        lines.append(
+            f"{'variant':<20} {'train tok/s':>12} {'infer tok/s':>12} {'peak MiB':>9}"
+            "  fastformer x (train / infer)"
+        )
         for name, v in model["variants"].items():
             if "train_tokens_per_s" in v:
+                train, infer = (_num(x) for x in model_speedups(model, name))
                 lines.append(
-                    f"{name:<18} {v['train_tokens_per_s']:>12.0f} {v['infer_tokens_per_s']:>12.0f} "
-                    f"{v['peak_memory_bytes'] / 2**20:>9.0f}"
+                    f"{name:<20} {v['train_tokens_per_s']:>12.0f} {v['infer_tokens_per_s']:>12.0f} "
+                    f"{v['peak_memory_bytes'] / 2**20:>9.0f}  {train} / {infer}"
                 )
             else:
-                lines.append(f"{name:<18} {v.get('skipped') or v.get('error')}")
+                lines.append(f"{name:<20} {v.get('skipped') or v.get('error')}")
         par = model["parity"]
         verdict = {True: "pass", False: "FAIL", None: "not checked"}[par.get("passed")]
         lines.append(f"parity (loss + gradients, dropout 0): {verdict}")
