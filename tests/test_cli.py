@@ -437,16 +437,71 @@ def _model(tokens_per_s: float) -> dict:
 
 
 @pytest.mark.parametrize(
-    "argv",
+    "argv, message",
     [
-        ["bench", "--fail-if-slower", "5"],
-        ["bench", "--ops", "softmax"],
-        ["bench", "--results", "/nonexistent/results.json"],
+        (["bench", "--fail-if-slower", "5"], "needs --compare"),
+        (["bench", "--compare", "{old}", "--fail-if-slower", "nan"], "finite percentage"),
+        (["bench", "--ops", "softmax"], "unknown op"),
+        (["bench", "--ops", ","], "no op given"),
+        (["bench", "--results", "/nonexistent/results.json"], "does not exist"),
+        (["bench", "--compare", "/nonexistent/results.json"], "--compare '/nonexistent"),
+        (["bench", "--compare", "{tmp}"], "is not a file"),
+        (["bench", "--compare", "{tmp}/empty.json"], "not valid JSON"),
+        (["bench", "--compare", "{tmp}/schema_only.json"], "lacks ops"),
+        (["bench", "--compare", "{tmp}/malformed.json"], "is malformed"),
+        (["bench", "--results", "{tmp}/partial.json"], "lacks manifest"),
+        (["bench", "--out", "{tmp}/empty.json"], "cannot create the folder"),
+        (["bench", "--results", "{old}", "--ops", "ffn", "--quick"], "do nothing"),
+        (["check", "--ops", ","], "no op given"),
     ],
 )
-def test_bench_usage_errors(argv, capsys):
+def test_usage_errors_before_any_measurement(argv, message, tmp_path, monkeypatch, capsys):
+    # Every bad option or file fails at once with one line and exit 2, before minutes of
+    # measuring: --compare and --out used to fail after the run, with a traceback for --out.
+    (tmp_path / "empty.json").write_text("")
+    (tmp_path / "schema_only.json").write_text(json.dumps({"schema": R.SCHEMA}))
+    (tmp_path / "malformed.json").write_text(json.dumps({"schema": R.SCHEMA, "ops": {"ffn": 5}}))
+    partial = {"schema": R.SCHEMA, "ops": {}, "config": {}, "rooflines": {}, "manifest": {}}
+    (tmp_path / "partial.json").write_text(json.dumps(partial))
+    monkeypatch.setattr(B, "measure", lambda *a: pytest.fail("measured before checking"))
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({**partial, "manifest": dict.fromkeys(R.REQUIRED_MANIFEST)}))
+    argv = [a.format(tmp=tmp_path, old=old) for a in argv]
     assert main(argv) == 2
-    assert "error" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_fail_if_slower_fails_when_nothing_of_fastformer_was_compared(bench_run, tmp_path, capsys):
+    # A CI regression check against a run with no fastformer figure in common (other ops) must
+    # not pass silently.
+    _, out = bench_run
+    new = json.loads((out / "results.json").read_text())
+    other = {**new, "model": None, "ops": {}}
+    other_path = tmp_path / "other.json"
+    other_path.write_text(json.dumps({k: v for k, v in other.items() if v is not None}))
+    args = ["bench", "--results", str(out / "results.json"), "--out", str(tmp_path / "r")]
+    assert main([*args, "--compare", str(other_path), "--fail-if-slower", "0"]) == 1
+    assert "nothing was compared" in capsys.readouterr().err
+    assert main([*args, "--compare", str(out / "results.json"), "--fail-if-slower", "0"]) == 0
+
+
+def test_interrupted_bench_keeps_partial_results_and_exits_130(tmp_path, monkeypatch, capsys):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(B, "bench_op", interrupt)
+    argv = ["bench", "--quick", "--no-model", "--device", "cpu", "--ops", "ffn"]
+    assert main([*argv, "--out", str(tmp_path)]) == 130
+    assert "interrupted; partial results in" in capsys.readouterr().err
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert any(n.startswith("interrupted") for n in results["config"]["notes"])
+
+
+def test_check_exits_quietly_when_its_reader_goes_away():
+    cmd = f"{sys.executable} -m fastformer check --quick --ops ffn | head -1"
+    proc = subprocess.run(["bash", "-c", f"set -o pipefail; {cmd}"], capture_output=True, text=True)
+    assert proc.stdout.startswith("op") and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_flop_and_byte_formulas():
@@ -601,13 +656,19 @@ def test_bench_max_seconds_measures_nothing_new_after_the_limit(monkeypatch, tmp
     assert "--max-seconds must be > 0" in capsys.readouterr().err
 
 
-def test_bench_cases_selects_op_cases_by_name(monkeypatch, tmp_path):
+def test_bench_cases_selects_op_cases_by_name(monkeypatch, tmp_path, capsys):
     argv = ["bench", "--quick", "--no-model", "--device", "cpu", "--threads", "1"]
-    argv += ["--ops", "layer_norm", "--cases", "add,nothing-matches", "--out", str(tmp_path)]
-    assert main(argv) == 0
-    rows = json.loads((tmp_path / "results.json").read_text())["ops"]["layer_norm"]["cases"]
+    argv += ["--ops", "layer_norm,ffn", "--out", str(tmp_path)]
+    # A text that matches no case of the run's grid is a usage error, before any measurement.
+    assert main([*argv, "--cases", "add,nothing-matches"]) == 2
+    assert "['nothing-matches'] matches no case" in capsys.readouterr().err
+    assert not (tmp_path / "results.json").exists()
+    assert main([*argv, "--cases", "add,relu"]) == 0  # each text may match one op's cases
+    ops = json.loads((tmp_path / "results.json").read_text())["ops"]
+    rows = ops["layer_norm"]["cases"]
     assert rows and all("add" in row["case"] for row in rows)
     assert all("ms" in row["impls"]["fastformer"] for row in rows)
+    assert ops["ffn"]["cases"] and all("relu" in r["case"] for r in ops["ffn"]["cases"])
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ Command implementations live in fastformer.cli.info / check / bench (imported la
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from fastformer.cli.cases import MODELS, OPS
@@ -146,3 +147,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # bad option values: say which and exit like argparse does
         print(f"python -m fastformer {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as shell tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141

@@ -62,11 +62,29 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def parse_ops(text: str) -> list[str]:
     """`--ops attention,ffn` -> ["attention", "ffn"], checked against the known ops."""
-    ops = [s.strip() for s in text.split(",") if s.strip()]
+    ops = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
     unknown = [op for op in ops if op not in C.OPS]
     if unknown:
         raise ValueError(f"--ops: unknown op(s) {unknown}; expected a comma list of {list(C.OPS)}")
+    if not ops:
+        raise ValueError(f"--ops: no op given; expected a comma list of {list(C.OPS)}")
     return ops
+
+
+def parse_cases(text: str | None, ops: list[str], device: torch.device, quick: bool, full: bool):
+    """`--cases a,b` -> the texts, each required to match a case of `ops` in this run's grid
+    (None: every case)."""
+    if text is None:
+        return None
+    only = [t.strip() for t in text.split(",") if t.strip()]
+    names = [c.name for op in ops for c in C.OP_CASES[op](device.type, quick, full=full)]
+    unmatched = [t for t in only if not any(t in name for name in names)]
+    if not only or unmatched:
+        raise ValueError(
+            f"--cases: {unmatched or 'nothing'} matches no case of {ops} in this grid; its "
+            f"cases: {', '.join(names)}"
+        )
+    return only
 
 
 def default_out_dir() -> Path:
@@ -620,6 +638,7 @@ def measure(
     ops = parse_ops(args.ops)
     budget = budget_for(device, args.quick)
     full = args.full
+    only = parse_cases(args.cases, ops, device, args.quick, full)
     case, reduced = C.model_case(args.model, device.type)
     notes = [reduced] if reduced else []
     if device.type == "cpu":
@@ -660,21 +679,17 @@ def measure(
 
         return save
 
-    if not args.no_model:
-        bench_model(case, device, dtype, pacer, saver("model"), full=getattr(args, "full", False))
-    for op in ops:
-        only = [t.strip() for t in args.cases.split(",") if t.strip()] if args.cases else None
-        bench_op(
-            op,
-            device,
-            dtype,
-            args.quick,
-            pacer,
-            results["rooflines"],
-            saver("ops", op),
-            only=only,
-            full=full,
-        )
+    try:
+        if not args.no_model:
+            bench_model(case, device, dtype, pacer, saver("model"), full=full)
+        for op in ops:
+            save = saver("ops", op)
+            roof = results["rooflines"]
+            bench_op(op, device, dtype, args.quick, pacer, roof, save, only=only, full=full)
+    except KeyboardInterrupt:  # keep what was measured, marked as partial
+        notes.append("interrupted: the stages after the last one written were not measured")
+        report.write_json(out_dir, results)
+        raise
     if pacer.cut:
         notes.append(f"time limit: measurements after {limit:g} s were cut to one repetition")
     if pacer.expired():
@@ -683,25 +698,62 @@ def measure(
     return results
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """The option values `bench` can check without measuring (ValueError: exit 2)."""
+    if args.fail_if_slower is not None and not args.compare:
+        raise ValueError("--fail-if-slower needs --compare OLD/results.json")
+    pct = args.fail_if_slower
+    if pct is not None and not (math.isfinite(pct) and pct >= 0):
+        raise ValueError(f"--fail-if-slower must be a finite percentage >= 0, got {pct}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if args.max_seconds is not None and not args.max_seconds > 0:
+        raise ValueError(f"--max-seconds must be > 0, got {args.max_seconds}")
+    parse_ops(args.ops)
+    if args.results:
+        measuring = ("model", "ops", "dtype", "device", "quick", "full", "threads", "no_model")
+        given = [f"--{name.replace('_', '-')}" for name in measuring if _given(args, name)]
+        given += [f"--{n.replace('_', '-')}" for n in ("cases", "max_seconds") if getattr(args, n)]
+        if given:
+            raise ValueError(f"--results re-renders a run without measuring: {given} do nothing")
+
+
+def _given(args: argparse.Namespace, name: str) -> bool:
+    # A measuring option set to other than its default.
+    defaults = {"model": "base", "ops": ",".join(C.OPS), "dtype": "auto", "device": "auto"}
+    return getattr(args, name) not in (defaults.get(name), None, False)
+
+
+def _out_dir(text: str | None) -> Path:
+    """--out (default bench-results/<timestamp>), created now: a path that cannot be a folder
+    fails before anything is measured."""
+    out = Path(text) if text else default_out_dir()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {str(out)!r}: cannot create the folder ({exc})") from exc
+    return out
+
+
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Measure (or load --results), write results.json + report.md + plots, print the table,
     compare with --compare. Exit 1 when fastformer raised, on a model parity failure or on a
     --fail-if-slower regression (results are written in every case)."""
-    if args.fail_if_slower is not None and not args.compare:
-        raise ValueError("--fail-if-slower needs --compare OLD/results.json")
-    if args.fail_if_slower is not None and args.fail_if_slower < 0:
-        raise ValueError(f"--fail-if-slower must be a percentage >= 0, got {args.fail_if_slower}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    out_dir = Path(args.out) if args.out else default_out_dir()
+    _check_args(args)
+    # Every file argument is checked before anything is measured (minutes on a GPU).
+    old = report.load(Path(args.compare), "--compare") if args.compare else None
+    out_dir = _out_dir(args.out)
     if args.results:
-        results = report.load(Path(args.results))
+        results = report.load(Path(args.results), "--results", complete=True)
     else:
         threads = torch.get_num_threads()
         try:
             if args.threads:
                 torch.set_num_threads(args.threads)
             results = measure(args, out_dir, argv)
+        except KeyboardInterrupt:
+            print(f"\nbench: interrupted; partial results in {out_dir}", file=sys.stderr)
+            return 130
         finally:  # main() may run in-process (tests): leave torch as it was
             torch.set_num_threads(threads)
     paths = report.write_all(out_dir, results)
@@ -716,12 +768,18 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if parity.get("passed") is False:
         print("bench: model parity FAILED:\n  " + "\n  ".join(parity["failed"]), file=sys.stderr)
         code = 1
-    if args.compare:
-        old = report.load(Path(args.compare))
+    if old is not None:
         changes = report.compare(old, results)
         print("\n" + report.format_changes(changes, args.fail_if_slower))
         if args.fail_if_slower is not None:
             slower = report.regressions(changes, args.fail_if_slower)
+            if not any(c.own for c in changes):  # a regression check that checked nothing
+                print(
+                    f"bench: --fail-if-slower: no figure of fastformer's in common with "
+                    f"{args.compare}: nothing was compared",
+                    file=sys.stderr,
+                )
+                code = 1
             if slower:
                 print(
                     f"bench: {len(slower)} figure(s) of fastformer slower by more than "

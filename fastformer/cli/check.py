@@ -570,6 +570,8 @@ def parse_ops(text: str) -> list[str]:
         else:
             choices = sorted(set(OP_GROUPS) | set(CHECK_OPS))
             raise ValueError(f"--ops: unknown op {name!r}; expected a comma list of {choices}")
+    if not ops:
+        raise ValueError(f"--ops: no op given; expected a comma list of {sorted(OP_GROUPS)}")
     return list(dict.fromkeys(ops))
 
 
@@ -589,6 +591,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         code = _set_interpret(argv)
         if code is not None:
             return code
+    devices(device)  # an unavailable --device fails here, before the table's header
     start = time.perf_counter()
     rows = []
     if not args.json:

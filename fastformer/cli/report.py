@@ -74,16 +74,30 @@ def fastformer_errors(results: dict[str, Any]) -> list[str]:
     return errors
 
 
-def load(path: Path) -> dict[str, Any]:
-    """A results.json, with a clear error when it is not one."""
+def load(path: Path, option: str = "results file", complete: bool = False) -> dict[str, Any]:
+    """A results.json, with a clear error (naming `option`) when it is not one. Its structure
+    is checked (what `compare` and the report read); `complete`: every required field too
+    (re-rendering a report needs them; a comparison may take an older run's file)."""
+    where = f"{option} {str(path)!r}"
+    if not path.exists():
+        raise ValueError(f"{where} does not exist")
     if not path.is_file():
-        raise ValueError(f"results file {str(path)!r} does not exist")
+        raise ValueError(f"{where} is not a file")
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"results file {str(path)!r} is not valid JSON: {exc}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{where} is not valid JSON: {exc}") from exc
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        raise ValueError(f"{str(path)!r} is not a fastformer bench results.json (schema {SCHEMA})")
+        raise ValueError(f"{where} is not a fastformer bench results.json (schema {SCHEMA})")
+    try:
+        missing = missing_fields(data)
+        figures(data)
+    except (AttributeError, KeyError, TypeError) as exc:
+        raise ValueError(f"{where} is malformed ({type(exc).__name__}: {exc})") from exc
+    if not complete:
+        missing = [m for m in missing if m.split(".")[0] in ("ops", "model")]
+    if missing:
+        raise ValueError(f"{where} lacks {', '.join(missing[:8])}")
     return data
 
 
