@@ -442,7 +442,7 @@ def _model(tokens_per_s: float) -> dict:
         (["bench", "--fail-if-slower", "5"], "needs --compare"),
         (["bench", "--compare", "{old}", "--fail-if-slower", "nan"], "finite percentage"),
         (["bench", "--ops", "softmax"], "unknown op"),
-        (["bench", "--ops", ","], "no op given"),
+        (["bench", "--ops", ",", "--no-model"], "nothing to measure"),
         (["bench", "--results", "/nonexistent/results.json"], "does not exist"),
         (["bench", "--compare", "/nonexistent/results.json"], "--compare '/nonexistent"),
         (["bench", "--compare", "{tmp}"], "is not a file"),

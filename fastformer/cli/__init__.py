@@ -62,7 +62,9 @@ def _bench_parser(sub) -> None:
         "--model", choices=sorted(MODELS), default="base", help="model size (default base)"
     )
     p.add_argument(
-        "--ops", default=",".join(OPS), help=f"comma list of ops (default {','.join(OPS)})"
+        "--ops",
+        default=",".join(OPS),
+        help=f"comma list of ops (default {','.join(OPS)}; '' for the model stage alone)",
     )
     p.add_argument(
         "--dtype",
