@@ -524,6 +524,24 @@ def test_vector_backward_falls_back_when_its_shared_memory_does_not_fit(optin_kb
     assert launches[1].smem == smem
 
 
+def test_shared_memory_grants_are_per_device():
+    # CUDA keeps cudaFuncSetAttribute's limit per device, and the launchers cache their grants
+    # per device; the emulator kept one limit a kernel, so a smaller grant on another emulated
+    # device made a later launch on the first fail (found by a random sweep of the kernels).
+    def backward_launch(cols: int, **device):
+        x, w, b = _make((2, cols)), _make((cols,), seed=1), _make((cols,), seed=2)
+        ce.clear_launches()
+        with ce.device(**device):
+            out = ce.layer_norm(x, w, b)
+            out.backward(torch.ones_like(out))
+        return ce.launches()[1]
+
+    first = backward_launch(8193)  # two 8193-float slices: over the 48 KB default
+    assert backward_launch(6201, blocks_per_sm=1).smem < first.smem
+    again = backward_launch(8193)
+    assert (again.kernel, again.smem) == (first.kernel, first.smem) and first.smem > 48 * 1024
+
+
 def test_layer_norm_bit_identical_twice_in_any_order():
     x, r = _make((37, 1024)), _make((37, 1024), seed=2)
     w, b = _make((1024,), seed=3), _make((1024,), seed=4)

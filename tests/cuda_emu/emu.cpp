@@ -90,7 +90,9 @@ LaunchState* g_launch = nullptr;
 std::vector<Fiber*> g_pool;
 std::string g_log;
 std::string g_memory_error;
-std::map<const void*, int> g_max_dynamic_smem;  // cudaFuncAttributeMaxDynamicSharedMemorySize
+// cudaFuncAttributeMaxDynamicSharedMemorySize, per (device, kernel) as CUDA keeps it: a grant on
+// one device must not change another's (the launchers cache their grants per device too).
+std::map<std::pair<int, const void*>, int> g_max_dynamic_smem;
 
 std::string dims(const dim3& d) {
   return "(" + std::to_string(d.x) + "," + std::to_string(d.y) + "," + std::to_string(d.z) + ")";
@@ -508,7 +510,7 @@ void run_grid(dim3 grid, dim3 block, size_t smem, const void* kernel, void (*thu
     bad("more than 1024 threads a block (or a block dimension over its limit)");
   }
   if (grid.x > 2147483647u || grid.y > 65535 || grid.z > 65535) bad("grid over its limits");
-  const auto it = g_max_dynamic_smem.find(kernel);
+  const auto it = g_max_dynamic_smem.find({g_config.device, kernel});
   const size_t dyn_limit =
       it != g_max_dynamic_smem.end() ? static_cast<size_t>(it->second) : kDefaultDynamicSmemLimit;
   if (smem > dyn_limit) {
@@ -660,7 +662,7 @@ cudaError_t cudaFuncSetAttribute(const void* kernel, cudaFuncAttribute attr, int
       g_last_error = cudaErrorInvalidValue;
       return cudaErrorInvalidValue;
     }
-    detail::g_max_dynamic_smem[kernel] = value;
+    detail::g_max_dynamic_smem[{detail::g_config.device, kernel}] = value;
   }
   return cudaSuccess;
 }
