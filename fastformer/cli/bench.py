@@ -617,8 +617,6 @@ def _pacer(budget, device, args, start: float) -> tuple[timing.Pacer, float | No
     """The run's pacer and its soft limit in seconds: repetitions are cut after DEADLINE_S (the
     default grid's 3-minute target; not with --full) or 70% of --max-seconds, if sooner; nothing
     new is measured after --max-seconds."""
-    if args.max_seconds is not None and not args.max_seconds > 0:
-        raise ValueError(f"--max-seconds must be > 0, got {args.max_seconds}")
     limit = None if getattr(args, "full", False) else DEADLINE_S.get(device.type)
     if args.max_seconds is not None:
         limit = 0.7 * args.max_seconds if limit is None else min(limit, 0.7 * args.max_seconds)
@@ -711,17 +709,21 @@ def _check_args(args: argparse.Namespace) -> None:
     if not parse_ops(args.ops) and args.no_model:
         raise ValueError("--no-model with no --ops: nothing to measure")
     if args.results:
-        measuring = ("model", "ops", "dtype", "device", "quick", "full", "threads", "no_model")
-        given = [f"--{name.replace('_', '-')}" for name in measuring if _given(args, name)]
-        given += [f"--{n.replace('_', '-')}" for n in ("cases", "max_seconds") if getattr(args, n)]
+        given = [f"--{name.replace('_', '-')}" for name in _MEASURING if _given(args, name)]
         if given:
             raise ValueError(f"--results re-renders a run without measuring: {given} do nothing")
 
 
+# The options that only shape a measurement, with their defaults (False / None otherwise).
+_MEASURING = (
+    "model", "ops", "dtype", "device", "quick", "full", "threads", "no_model", "cases",
+    "max_seconds",
+)  # fmt: skip
+_MEASURING_DEFAULTS = {"model": "base", "ops": ",".join(C.OPS), "dtype": "auto", "device": "auto"}
+
+
 def _given(args: argparse.Namespace, name: str) -> bool:
-    # A measuring option set to other than its default.
-    defaults = {"model": "base", "ops": ",".join(C.OPS), "dtype": "auto", "device": "auto"}
-    return getattr(args, name) not in (defaults.get(name), None, False)
+    return getattr(args, name) not in (_MEASURING_DEFAULTS.get(name), None, False)
 
 
 def _out_dir(text: str | None) -> Path:
