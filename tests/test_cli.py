@@ -577,6 +577,19 @@ def test_profile_kernels_dry_run_on_cpu(monkeypatch):
     assert len(lines) == 1 + 3 * 3  # a heading, then a step line and 2 kernels per variant
 
 
+def test_host_time_stand_in_runs_every_variant_on_the_kernels_path():
+    # benchmarks/host_time.py: the GPU step's host time measured on CPU; its fastformer variant
+    # must take attention's Triton launch path (stubbed), which the script checks itself.
+    script = ROOT / "benchmarks" / "host_time.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--steps", "2"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["eager", "torch.nn", "fastformer"]
+    assert all(" ms  min " in line for line in lines)
+
+
 def test_profile_kernels_prints_the_attention_tuning_of_each_case(monkeypatch, capsys):
     from fastformer.kernels import attention as kernels
 
