@@ -119,19 +119,22 @@ def _attention_scores(
     scale: float | None,
     key_padding_mask: Tensor | None,
 ) -> Tensor:
-    """Scaled scores ``q @ k^T * scale`` with every mask applied (-inf = masked), (B,H,Lq,Lk)."""
+    """Scaled scores ``q @ k^T * scale`` with every mask applied (-inf = masked), (B,H,Lq,Lk).
+
+    In place on the fresh product (the same values; the attention op's torch backend computes
+    its scores here too, where a full-size copy a mask cost more than the product on CPU)."""
     lq, lk = query.shape[-2], key.shape[-2]
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
+    scores = torch.matmul(query, key.transpose(-2, -1)).mul_(scale)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, float("-inf"))
+            scores.masked_fill_(~attn_mask, float("-inf"))
         else:
-            scores = scores + attn_mask.to(scores.dtype)
+            scores.add_(attn_mask.to(scores.dtype))
     if is_causal:
-        visible = torch.ones(lq, lk, dtype=torch.bool, device=scores.device).tril()
-        scores = scores.masked_fill(~visible, float("-inf"))
+        future = torch.ones(lq, lk, dtype=torch.bool, device=scores.device).triu_(1)
+        scores.masked_fill_(future, float("-inf"))
     if key_padding_mask is not None:
         if key_padding_mask.dtype != torch.bool:
             raise TypeError(
@@ -142,7 +145,7 @@ def _attention_scores(
                 f"key_padding_mask must have shape (batch, seq_k) = {(scores.shape[0], lk)}, "
                 f"got {tuple(key_padding_mask.shape)}"
             )
-        scores = scores.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
+        scores.masked_fill_(key_padding_mask[:, None, None, :], float("-inf"))
     return scores
 
 

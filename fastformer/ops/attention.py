@@ -608,34 +608,16 @@ def _wide(*tensors: Tensor | None) -> list[Tensor | None]:
 
 def _reference_forward(q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scale):
     """The reference's function with the Philox keep-mask of `seed`, computed with fewer
-    passes than the reference spells out (`_scores`, `_softmax`): on CPU the reference's
-    out-of-place elementwise passes cost more than its two matrix products."""
+    passes than the reference's safe softmax (`_softmax`): on CPU its out-of-place elementwise
+    passes cost more than the two matrix products."""
     b, h, lq, _ = q.shape
     wq, wk, wv, wmask = _wide(q, k, v, attn_mask)
     kh, vh = reference._repeat_kv_heads(wq, wk, wv, k.shape[1] != h)
-    scores = _scores(wq, kh, wmask, is_causal, scale, kpm)
+    scores = reference._attention_scores(wq, kh, wmask, is_causal, scale, kpm)
     probs, lse = _softmax(scores, with_lse=True)
     if dropout_p > 0:
         probs.mul_(_kept_scale(seed, probs, dropout_p, out=scores))
     return (probs @ vh).to(q.dtype), lse  # lse: float32 for 16-bit q, lse_dtype(q.dtype)
-
-
-def _scores(q: Tensor, k: Tensor, attn_mask, is_causal: bool, scale: float, kpm) -> Tensor:
-    """The reference's masked scaled scores (`reference._attention_scores`, -inf = masked), with
-    the scale and the masks applied in place."""
-    lq, lk = q.shape[2], k.shape[2]
-    scores = torch.matmul(q, k.transpose(-2, -1)).mul_(scale)
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores.masked_fill_(~attn_mask, float("-inf"))
-        else:
-            scores.add_(attn_mask.to(scores.dtype))
-    if is_causal:
-        future = torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu_(1)
-        scores.masked_fill_(future, float("-inf"))
-    if kpm is not None:
-        scores.masked_fill_(kpm[:, None, None, :], float("-inf"))
-    return scores
 
 
 def _softmax(scores: Tensor, with_lse: bool = False):
@@ -698,7 +680,7 @@ def _reference_backward(
     grad_out, grad_lse, q, k, v, attn_mask = _wide(grad_out, grad_lse, q, k, v, attn_mask)
     hkv = k.shape[1]
     kh, vh = reference._repeat_kv_heads(q, k, v, hkv != q.shape[1])
-    scores = _scores(q, kh, attn_mask, is_causal, scale, kpm)
+    scores = reference._attention_scores(q, kh, attn_mask, is_causal, scale, kpm)
     probs = _softmax(scores)
     grad_probs = grad_out.to(probs.dtype) @ vh.transpose(-2, -1)
     dropped = probs
