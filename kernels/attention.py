@@ -74,6 +74,8 @@ import triton
 import triton.language as tl
 from triton.runtime import _allocation
 
+from . import launcher
+
 LOG2E = 1.4426950408889634
 MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
 INT32_LIMIT = 2**31  # offsets inside one (batch, head) slice are int32
@@ -1245,16 +1247,16 @@ def _launch(
         blocks = _constexprs(kernel, config)
         if config.tma and not INTERPRETED:
             _ensure_allocator()
-        KERNELS[kernel][grid(blocks)](
-            *args, **meta, **blocks, num_warps=config.num_warps, num_stages=config.num_stages
-        )
+        options = dict(blocks, num_warps=config.num_warps, num_stages=config.num_stages)
+        fixed_key = (kernel, config, *meta.items())
+        launcher.launch(KERNELS[kernel], grid(blocks), args, fixed_key, meta, options)
         return
     key = _tuned_key(kernel, args, meta, q, tma)
     best = _TUNED.get(key)
     if tma:
         _ensure_allocator()
-    if best is not None:
-        KERNELS[kernel][grid](*args, **meta, **best)
+    if best is not None:  # key holds meta's items
+        launcher.launch(KERNELS[kernel], grid(best), args, (key, *best.items()), meta, best)
         return
     table_key = _table_key(kernel, meta, q, tma)
     tuned = _autotuned(kernel, *table_key)
@@ -1407,7 +1409,8 @@ def key_range(key_padding_mask: torch.Tensor) -> torch.Tensor:
         return torch.zeros(b, 2, dtype=torch.int32, device=kpm.device)
     kv_range = torch.empty(b, 2, dtype=torch.int32, device=kpm.device)
     block = min(max(16, _next_power_of_2(lk)), KV_RANGE_BLOCK)
-    attn_kv_range[(b,)](kpm, kv_range, lk, *kpm.stride(), BLOCK_N=block, num_warps=4)
+    options = {"BLOCK_N": block, "num_warps": 4}
+    launcher.launch(attn_kv_range, (b,), (kpm, kv_range, lk, *kpm.stride()), block, {}, options)
     return kv_range
 
 

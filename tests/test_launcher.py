@@ -1,0 +1,170 @@
+"""Tests of fastformer.kernels.launcher: direct launches of kernels Triton compiled before.
+
+No GPU runs here: a stand-in driver makes Triton's JIT compile for sm_90, and each compiled
+kernel's launcher (the driver's C code) is replaced by a recorder. Every launch that `launch`
+makes directly must hand the launcher what Triton's own `JITFunction.run` hands it for the same
+call (the same compiled kernel, grid, stream and arguments), and every call Triton would
+compile or specialize differently (pointer alignment, integer classes, values of 1, types,
+grid, debug mode) must reach a different kernel, as Triton's does.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+_SCRIPT = textwrap.dedent(
+    """
+    import sys
+
+    import torch
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compiler
+    from triton.runtime.driver import driver
+
+
+    class Sm90:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 7
+
+
+    RECORDS = []
+
+
+    def load(kernel):  # each compiled kernel's launcher records its call
+        if kernel.module is None:
+            kernel.module, kernel.function = 0, id(kernel)
+            kernel._run = lambda *call: RECORDS.append((kernel, call))
+
+
+    driver.set_active(Sm90())
+    compiler.CompiledKernel._init_handles = load
+
+    from fastformer.kernels import attention as A
+    from fastformer.kernels import launcher
+
+
+    def recorded(run):
+        RECORDS.clear()
+        run()
+        (kernel, call), = RECORDS
+        # The launch metadata (argument 6) only feeds launch hooks, which are empty here.
+        return kernel, call[:6] + call[7:]
+
+
+    def same(a, b):
+        (ka, ca), (kb, cb) = a, b
+        return ka is kb and len(ca) == len(cb) and all(
+            x is y or (type(x) is type(y) and not isinstance(x, torch.Tensor) and x == y)
+            for x, y in zip(ca, cb)
+        )
+
+
+    captured = {}
+    A._launch = lambda kernel, grid, args, meta, *rest, **kw: captured.update(
+        {kernel: (grid, args, meta)}
+    )
+    q = torch.randn(2, 4, 16, 32, dtype=torch.float16)
+    A.attention_forward(q, q, q, None, None, 5, 0.1, False, 0.125)
+    grid, args, meta = captured["fwd"]
+    fn = A.KERNELS["fwd"]
+    options = dict(BLOCK_M=32, BLOCK_N=32, USE_TMA=False, QK_TILES=False, num_warps=4,
+                   num_stages=1)
+    options = {k: v for k, v in options.items() if k in fn.arg_names or k.startswith("num_")}
+    key = ("fwd", *meta.items())
+    seed_at = fn.arg_names.index("seed")
+    stride_at = fn.arg_names.index("stride_qh")
+    scale_at = fn.arg_names.index("qk_scale")
+
+
+    def with_arg(i, value, base=args):
+        return base[:i] + (value,) + base[i + 1:]
+
+
+    odd = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view_as(q)  # 2 bytes off 16
+    variants = {
+        "base": (grid(options), args),
+        "other seed": (grid(options), with_arg(seed_at, 123456)),
+        "seed past int32": (grid(options), with_arg(seed_at, 2**40)),
+        "seed past int64": (grid(options), with_arg(seed_at, 2**63 + 5)),
+        "stride 1": (grid(options), with_arg(stride_at, 1)),
+        "stride 17": (grid(options), with_arg(stride_at, 17)),
+        "scale 1.0": (grid(options), with_arg(scale_at, 1.0)),
+        "scale as int 1": (grid(options), with_arg(scale_at, 1)),
+        "misaligned output": (grid(options), with_arg(3, odd)),
+        "float32 lse as float16": (grid(options), with_arg(4, args[4].half())),
+        "other grid": ((grid(options)[0], 2, 5), args),
+    }
+    jit_calls = []
+    plain_run = triton.runtime.JITFunction.run
+
+
+    def counted(self, *a, **k):
+        jit_calls.append(1)
+        return plain_run(self, *a, **k)
+
+
+    triton.runtime.JITFunction.run = counted
+    for repeat in range(2):
+        for name, (g, a) in variants.items():
+            jit = recorded(lambda: fn[g](*a, **meta, **options))
+            direct = recorded(lambda: launcher.launch(fn, g, a, key, meta, options))
+            assert same(jit, direct), name
+        print("pass", repeat, len(jit_calls))
+        jit_calls.clear()
+
+    kernels = {name: recorded(lambda: fn[g](*a, **meta, **options))[0]
+               for name, (g, a) in variants.items()}
+    distinct = len({id(k) for k in kernels.values()})
+    print("kernels", distinct, "same as base:", sorted(
+        name for name, k in kernels.items() if k is kernels["base"]))
+
+    # With a launch hook, Triton's path: the launcher gets the metadata the hook is called with
+    # (the real launcher calls it).
+    hook = lambda metadata: None
+    knobs.runtime.launch_enter_hook.add(hook)
+    RECORDS.clear()
+    launcher.launch(fn, *variants["base"], key, meta, options)
+    (_, call), = RECORDS
+    print("hooked", call[6].get()["name"], hook in call[7].calls)
+    knobs.runtime.launch_enter_hook.remove(hook)
+
+    # Debug mode compiles another kernel; the direct path must not keep the old one.
+    knobs.runtime.debug = True
+    debug = recorded(lambda: launcher.launch(fn, *variants["base"], key, meta, options))
+    knobs.runtime.debug = False
+    print("debug kernel differs", debug[0] is not kernels["base"])
+    """
+)
+
+
+def _run(tmp_path) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout.splitlines()
+
+
+def test_direct_launches_hand_the_launcher_what_triton_does(tmp_path):
+    first, second, kernels, hooked, debug = _run(tmp_path)
+    # Each call of the first pass asked Triton twice (itself, then the launcher's miss),
+    # except where a variant's key was seen before; the second pass asked it only itself.
+    n = 11
+    assert first.startswith("pass 0 ") and int(first.split()[2]) < 2 * n
+    assert second == f"pass 1 {n}"
+    # Specializations Triton separates: seed classes, strides of 1 and 17, a scale 1 (an int:
+    # a constexpr) from 1.0, alignment, dtype; the same kernel for another seed value, and for another grid.
+    assert kernels == "kernels 8 same as base: ['base', 'other grid', 'other seed', 'scale 1.0']"
+    assert hooked == "hooked attn_fwd True"
+    assert debug == "debug kernel differs True"
