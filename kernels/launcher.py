@@ -15,11 +15,16 @@ current device, Triton's debug and instrumentation knobs, and the caller's key, 
 determine the keyword arguments (constexprs and compile options). The grid is not compiled in:
 each launch passes its own. Launch hooks (profilers such
 as proton), pre-run hooks and stage-inspection hooks send every launch through Triton's own path.
-Under TRITON_INTERPRET=1 `launch` is `fn[grid](*args, **kwargs)`.
+
+The launcher's calling convention is Triton's internal one: direct launches are made only on the
+Triton versions whose convention the tests check (tests/test_launcher.py, CI runs 3.8 and 3.6),
+and `FASTFORMER_TRITON_DIRECT_LAUNCH=0` turns them off. Otherwise, and under
+TRITON_INTERPRET=1, `launch` is `fn[grid](*args, **kwargs)`.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Hashable
 from typing import NamedTuple
 
@@ -29,6 +34,11 @@ from triton import knobs
 from triton.runtime.driver import driver
 
 _LIMIT = 4096  # launch keys kept; past it the memo starts again (a changing shape each call)
+TESTED_TRITON = ("3.6", "3.8")  # major.minor versions whose launcher convention tests check
+ENABLED = (
+    ".".join(triton.__version__.split(".")[:2]) in TESTED_TRITON
+    and os.environ.get("FASTFORMER_TRITON_DIRECT_LAUNCH", "1") != "0"
+)
 
 
 class _Memo(NamedTuple):
@@ -86,7 +96,8 @@ def clear() -> None:
 def _direct_ok(fn) -> bool:
     # Anything that watches or alters a launch goes through Triton's own path.
     return (
-        isinstance(fn, triton.runtime.JITFunction)
+        ENABLED
+        and isinstance(fn, triton.runtime.JITFunction)
         and not fn.pre_run_hooks
         and _no_hook(knobs.runtime.launch_enter_hook)
         and _no_hook(knobs.runtime.launch_exit_hook)

@@ -168,3 +168,22 @@ def test_direct_launches_hand_the_launcher_what_triton_does(tmp_path):
     assert kernels == "kernels 8 same as base: ['base', 'other grid', 'other seed', 'scale 1.0']"
     assert hooked == "hooked attn_fwd True"
     assert debug == "debug kernel differs True"
+
+
+def test_direct_launches_are_made_on_tested_tritons_and_can_be_turned_off(monkeypatch):
+    import importlib
+
+    import triton
+
+    from fastformer.kernels import launcher
+
+    version = ".".join(triton.__version__.split(".")[:2])
+    try:
+        for env, expected in (("0", False), ("1", version in launcher.TESTED_TRITON)):
+            monkeypatch.setenv("FASTFORMER_TRITON_DIRECT_LAUNCH", env)
+            assert importlib.reload(launcher).ENABLED is expected
+        monkeypatch.setattr(triton, "__version__", "99.1.0")
+        assert importlib.reload(launcher).ENABLED is False  # an unchecked convention
+    finally:
+        monkeypatch.undo()
+        importlib.reload(launcher)
