@@ -5,13 +5,17 @@ kernel's launcher (the driver's C code) is replaced by a recorder. Every launch 
 makes directly must hand the launcher what Triton's own `JITFunction.run` hands it for the same
 call (the same compiled kernel, grid, stream and arguments), and every call Triton would
 compile or specialize differently (pointer alignment, integer classes, values of 1, types,
-grid, debug mode) must reach a different kernel, as Triton's does.
+grid, debug mode) must reach a different kernel, as Triton's does. On a GPU, a `cuda` test
+compares the bits of attention through both paths.
 """
 
 import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
+import torch
 
 _SCRIPT = textwrap.dedent(
     """
@@ -187,3 +191,43 @@ def test_direct_launches_are_made_on_tested_tritons_and_can_be_turned_off(monkey
     finally:
         monkeypatch.undo()
         importlib.reload(launcher)
+
+
+@pytest.mark.cuda
+def test_direct_launches_give_the_bits_of_tritons_own_on_a_gpu(monkeypatch):
+    """On a GPU: attention fwd+bwd (dropout, key padding, causal) through direct launches gives
+    the bits that Triton's own launch path gives, and every launch of the last call is direct."""
+    import triton
+
+    from fastformer.kernels import launcher
+    from fastformer.ops import attention
+
+    torch.manual_seed(0)
+    q, k, v = (
+        torch.randn(2, 4, 200, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    kpm = torch.zeros(2, 200, dtype=torch.bool, device="cuda")
+    kpm[1, 150:] = True
+
+    def run(direct: bool):
+        monkeypatch.setattr(launcher, "ENABLED", direct)
+        torch.manual_seed(1)  # the same dropout seed
+        out = attention.scaled_dot_product_attention(
+            q, k, v, dropout_p=0.2, is_causal=True, key_padding_mask=kpm
+        )
+        return (out, *torch.autograd.grad(out.square().sum(), (q, k, v)))
+
+    plain = run(False)  # Triton's own path (it tunes on the first call)
+    run(True)  # each launch key's first call asks Triton
+    asked = []
+    plain_run = triton.runtime.JITFunction.run
+    monkeypatch.setattr(
+        triton.runtime.JITFunction,
+        "run",
+        lambda fn, *a, **kw: asked.append(fn) or plain_run(fn, *a, **kw),
+    )
+    direct = run(True)
+    assert asked == []
+    for a, b in zip(plain, direct):
+        assert torch.equal(a, b)
