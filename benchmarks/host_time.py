@@ -45,28 +45,10 @@ class _Launcher:
 def _sm90_jit() -> None:
     """Triton's JIT compiles for sm_90 without a GPU and launches through `_Launcher`; the
     attention op takes its Triton backend for CPU tensors."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import compiler
-    from triton.runtime.driver import driver
-
-    class Sm90:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-    def load(kernel) -> None:  # CompiledKernel._init_handles: nothing to load
-        if kernel.module is None:
-            kernel.module, kernel.function, kernel._run = 0, 0, _Launcher()
-
-    driver.set_active(Sm90())
-    compiler.CompiledKernel._init_handles = load
     from fastformer.ops import _dispatch
+    from fastformer.testing import sm90_jit
 
+    sm90_jit(lambda kernel: _Launcher())
     _dispatch.register("attention", [_dispatch.Backend("triton", lambda inputs: [])])
 
 

@@ -1,4 +1,5 @@
-"""Parity helpers shared by tests/, `python -m fastformer check` and the benchmarks.
+"""Parity helpers shared by tests/, `python -m fastformer check` and the benchmarks; and
+`sm90_jit`, Triton's JIT compiling for sm_90 without a GPU (tests, host-time measurements).
 
 The parity rule (from flash-attention's tests): with `ref64` the eager reference in float64 and
 `ref_lp` the reference run in the input dtype,
@@ -154,3 +155,37 @@ def compare_with_reference(
         for label, f, r, lp in zip(labels, fast_grads, grads64, grads_lp)
     ]
     return results
+
+
+def sm90_jit(launcher_for: Callable[[Any], Callable] | None = None, stream: int = 0) -> None:
+    """Make Triton's JIT compile for sm_90 in this process without a GPU (device 0, `stream`
+    the current stream's handle).
+
+    For tests and host-time measurements: Triton binds, specializes, compiles (ptxas included)
+    and finds kernels as on an H100/H200. Nothing can run on a device, so a compiled kernel's
+    launcher is `launcher_for(kernel)` when given (a recorder, a counter); without it, loading
+    a kernel (a launch) fails. Call before the first compile; it lasts for the process.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compiler
+    from triton.runtime.driver import driver
+
+    class Sm90:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return stream
+
+    driver.set_active(Sm90())
+    if launcher_for is None:
+        return
+
+    def load(kernel) -> None:  # CompiledKernel._init_handles: no module to load
+        if kernel.module is None:
+            kernel.module, kernel.function, kernel._run = 0, id(kernel), launcher_for(kernel)
+
+    compiler.CompiledKernel._init_handles = load

@@ -1310,22 +1310,12 @@ def test_compile_report(arch, request, tmp_path_factory):
 # sm_90, so `_precompile` compiles real kernels through the same path as on a GPU.
 _SM90_SCRIPT = """
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.runtime.driver import driver
 
 import torch
+from fastformer.testing import sm90_jit
+
+sm90_jit()
 from fastformer.kernels import attention as A
-
-
-class Sm90:
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
 
 
 class CudaTensor:  # what _precompile reads of the query: its device and dtype
@@ -1333,7 +1323,6 @@ class CudaTensor:  # what _precompile reads of the query: its device and dtype
     dtype = torch.float16
 
 
-driver.set_active(Sm90())
 A.arch_family = lambda device: 90
 launches = []
 A._launch = lambda *launch, then=(), tma=False: launches.append((A._Launch(*launch[:4]), then))

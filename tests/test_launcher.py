@@ -24,33 +24,11 @@ _SCRIPT = textwrap.dedent(
     import torch
     import triton
     from triton import knobs
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import compiler
-    from triton.runtime.driver import driver
 
-
-    class Sm90:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 7
-
+    from fastformer.testing import sm90_jit
 
     RECORDS = []
-
-
-    def load(kernel):  # each compiled kernel's launcher records its call
-        if kernel.module is None:
-            kernel.module, kernel.function = 0, id(kernel)
-            kernel._run = lambda *call: RECORDS.append((kernel, call))
-
-
-    driver.set_active(Sm90())
-    compiler.CompiledKernel._init_handles = load
+    sm90_jit(lambda kernel: lambda *call: RECORDS.append((kernel, call)), stream=7)
 
     from fastformer.kernels import attention as A
     from fastformer.kernels import launcher
