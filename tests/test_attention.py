@@ -790,6 +790,26 @@ def test_backend_reasons():
     assert isinstance(dict(_dispatch.explain(attn.OP, None))["triton"], list)
 
 
+def test_backend_choice_follows_every_call_s_inputs():
+    # The op remembers its backend per device, dtype, shapes and mask geometry: alternating
+    # calls that one of those sends elsewhere each get their own backend.
+    q, k, v = _qkv(Case(lq=8, lk=8, d=16, grad=False))
+    wide = torch.zeros(1, 1, 1, 300, device=DEVICE).expand(2, 2, 8, 300)  # head dim 300
+    long_k = torch.zeros(1, 1, 1, 16, device=DEVICE).expand(2, 2, 2**27, 16)  # past int32
+    small_mask = torch.ones(8, 8, dtype=torch.bool, device=DEVICE)
+    # The same shape with rows 2**29 apart, past int32 offsets (geometry only: no memory).
+    huge_mask = torch.empty_strided((8, 8), (2**29, 1), dtype=torch.bool, device="meta")
+    for _ in range(2):
+        assert attn._backend(q, k, v, None) == "triton"
+        assert attn._backend(q, wide, wide, None) == "torch"
+        assert attn._backend(q, long_k, long_k, None) == "torch"
+        assert attn._backend(q, k, v, small_mask) == "triton"
+        assert attn._backend(q, k, v, huge_mask) == "torch"
+    if DEVICE == "cpu":  # the interpreter does not take bfloat16
+        assert attn._backend(q.bfloat16(), k.bfloat16(), v.bfloat16(), None) == "torch"
+        assert attn._backend(q, k, v, None) == "triton"
+
+
 def test_launches_make_the_device_of_their_tensors_current(monkeypatch):
     # Triton launches on the current device: a call on cuda:1 while cuda:0 is current must
     # switch to cuda:1 for its launches (a stub device context stands in for a GPU here).

@@ -46,3 +46,12 @@ def test_register_forgets_the_choices(counted):
     _dispatch.select_by_key(OP, "good", lambda: "good")
     _dispatch.register(OP, [_dispatch.Backend("other", lambda i: [])])
     assert _dispatch.select_by_key(OP, "good", lambda: "good") == "other"
+
+
+def test_remembered_choices_are_bounded(counted, monkeypatch):
+    # Keys holding shapes (attention's) take a new value for every new sequence length.
+    monkeypatch.setattr(_dispatch, "_CHOICES_LIMIT", 5)
+    for n in range(12):
+        assert _dispatch.select_by_key(OP, ("good", n), lambda: "good") == "fast"
+        assert len(_dispatch._CHOICES) <= 5
+    assert len(counted) == 12

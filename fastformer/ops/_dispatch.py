@@ -28,6 +28,7 @@ class Backend:
 REGISTRY: dict[str, list[Backend]] = {}
 # (op, key, forced backend) -> the backend select_by_key chose.
 _CHOICES: dict[tuple[str, Hashable, str | None], str] = {}
+_CHOICES_LIMIT = 4096
 
 
 def register(op: str, backends: list[Backend]) -> None:
@@ -48,6 +49,8 @@ def select_by_key(op: str, key: Hashable, make_inputs: Callable[[], Any]) -> str
     forced = forced_backend(op)
     name = _CHOICES.get((op, key, forced))
     if name is None:
+        if len(_CHOICES) >= _CHOICES_LIMIT:  # keys with shapes: a new length each batch
+            _CHOICES.clear()
         name = _CHOICES[(op, key, forced)] = select(op, make_inputs())
     return name
 
