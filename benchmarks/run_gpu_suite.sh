@@ -142,7 +142,8 @@ else
 fi
 
 # Budget (seconds), so far at most build 130 + info 15 + verify 130; from here: bench 200, then
-# profile 60 only if the suite is still under SUITE_PROFILE_BEFORE_S (400 s): 8 minutes at most.
+# profile 60 and the LayerNorm sweep 45, each only if the suite is still under
+# SUITE_PROFILE_BEFORE_S (400 s) when it would start: 8 minutes at most.
 # The benchmark alone on the GPU, exactly as a user runs it: the base model, then the default
 # per-op grid (a representative subset sized for the 3-minute target: fastformer/cli/cases.py).
 stage bench 200 "$PY" -m fastformer bench --max-seconds 170 --out "$OUT/bench"
@@ -173,6 +174,15 @@ if [ "$ELAPSED" -lt "${SUITE_PROFILE_BEFORE_S:-400}" ]; then
     stage profile 60 "$PY" benchmarks/profile_kernels.py --iters 3
 else
     echo "profile: skipped (elapsed ${ELAPSED}s)" | tee -a "$OUT/summary.txt"
+fi
+# LayerNorm's launch configurations against each other (~20 s): the data for its bandwidth
+# targets; also only with time left (the same limit: at most 400 + 45 s).
+ELAPSED=$(( $(date +%s) - SUITE_START ))
+if [ "$ELAPSED" -lt "${SUITE_PROFILE_BEFORE_S:-400}" ]; then
+    stage sweep_layer_norm 45 "$PY" benchmarks/sweep_layer_norm.py \
+        --out "$OUT/sweep_layer_norm.json"
+else
+    echo "sweep_layer_norm: skipped (elapsed ${ELAPSED}s)" | tee -a "$OUT/summary.txt"
 fi
 
 echo "suite: $FAILED failed stage(s) in $(( $(date +%s) - SUITE_START ))s; logs in $OUT" | tee -a "$OUT/summary.txt"

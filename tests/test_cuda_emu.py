@@ -267,6 +267,45 @@ def test_layer_norm_kernel_paths(dtype, rows, cols, fwd, bwd):
     assert launches[2].grid == (math.ceil(cols / 32), 2, 1)
 
 
+# Launch overrides (torch.ops.fastformer.layer_norm_tuning, for measuring alternatives on a GPU):
+# [fwd_vecs, fwd_block, bwd_vecs, bwd_block] -> the forward's and backward's (kind, vectors a
+# thread, block). A 16-bit backward holds at most 2 vectors with the next row; rows too long for
+# the vectors asked for take the built-in long-row choice.
+LN_TUNED = [
+    (BF16, 9, 1024, [2, 256, 1, 512], (VEC, 2, (64, 4, 1)), (VEC, 1, (128, 4, 1))),
+    (BF16, 5, 2048, [1, 512, 1, 128], (VEC, 1, (256, 2, 1)), (VEC, 1, (256, 1, 1))),
+    (F32, 7, 512, [1, 64, 4, 64], (VEC, 1, (128, 1, 1)), (VEC, 4, (32, 2, 1))),
+    (F16, 3, 8192, [4, 512, 4, 0], (VEC, 4, (256, 2, 1)), (VEC, 2, (512, 1, 1))),
+    (BF16, 2, 16384, [1, 0, 1, 0], (ANY, 0, (512, 1, 1)), (VEC, 4, (512, 1, 1))),
+]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "rows", "cols", "tuning", "fwd", "bwd"),
+    LN_TUNED,
+    ids=[f"{str(c[0])[6:]}-{c[1]}x{c[2]}-{'.'.join(map(str, c[3]))}" for c in LN_TUNED],
+)
+def test_layer_norm_launch_overrides(dtype, rows, cols, tuning, fwd, bwd):
+    x = _make((rows, cols), dtype, scale=2.0, shift=1.0)
+    w, b = _make((cols,), seed=1), _make((cols,), seed=2)
+    built_in = torch.ops.fastformer_emu.layer_norm_tuning(tuning)
+    try:
+        launches = _parity_in_orders(
+            _ln_fast, _ln_ref, [x, w, b], ["x", "weight", "bias"], ATOL_FLOOR[dtype]
+        )
+    finally:
+        assert torch.ops.fastformer_emu.layer_norm_tuning(built_in) == tuning
+    assert built_in == [0, 0, 0, 0]
+    assert _path(launches[0]) == fwd and _path(launches[1]) == bwd
+
+
+def test_layer_norm_launch_overrides_are_checked():
+    for bad in ([3, 0, 0, 0], [0, 100, 0, 0], [0, 0, 0, 1024], [1, 2, 3]):
+        with pytest.raises(RuntimeError, match="layer_norm.tuning"):
+            torch.ops.fastformer_emu.layer_norm_tuning(bad)
+    assert torch.ops.fastformer_emu.layer_norm_tuning([0, 0, 0, 0]) == [0, 0, 0, 0]
+
+
 def _bwd_kernel(dtype: torch.dtype, cols: int) -> str:
     """The backward kernel of aligned inputs: registers up to 2048 whole 16-byte chunks (8192
     fp32, 16384 fp16/bf16 columns), then the generic kernel on chunks; the scalar generic

@@ -91,15 +91,16 @@ def test_suite_runs_every_stage_and_counts_failures(tmp_path):
     threads = [c.split()[0] for c in calls if "-m pytest" in c or "fastformer check" in c]
     assert threads and all(t == "OMP_NUM_THREADS=2" for t in threads), calls
     # The benchmark last and alone: the default run exactly as a user starts it (no full grid
-    # without SUITE_FULL=1), then the profile (the stub suite is well under 400 s).
+    # without SUITE_FULL=1), then the profile and the LayerNorm sweep (the stub suite is well
+    # under 400 s).
     out = tmp_path / "out"
-    assert commands[-2:] == [
+    assert commands[-3:] == [
         f"-m fastformer bench --max-seconds 170 --out {out}/bench",
-        "benchmarks/profile_kernels.py --iters 3",
+        *_after_bench(out),
     ]
-    assert [c for c in commands if "fastformer bench" in c] == [commands[-2]]
+    assert [c for c in commands if "fastformer bench" in c] == [commands[-3]]
     summary = (tmp_path / "out" / "summary.txt").read_text()
-    assert "profile: skipped" not in summary
+    assert "skipped" not in summary
     assert "verify-check3" in summary and "rc=1" in summary
     # The four 1-second shards ran at once, not one after another.
     verify = [line for line in summary.splitlines() if line.startswith("verify-")]
@@ -140,6 +141,13 @@ def test_suite_copies_a_carried_build_in_before_the_check(tmp_path):
     assert not any("-m pip install" in c for c in calls)
 
 
+def _after_bench(out) -> list[str]:  # the stages after the default bench
+    return [
+        "benchmarks/profile_kernels.py --iters 3",
+        f"benchmarks/sweep_layer_norm.py --out {out}/sweep_layer_norm.json",
+    ]
+
+
 # The optional stages of each flag, between the default bench and the profile: (commands with
 # {out} for the output folder, their stage names). [TMA]: run with FASTFORMER_ATTN_TMA=1.
 _OPTIONAL_STAGES = {
@@ -173,10 +181,10 @@ def test_suite_optional_stages_run_after_the_default_bench(tmp_path, flag):
     commands = [c.split(" ", 2)[2] for c in calls]
     out = tmp_path / "out"
     extra, stages = _OPTIONAL_STAGES[flag]
-    assert commands[-len(extra) - 2 :] == [
+    assert commands[-len(extra) - 3 :] == [
         f"-m fastformer bench --max-seconds 170 --out {out}/bench",
         *(command.format(out=out) for command in extra),
-        "benchmarks/profile_kernels.py --iters 3",
+        *_after_bench(out),
     ]
     # SUITE_TMA=1: the GPU tests, the parity grid and the extra attention grid with TMA twins.
     tma = [c for c in commands if "[TMA]" in c]
@@ -189,14 +197,16 @@ def test_suite_optional_stages_run_after_the_default_bench(tmp_path, flag):
 
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
 def test_suite_skips_the_profile_past_its_time(tmp_path):
-    """Past SUITE_PROFILE_BEFORE_S (400 s unless set; 0 here: always past) the profile is
-    skipped, said so in summary.txt, and not counted as a failure."""
+    """Past SUITE_PROFILE_BEFORE_S (400 s unless set; 0 here: always past) the profile and the
+    LayerNorm sweep are skipped, said so in summary.txt, and not counted as failures."""
     done, calls = _run_suite(tmp_path, pip_rc=0, SUITE_PROFILE_BEFORE_S="0")
     assert done.returncode == 1, done.stdout + done.stderr  # only the failing shard counts
     commands = [c.split(" ", 2)[2] for c in calls]
     assert commands[-1] == f"-m fastformer bench --max-seconds 170 --out {tmp_path}/out/bench"
-    assert not any("profile_kernels" in c for c in commands)
+    assert not any("profile_kernels" in c or "sweep_layer_norm" in c for c in commands)
     summary = (tmp_path / "out" / "summary.txt").read_text()
-    skipped = [line for line in summary.splitlines() if line.startswith("profile: skipped")]
-    assert len(skipped) == 1 and re.fullmatch(r"profile: skipped \(elapsed \d+s\)", skipped[0])
+    skipped = [line for line in summary.splitlines() if "skipped" in line]
+    assert len(skipped) == 2
+    for stage, line in zip(("profile", "sweep_layer_norm"), skipped):
+        assert re.fullmatch(stage + r": skipped \(elapsed \d+s\)", line)
     assert "suite: 1 failed stage(s)" in summary

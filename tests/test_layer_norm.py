@@ -655,3 +655,44 @@ def test_cpu_16bit_is_float32_math_rounded_once(dtype, cols, weight_scale):
     dx, dw, db = torch.autograd.grad(out, (x, w, b), dy)
     dx32, dw32, db32 = torch.autograd.grad(out32, (x32, w, b), dy.float())
     assert torch.equal(dx, dx32.to(dtype)) and torch.equal(dw, dw32) and torch.equal(db, db32)
+
+
+# --------------------------------------------------------------------------- launch overrides
+
+
+def test_launch_overrides_are_set_checked_and_reset():
+    # torch.ops.fastformer.layer_norm_tuning (CUDA builds): benchmarks/sweep_layer_norm.py's
+    # knob. The emulator tests run the kernels with overrides (tests/test_cuda_emu.py).
+    from fastformer._ext import cuda_kernels_compiled
+
+    if not cuda_kernels_compiled():
+        pytest.skip("fastformer._C was built without its CUDA kernels")
+    tuning = torch.ops.fastformer.layer_norm_tuning
+    assert tuning([2, 256, 1, 128]) == [0, 0, 0, 0]
+    try:
+        for bad in ([3, 0, 0, 0], [0, 96 + 1, 0, 0], [0, 0, 0, 544], [1, 2, 3]):
+            with pytest.raises(RuntimeError, match="layer_norm.tuning"):
+                tuning(bad)
+    finally:
+        assert tuning([0, 0, 0, 0]) == [2, 256, 1, 128]  # a refused call changed nothing
+
+
+def test_sweep_script_needs_a_gpu_and_prints_a_table():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "sweep_layer_norm.py"
+    spec = importlib.util.spec_from_file_location("sweep_layer_norm", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    if not torch.cuda.is_available():
+        assert sweep.main(["--cols", "1024"]) == 2
+    with pytest.raises(SystemExit):
+        sweep.main(["--cols", "x"])
+    rows = [
+        dict(kind="fwd", cols=1024, vecs=v, block=b, ms=ms, gbps=g, of_copy=g / 4000)
+        for v, b, ms, g in ((0, 0, 0.02, 3200.0), (2, 256, 0.018, 3500.0), (1, 64, 0.03, 2000.0))
+    ]
+    result = {"device": "GPU", "dtype": "torch.bfloat16", "rows": 16384, "copy_gbps": 4000.0}
+    lines = sweep.table({**result, "results": rows}).splitlines()
+    assert lines[1] == "fwd   1024: built-in 80.0% (0.020 ms); best 2/256 87.5% (0.018 ms)"

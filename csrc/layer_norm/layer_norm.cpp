@@ -953,6 +953,12 @@ TORCH_LIBRARY_IMPL(fastformer, CUDA, m) {
   m.impl("layer_norm_fwd", &layer_norm_fwd_cuda);
   m.impl("layer_norm_bwd", &layer_norm_bwd_cuda);
 }
+
+// For measuring launch configurations (benchmarks/sweep_layer_norm.py); no tensor arguments:
+// a catch-all kernel.
+TORCH_LIBRARY_FRAGMENT(fastformer, m) {
+  m.def("layer_norm_tuning(int[] config) -> int[]", &ln_glue::tuning_op);
+}
 #endif
 
 }  // namespace fastformer

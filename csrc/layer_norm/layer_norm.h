@@ -63,11 +63,29 @@ struct LnBwdArgs {
   bool fused;  // dx = dropout(dpre_total), dres = dpre_total
 };
 
+
+// Overrides of the launch configurations, for measuring alternatives on a GPU
+// (benchmarks/sweep_layer_norm.py); 0 keeps the built-in choice. vecs: the most 16-byte vectors
+// a thread holds (1, 2 or 4; the backward's 16-bit rows take at most 2 with the next row held);
+// block: threads a block (a multiple of 32, 32 to 512). Process-wide, read at each launch.
+struct LnTuning {
+  int fwd_vecs = 0;
+  int fwd_block = 0;
+  int bwd_vecs = 0;
+  int bwd_block = 0;
+};
+
+// Sets the overrides and returns the previous ones; throws std::invalid_argument on a value
+// outside the ranges above.
+LnTuning set_layer_norm_tuning(const LnTuning& t);
+
 // The backward grid: how many blocks, and how many rows of fp32 partial sums of dweight and
-// dbias they write (summed by the finalize kernel in a fixed order: deterministic).
+// dbias they write (summed by the finalize kernel in a fixed order: deterministic); the
+// overrides it was planned with, which the launch keeps (the workspace is sized by them).
 struct LnBwdPlan {
   int64_t grid;
   int64_t partial_rows;
+  LnTuning tuning;
 };
 
 void layer_norm_fwd_cuda_launch(const LnFwdArgs& a, cudaStream_t stream);

@@ -47,10 +47,12 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <stdexcept>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -932,19 +934,38 @@ Config pick(int64_t cols, int elem, bool vec_ok, int max_vecs, int max_threads, 
   return {0, tpr, std::max(1, block_threads / tpr)};
 }
 
-Config fwd_config(const LnFwdArgs& a) {
+// The overrides of set_layer_norm_tuning (0: the built-in choice), one atomic each: a launch
+// on another thread reads whole values.
+std::atomic<int> g_fwd_vecs{0}, g_fwd_block{0}, g_bwd_vecs{0}, g_bwd_block{0};
+
+LnTuning current_tuning() {
+  LnTuning t;
+  t.fwd_vecs = g_fwd_vecs.load(std::memory_order_relaxed);
+  t.fwd_block = g_fwd_block.load(std::memory_order_relaxed);
+  t.bwd_vecs = g_bwd_vecs.load(std::memory_order_relaxed);
+  t.bwd_block = g_bwd_block.load(std::memory_order_relaxed);
+  return t;
+}
+
+int or_default(int override_value, int built_in) {
+  return override_value != 0 ? override_value : built_in;
+}
+
+Config fwd_config(const LnFwdArgs& a, const LnTuning& t) {
   const bool vec_ok = aligned16(a.x) && aligned16(a.residual) && aligned16(a.weight) &&
                       aligned16(a.bias) && aligned16(a.out) && aligned16(a.pre);
-  return pick(a.cols, elem_bytes(a.dtype), vec_ok, kFwdMaxVecs, kFwdMaxThreads, 128);
+  return pick(a.cols, elem_bytes(a.dtype), vec_ok, or_default(t.fwd_vecs, kFwdMaxVecs),
+              kFwdMaxThreads, or_default(t.fwd_block, 128));
 }
 
 // registers: whether the vector kernel may run (not when its shared memory does not fit).
-Config bwd_config(const LnBwdArgs& a, bool registers = true) {
+Config bwd_config(const LnBwdArgs& a, const LnTuning& t, bool registers = true) {
   const bool vec_ok = aligned16(a.dy) && aligned16(a.dpre) && aligned16(a.x) &&
                       aligned16(a.weight) && aligned16(a.dx) && aligned16(a.dres);
   const int elem = elem_bytes(a.dtype);
-  Config c = pick(a.cols, elem, vec_ok && registers, bwd_max_vecs(elem), kBwdMaxThreads, 256,
-                  kBwdLongVecs);
+  const int vecs = std::min(or_default(t.bwd_vecs, bwd_max_vecs(elem)), bwd_max_vecs(elem));
+  Config c = pick(a.cols, elem, vec_ok && registers, vecs, kBwdMaxThreads,
+                  or_default(t.bwd_block, 256), kBwdLongVecs);
   c.chunks = c.vecs == 0 && vec_ok && a.cols % (16 / elem) == 0;  // rows too long for registers
   return c;
 }
@@ -1066,8 +1087,8 @@ struct BwdLaunch {
   bool smem_acc;  // generic kernel: accumulators in shared memory
 };
 
-BwdLaunch bwd_launch(const LnBwdArgs& a) {
-  Config c = bwd_config(a);
+BwdLaunch bwd_launch(const LnBwdArgs& a, const LnTuning& t) {
+  Config c = bwd_config(a, t);
   if (c.vecs != 0) {
     const size_t bytes = bwd_vec_smem_bytes(c, a);
     bool fits = false;
@@ -1077,7 +1098,7 @@ BwdLaunch bwd_launch(const LnBwdArgs& a) {
     if (fits) return {c, bytes, false};
     // Up to 128 KB (16-bit rows of 16384, both sums): a GPU with less to opt in to (sm_86 and
     // sm_89: 99 KB, sm_75: 64 KB) takes the generic kernels instead.
-    c = bwd_config(a, false);
+    c = bwd_config(a, t, false);
   }
   const int slices = (a.dweight != nullptr) + (a.dbias != nullptr);
   const size_t bytes = static_cast<size_t>(slices) * c.rpb * a.cols * sizeof(float);
@@ -1100,9 +1121,29 @@ void launch_finalize(const LnBwdArgs& a, const LnBwdPlan& plan, cudaStream_t str
 
 // ------------------------------------------------------------------ host: entry points
 
+LnTuning set_layer_norm_tuning(const LnTuning& t) {
+  for (const int vecs : {t.fwd_vecs, t.bwd_vecs}) {
+    if (vecs != 0 && vecs != 1 && vecs != 2 && vecs != 4) {
+      throw std::invalid_argument("layer_norm tuning: vecs must be 0, 1, 2 or 4");
+    }
+  }
+  for (const int block : {t.fwd_block, t.bwd_block}) {
+    if (block != 0 && (block % kWarp != 0 || block < kWarp || block > kFwdMaxThreads)) {
+      throw std::invalid_argument("layer_norm tuning: block must be 0 or a multiple of 32 in "
+                                  "[32, 512]");
+    }
+  }
+  LnTuning old;
+  old.fwd_vecs = g_fwd_vecs.exchange(t.fwd_vecs);
+  old.fwd_block = g_fwd_block.exchange(t.fwd_block);
+  old.bwd_vecs = g_bwd_vecs.exchange(t.bwd_vecs);
+  old.bwd_block = g_bwd_block.exchange(t.bwd_block);
+  return old;
+}
+
 void layer_norm_fwd_cuda_launch(const LnFwdArgs& a, cudaStream_t stream) {
   if (a.rows == 0 || a.cols == 0) return;
-  const Config c = fwd_config(a);
+  const Config c = fwd_config(a, current_tuning());
   const dim3 block(c.tpr, c.rpb);
   const unsigned grid = static_cast<unsigned>(std::min(ceil_div(a.rows, c.rpb), kMaxGrid));
   dispatch_types(a.dtype, a.wtype, [&](auto t, auto w) {
@@ -1123,8 +1164,9 @@ void layer_norm_fwd_cuda_launch(const LnFwdArgs& a, cudaStream_t stream) {
 }
 
 LnBwdPlan layer_norm_bwd_plan(const LnBwdArgs& a, int num_sms) {
-  if (a.rows == 0 || a.cols == 0) return {0, 0};
-  const BwdLaunch l = bwd_launch(a);
+  if (a.rows == 0 || a.cols == 0) return {0, 0, {}};
+  const LnTuning tuning = current_tuning();  // the launch takes the plan's
+  const BwdLaunch l = bwd_launch(a, tuning);
   const Config& c = l.c;
   int resident = 1;
   with_bwd_kernel(a, c, l.smem_acc, [&](auto kernel) {
@@ -1133,7 +1175,7 @@ LnBwdPlan layer_norm_bwd_plan(const LnBwdArgs& a, int num_sms) {
   // Persistent grid: one wave of blocks, each looping over rows and keeping its partial sums.
   const int64_t grid =
       std::max<int64_t>(1, std::min(ceil_div(a.rows, c.rpb), int64_t{num_sms} * resident));
-  return {grid, c.vecs == 0 ? grid * c.rpb : grid};
+  return {grid, c.vecs == 0 ? grid * c.rpb : grid, tuning};
 }
 
 void layer_norm_bwd_cuda_launch(const LnBwdArgs& a, const LnBwdPlan& plan, cudaStream_t stream) {
@@ -1144,7 +1186,7 @@ void layer_norm_bwd_cuda_launch(const LnBwdArgs& a, const LnBwdPlan& plan, cudaS
     if (a.dbias != nullptr) cudaMemsetAsync(a.dbias, 0, wbytes, stream);
     return;
   }
-  const BwdLaunch l = bwd_launch(a);
+  const BwdLaunch l = bwd_launch(a, plan.tuning);
   with_bwd_kernel(a, l.c, l.smem_acc, [&](auto kernel) {
     kernel<<<static_cast<unsigned>(plan.grid), dim3(l.c.tpr, l.c.rpb), l.smem, stream>>>(a);
   });

@@ -6,6 +6,9 @@
 
 #include <ATen/ATen.h>
 
+#include <stdexcept>
+#include <vector>
+
 namespace fastformer {
 namespace ln_glue {
 
@@ -123,6 +126,27 @@ inline LnBwdArgs bwd_args(const at::Tensor& dy, const at::Tensor& dpre, const at
   a.dbias = need_dbias ? dbias.data_ptr() : nullptr;
   set_common(a, x, weight, bias, seed, dropout_p, rms, fused);
   return a;
+}
+
+// layer_norm_tuning(int[] config) -> int[]: sets the CUDA launch overrides [fwd_vecs, fwd_block,
+// bwd_vecs, bwd_block] (0: the built-in choice; see LnTuning) and returns the previous ones.
+inline std::vector<int64_t> tuning_op(at::IntArrayRef config) {
+  TORCH_CHECK(config.size() == 4,
+              "layer_norm_tuning: config is [fwd_vecs, fwd_block, bwd_vecs, bwd_block], got ",
+              config.size(), " values");
+  LnTuning t;
+  int* fields[] = {&t.fwd_vecs, &t.fwd_block, &t.bwd_vecs, &t.bwd_block};
+  for (size_t i = 0; i < 4; ++i) {
+    TORCH_CHECK(config[i] >= 0 && config[i] <= 4096, "layer_norm_tuning: bad value ", config[i]);
+    *fields[i] = static_cast<int>(config[i]);
+  }
+  LnTuning old;
+  try {
+    old = set_layer_norm_tuning(t);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, e.what());
+  }
+  return {old.fwd_vecs, old.fwd_block, old.bwd_vecs, old.bwd_block};
 }
 
 }  // namespace ln_glue

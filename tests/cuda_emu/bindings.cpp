@@ -354,6 +354,7 @@ TORCH_LIBRARY(fastformer_emu, m) {
   m.def("configure(int device, int sms, int blocks_per_sm, int order, int shuffle_seed, "
         "int smem_optin) -> ()",
         &configure);
+  m.def("layer_norm_tuning(int[] config) -> int[]", &fastformer::ln_glue::tuning_op);
   m.def("launch_log() -> str", &launch_log);
   m.def("clear_launch_log() -> ()", &clear_launch_log);
 }

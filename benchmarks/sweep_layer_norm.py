@@ -1,0 +1,147 @@
+"""LayerNorm's CUDA launch configurations measured against each other, on a GPU.
+
+The issue's targets (forward >= 85%, backward >= 75% of the device copy bandwidth, bf16, 16384
+rows) were missed on the H200 (forward 79-80%, backward 64-71%) with the built-in choice of
+vectors a thread and threads a block. For each hidden size this times the forward and the
+backward kernels with every override of that choice (torch.ops.fastformer.layer_norm_tuning:
+the most 16-byte vectors a thread holds, the threads a block), next to the built-in one, as
+GB/s and the fraction of the copy bandwidth measured in the same run. Which configuration runs
+is the C++ choice given the override (rows too long for the vectors asked for take the long-row
+kernels). The backward is timed as its op alone (kernel and finalize, no autograd).
+
+    python benchmarks/sweep_layer_norm.py [--cols 1024,4096] [--out sweep.json]
+
+Exit status 2 without a GPU or without the CUDA kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+FWD = [(v, b) for v in (1, 2, 4) for b in (64, 128, 256, 512)]
+BWD = [(v, b) for v in (1, 2, 4) for b in (128, 256, 512)]
+COLS = (512, 1024, 2048, 4096, 8192, 16384)
+ROWS = 16384
+
+
+def _available() -> str | None:
+    """Why the sweep cannot run here, or None."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    import fastformer  # noqa: F401  (loads fastformer._C)
+
+    if not hasattr(torch.ops.fastformer, "layer_norm_tuning"):
+        return "fastformer._C was built without its CUDA kernels"
+    return None
+
+
+def _time_ms(fn) -> float:
+    from fastformer.cli import timing
+
+    return timing.time_op(fn, torch.device("cuda"), timing.GPU_DEFAULT)
+
+
+def _calls(cols: int, dtype: torch.dtype):
+    """(forward, backward) of a (ROWS, cols) LayerNorm: the two C++ ops on fixed inputs."""
+    x, dy = (torch.randn(ROWS, cols, device="cuda", dtype=dtype) for _ in range(2))
+    w, b = (torch.randn(cols, device="cuda", dtype=dtype) for _ in range(2))
+    seed = torch.zeros((), dtype=torch.int64)
+    ops = torch.ops.fastformer
+    _, _, mean, rstd = ops.layer_norm_fwd(x, w, b, None, seed, 1e-5, 0.0, False, False)
+
+    def forward():
+        return ops.layer_norm_fwd(x, w, b, None, seed, 1e-5, 0.0, False, False)
+
+    def backward():
+        return ops.layer_norm_bwd(
+            dy, None, x, w, b, mean, rstd, seed, 0.0, False, False, False, True, True
+        )
+
+    return forward, backward
+
+
+def sweep(cols_list: list[int], dtype: torch.dtype) -> dict:
+    """Every configuration's ms, GB/s and fraction of copy bandwidth, per hidden size."""
+    from fastformer.cli import bench, timing
+
+    roof = bench.rooflines(torch.device("cuda"), dtype, timing.GPU_DEFAULT)
+    elem = torch.finfo(dtype).bits // 8
+    tuning = torch.ops.fastformer.layer_norm_tuning
+    rows = []
+    try:
+        for cols in cols_list:
+            forward, backward = _calls(cols, dtype)
+            for kind, fn, configs, tensors in (("fwd", forward, FWD, 2), ("bwd", backward, BWD, 3)):
+                for vecs, block in [(0, 0), *configs]:
+                    if kind == "bwd" and elem == 2 and vecs == 4:
+                        continue  # 16-bit rows: at most 2 (the C++ choice caps it)
+                    tuning([vecs, block, 0, 0] if kind == "fwd" else [0, 0, vecs, block])
+                    ms = _time_ms(fn)
+                    gbps = tensors * ROWS * cols * elem / ms / 1e6
+                    rows.append(
+                        dict(
+                            kind=kind,
+                            cols=cols,
+                            vecs=vecs,
+                            block=block,
+                            ms=ms,
+                            gbps=gbps,
+                            of_copy=gbps / roof["copy_gbps"],
+                        )  # fmt: skip
+                    )
+            del forward, backward
+            torch.cuda.empty_cache()
+    finally:
+        tuning([0, 0, 0, 0])
+    return {"device": torch.cuda.get_device_name(), "dtype": str(dtype), "rows": ROWS,
+            "copy_gbps": roof["copy_gbps"], "results": rows}  # fmt: skip
+
+
+def table(result: dict) -> str:
+    """One line a (kind, hidden size): the built-in configuration's fraction of copy, then the
+    best override's."""
+    lines = [f"{result['device']}, {result['dtype']}, {result['rows']} rows, copy "
+             f"{result['copy_gbps']:.0f} GB/s; vecs/block (0/0: built-in), fraction of copy"]  # fmt: skip
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in result["results"]:
+        groups.setdefault((r["kind"], r["cols"]), []).append(r)
+    for (kind, cols), rs in groups.items():
+        built_in = next(r for r in rs if r["vecs"] == 0)
+        best = max(rs, key=lambda r: r["gbps"])
+        lines.append(
+            f"{kind} {cols:>6}: built-in {built_in['of_copy']:.1%} ({built_in['ms']:.3f} ms); "
+            f"best {best['vecs']}/{best['block']} {best['of_copy']:.1%} ({best['ms']:.3f} ms)"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cols", default=",".join(map(str, COLS)), help="hidden sizes")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--out", help="write every measurement as JSON here")
+    args = parser.parse_args(argv)
+    try:
+        cols = [int(c) for c in args.cols.split(",") if c.strip()]
+    except ValueError:
+        parser.error(f"--cols: a comma list of ints, got {args.cols!r}")
+    if not cols or min(cols) < 1:
+        parser.error(f"--cols: positive ints, got {args.cols!r}")
+    why = _available()
+    if why is not None:
+        print(f"sweep_layer_norm: {why}", file=sys.stderr)
+        return 2
+    result = sweep(cols, getattr(torch, args.dtype))
+    print(table(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
