@@ -64,41 +64,54 @@ def _calls(cols: int, dtype: torch.dtype):
     return forward, backward
 
 
+def _configs(kind: str, elem: int) -> list[tuple[int, int]]:
+    """The built-in choice (0, 0), then the overrides worth timing for `kind`."""
+    if kind == "fwd":
+        return [(0, 0), *FWD]
+    # 16-bit rows: at most 2 vectors a backward thread (the C++ choice caps it).
+    return [(0, 0), *(c for c in BWD if not (elem == 2 and c[0] == 4))]
+
+
+def _measure(kind: str, fn, cols: int, elem: int, copy_gbps: float) -> list[dict]:
+    tuning = torch.ops.fastformer.layer_norm_tuning
+    tensors = 2 if kind == "fwd" else 3  # x and y; x, dy and dx
+    rows = []
+    for vecs, block in _configs(kind, elem):
+        tuning([vecs, block, 0, 0] if kind == "fwd" else [0, 0, vecs, block])
+        ms = _time_ms(fn)
+        gbps = tensors * ROWS * cols * elem / ms / 1e6
+        rows.append(
+            dict(
+                kind=kind,
+                cols=cols,
+                vecs=vecs,
+                block=block,
+                ms=ms,
+                gbps=gbps,
+                of_copy=gbps / copy_gbps,
+            )  # fmt: skip
+        )
+    return rows
+
+
 def sweep(cols_list: list[int], dtype: torch.dtype) -> dict:
     """Every configuration's ms, GB/s and fraction of copy bandwidth, per hidden size."""
     from fastformer.cli import bench, timing
 
-    roof = bench.rooflines(torch.device("cuda"), dtype, timing.GPU_DEFAULT)
+    copy_gbps = bench.rooflines(torch.device("cuda"), dtype, timing.GPU_DEFAULT)["copy_gbps"]
     elem = torch.finfo(dtype).bits // 8
-    tuning = torch.ops.fastformer.layer_norm_tuning
     rows = []
     try:
         for cols in cols_list:
             forward, backward = _calls(cols, dtype)
-            for kind, fn, configs, tensors in (("fwd", forward, FWD, 2), ("bwd", backward, BWD, 3)):
-                for vecs, block in [(0, 0), *configs]:
-                    if kind == "bwd" and elem == 2 and vecs == 4:
-                        continue  # 16-bit rows: at most 2 (the C++ choice caps it)
-                    tuning([vecs, block, 0, 0] if kind == "fwd" else [0, 0, vecs, block])
-                    ms = _time_ms(fn)
-                    gbps = tensors * ROWS * cols * elem / ms / 1e6
-                    rows.append(
-                        dict(
-                            kind=kind,
-                            cols=cols,
-                            vecs=vecs,
-                            block=block,
-                            ms=ms,
-                            gbps=gbps,
-                            of_copy=gbps / roof["copy_gbps"],
-                        )  # fmt: skip
-                    )
+            rows += _measure("fwd", forward, cols, elem, copy_gbps)
+            rows += _measure("bwd", backward, cols, elem, copy_gbps)
             del forward, backward
             torch.cuda.empty_cache()
     finally:
-        tuning([0, 0, 0, 0])
+        torch.ops.fastformer.layer_norm_tuning([0, 0, 0, 0])
     return {"device": torch.cuda.get_device_name(), "dtype": str(dtype), "rows": ROWS,
-            "copy_gbps": roof["copy_gbps"], "results": rows}  # fmt: skip
+            "copy_gbps": copy_gbps, "results": rows}  # fmt: skip
 
 
 def table(result: dict) -> str:
