@@ -677,7 +677,7 @@ def test_launch_overrides_are_set_checked_and_reset():
         assert tuning([0, 0, 0, 0]) == [2, 256, 1, 128]  # a refused call changed nothing
 
 
-def test_sweep_script_needs_a_gpu_and_prints_a_table():
+def _sweep_module():
     import importlib.util
     from pathlib import Path
 
@@ -685,6 +685,11 @@ def test_sweep_script_needs_a_gpu_and_prints_a_table():
     spec = importlib.util.spec_from_file_location("sweep_layer_norm", path)
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
+    return sweep
+
+
+def test_sweep_script_needs_a_gpu_and_prints_a_table():
+    sweep = _sweep_module()
     if not torch.cuda.is_available():
         assert sweep.main(["--cols", "1024"]) == 2
     with pytest.raises(SystemExit):
@@ -696,3 +701,17 @@ def test_sweep_script_needs_a_gpu_and_prints_a_table():
     result = {"device": "GPU", "dtype": "torch.bfloat16", "rows": 16384, "copy_gbps": 4000.0}
     lines = sweep.table({**result, "results": rows}).splitlines()
     assert lines[1] == "fwd   1024: built-in 80.0% (0.020 ms); best 2/256 87.5% (0.018 ms)"
+
+
+def test_sweep_times_each_override_once(monkeypatch):
+    # The sweep's loop with its timer and the C++ knob replaced: which overrides it sets.
+    sweep = _sweep_module()
+    calls, timed = [], []
+    monkeypatch.setattr(torch.ops.fastformer, "layer_norm_tuning", calls.append, raising=False)
+    monkeypatch.setattr(sweep, "_time_ms", lambda fn: timed.append(calls[-1]) or 0.5)
+    rows = sweep._measure("bwd", None, 1024, 2, 4000.0)
+    assert timed == calls == [[0, 0, v, b] for v, b in [(0, 0), *sweep.BWD] if v != 4]
+    assert rows[0]["gbps"] == 3 * 16384 * 1024 * 2 / 0.5 / 1e6  # x, dy, dx of 2 bytes
+    calls.clear()
+    assert len(sweep._measure("fwd", None, 1024, 4, 4000.0)) == 1 + len(sweep.FWD)
+    assert calls[0] == [0, 0, 0, 0] and calls[1:] == [[v, b, 0, 0] for v, b in sweep.FWD]
