@@ -18,8 +18,8 @@ as proton), pre-run hooks and stage-inspection hooks send every launch through T
 
 The launcher's calling convention is Triton's internal one: direct launches are made only on the
 Triton versions whose convention the tests check (tests/test_launcher.py, CI runs 3.8 and 3.6),
-and `FASTFORMER_TRITON_DIRECT_LAUNCH=0` turns them off. Otherwise, and under
-TRITON_INTERPRET=1, `launch` is `fn[grid](*args, **kwargs)`.
+and `FASTFORMER_TRITON_DIRECT_LAUNCH=0` (read when this module is imported) turns them off.
+Otherwise, and under TRITON_INTERPRET=1, `launch` is `fn[grid](*args, **kwargs)`.
 """
 
 from __future__ import annotations
