@@ -1127,8 +1127,9 @@ LnTuning set_layer_norm_tuning(const LnTuning& t) {
       throw std::invalid_argument("layer_norm tuning: vecs must be 0, 1, 2 or 4");
     }
   }
+  static_assert(kFwdMaxThreads == 512 && kBwdMaxThreads == 512, "the message's bound");
   for (const int block : {t.fwd_block, t.bwd_block}) {
-    if (block != 0 && (block % kWarp != 0 || block < kWarp || block > kFwdMaxThreads)) {
+    if (block != 0 && (block % kWarp != 0 || block < kWarp || block > 512)) {
       throw std::invalid_argument("layer_norm tuning: block must be 0 or a multiple of 32 in "
                                   "[32, 512]");
     }
