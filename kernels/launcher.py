@@ -87,6 +87,22 @@ def launch(
     )  # fmt: skip
 
 
+def status() -> str:
+    """Which path attention's launches take in this process, and why (`python -m fastformer
+    info`, the bench's manifest)."""
+    version = ".".join(triton.__version__.split(".")[:2])
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "the Triton interpreter's (TRITON_INTERPRET=1)"
+    if ENABLED:
+        return (
+            f"direct after a key's first launch (Triton {version}'s launcher convention is tested)"
+        )
+    if version not in TESTED_TRITON:
+        tested = ", ".join(TESTED_TRITON)
+        return f"Triton's own: Triton {version} is not among the versions tested ({tested})"
+    return "Triton's own: FASTFORMER_TRITON_DIRECT_LAUNCH=0"
+
+
 def clear() -> None:
     """Forget every memoized launch (tests; a changed Triton cache)."""
     _MEMO.clear()

@@ -81,6 +81,8 @@ def test_info_json_has_the_required_fields(capsys):
     assert env["machine"] == ("gpu" if torch.cuda.is_available() else "cpu")
     for key in ("build_info", "cuda_kernels_compiled", "extension_error"):
         assert key in env, key
+    if os.environ.get("TRITON_INTERPRET") == "1":  # which path attention's launches take
+        assert env["triton_launches"] == "the Triton interpreter's (TRITON_INTERPRET=1)"
     assert set(info["ops"]["modules"]) == {"attention", "layer_norm", "ffn"}
     for mod in info["ops"]["modules"].values():
         assert mod["available"] == (mod["error"] is None)

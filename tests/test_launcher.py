@@ -160,12 +160,20 @@ def test_direct_launches_are_made_on_tested_tritons_and_can_be_turned_off(monkey
     from fastformer.kernels import launcher
 
     version = ".".join(triton.__version__.split(".")[:2])
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # `info` says the interpreter's
     try:
         for env, expected in (("0", False), ("1", version in launcher.TESTED_TRITON)):
             monkeypatch.setenv("FASTFORMER_TRITON_DIRECT_LAUNCH", env)
             assert importlib.reload(launcher).ENABLED is expected
+        assert launcher.status().startswith("direct after a key's first launch")
+        monkeypatch.setenv("FASTFORMER_TRITON_DIRECT_LAUNCH", "0")
+        assert importlib.reload(launcher).status().endswith("FASTFORMER_TRITON_DIRECT_LAUNCH=0")
         monkeypatch.setattr(triton, "__version__", "99.1.0")
+        monkeypatch.delenv("FASTFORMER_TRITON_DIRECT_LAUNCH")
         assert importlib.reload(launcher).ENABLED is False  # an unchecked convention
+        assert "Triton 99.1 is not among the versions tested" in launcher.status()
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert "interpreter" in launcher.status()
     finally:
         monkeypatch.undo()
         importlib.reload(launcher)

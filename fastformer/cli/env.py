@@ -41,6 +41,16 @@ def triton_version() -> str | None:
     return triton.__version__
 
 
+def triton_launches() -> str | None:
+    """Which path attention's Triton launches take (fastformer.kernels.launcher.status), or
+    None without Triton."""
+    try:
+        from fastformer.kernels import launcher
+    except ImportError:
+        return None
+    return launcher.status()
+
+
 def cpu_name() -> str:
     """The CPU model from /proc/cpuinfo (Linux), else what `platform` knows."""
     try:
@@ -111,6 +121,7 @@ def manifest() -> dict[str, Any]:
         "platform": platform.platform(),
         "torch": torch.__version__,
         "triton": triton_version(),
+        "triton_launches": triton_launches(),
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
         "driver": nvidia_driver() if gpu_list else None,

@@ -59,6 +59,8 @@ def _format(info: dict[str, Any]) -> str:
     match = {True: "yes", False: "NO: rebuild (make build)", None: "cannot tell"}
     lines.append(f"built from the csrc/ of this checkout: {match[e.get('sources_match')]}")
     lines.append(f"CUDA kernels compiled: {e['cuda_kernels_compiled']}")
+    if e.get("triton_launches"):
+        lines.append(f"attention's Triton launches: {e['triton_launches']}")
     if e.get("fastformer_env"):
         lines.append("settings: " + " ".join(f"{k}={v}" for k, v in e["fastformer_env"].items()))
     if e["extension_error"]:
