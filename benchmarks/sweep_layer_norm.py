@@ -89,7 +89,7 @@ def _measure(kind: str, fn, cols: int, elem: int, copy_gbps: float) -> list[dict
                 ms=ms,
                 gbps=gbps,
                 of_copy=gbps / copy_gbps,
-            )  # fmt: skip
+            )
         )
     return rows
 
@@ -110,15 +110,22 @@ def sweep(cols_list: list[int], dtype: torch.dtype) -> dict:
             torch.cuda.empty_cache()
     finally:
         torch.ops.fastformer.layer_norm_tuning([0, 0, 0, 0])
-    return {"device": torch.cuda.get_device_name(), "dtype": str(dtype), "rows": ROWS,
-            "copy_gbps": copy_gbps, "results": rows}  # fmt: skip
+    return {
+        "device": torch.cuda.get_device_name(),
+        "dtype": str(dtype),
+        "rows": ROWS,
+        "copy_gbps": copy_gbps,
+        "results": rows,
+    }
 
 
 def table(result: dict) -> str:
     """One line a (kind, hidden size): the built-in configuration's fraction of copy, then the
     best override's."""
-    lines = [f"{result['device']}, {result['dtype']}, {result['rows']} rows, copy "
-             f"{result['copy_gbps']:.0f} GB/s; vecs/block (0/0: built-in), fraction of copy"]  # fmt: skip
+    lines = [
+        f"{result['device']}, {result['dtype']}, {result['rows']} rows, copy "
+        f"{result['copy_gbps']:.0f} GB/s; vecs/block (0/0: built-in), fraction of copy"
+    ]
     groups: dict[tuple[str, int], list[dict]] = {}
     for r in result["results"]:
         groups.setdefault((r["kind"], r["cols"]), []).append(r)
