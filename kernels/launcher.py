@@ -69,12 +69,13 @@ def launch(
     if not _direct_ok(fn):
         fn[grid](*args, **meta, **options)
         return
-    sig = _SIGNATURES.get(id(fn), (fn, False))[1]
+    entry = _SIGNATURES.get(id(fn))
+    sig = False if entry is None else entry[1]
     launch_key = None if sig is None or sig is False else _launch_key(fn, sig, args, key)
     memo = _MEMO.get(launch_key) if launch_key is not None else None
     if memo is None:
         kernel = fn.run(*args, grid=grid, warmup=False, **meta, **options)
-        _remember(fn, sig, grid, args, key, meta, options, kernel)
+        _remember(fn, sig, args, key, meta, options, kernel, launch_key)
         return
     kernel = memo.kernel
     stream = driver.active.get_current_stream(launch_key[1])
@@ -149,13 +150,15 @@ def _int_class(value) -> object:
     return (int, -(2**31) <= value < 2**31, value >= 2**63)
 
 
-def _remember(fn, sig, grid, args, key, meta, options, kernel) -> None:
+def _remember(fn, sig, args, key, meta, options, kernel, launch_key) -> None:
+    # launch_key: the caller's, None when it could not make one (a kernel's first call).
     if sig is False:
         sig = _signature(fn, args)
         _SIGNATURES[id(fn)] = (fn, sig)
     if sig is None or not isinstance(kernel, triton.compiler.CompiledKernel):
         return  # an argument layout this module does not key, or no kernel was compiled
-    launch_key = _launch_key(fn, sig, args, key)
+    if launch_key is None:
+        launch_key = _launch_key(fn, sig, args, key)
     if launch_key is None:
         return
     kwargs = {**meta, **options}
