@@ -382,6 +382,10 @@ def test_opcheck():
         torch.ops.fastformer.ffn_grad.default,
         (grad_out, plain[0], plain[1], plain[3], saved, seed, "swiglu", 0.4),
     )
+    eager = torch.ops.fastformer.ffn_autograd.default  # the eager path's C++ autograd
+    x3 = make_inputs((2, 3), 8, 5, "gelu")[0].transpose(0, 1)  # rank 3, not contiguous
+    torch.library.opcheck(eager, (x3, w1[:5], None, w2, b2, "gelu", 0.4, 99))
+    torch.library.opcheck(eager, (x, w1, b1, w2, None, "swiglu", 0.0, 0))
 
 
 @pytest.mark.parametrize(("activation", "dropout_p"), [("swiglu", 0.2), ("relu", 0.0)])

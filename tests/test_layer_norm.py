@@ -508,6 +508,9 @@ def test_opcheck():
     )
     args = (torch.randn_like(xd), xd.clone(), pre, wd, bd, mean, rstd, seed, 0.3, False, True)
     torch.library.opcheck(torch.ops.fastformer.layer_norm_bwd.default, (*args, True, True, True))
+    eager = torch.ops.fastformer.layer_norm_autograd.default  # the eager path's C++ autograd
+    torch.library.opcheck(eager, (x, w, b, r, seed, 1e-5, 0.3, False, True))
+    torch.library.opcheck(eager, (x, None, b, None, rng.NO_SEED, 1e-5, 0.0, False, False))
 
 
 def _compiled_matches_eager(fn, inputs, seed=0):

@@ -4,7 +4,8 @@ of the ops' eager autograd Functions), and autocast kept out of their plain-PyTo
 Their backward runs compiled kernels (C++/CUDA, Triton) whose results carry no autograd graph.
 Taken with ``create_graph=True`` (a gradient penalty, a Hessian-vector product), those gradients
 would look constant to a second backward, which would then return zeros or partial sums in
-silence. ``first_order(op)`` makes the second backward raise instead, naming the op.
+silence. ``first_order(op)`` makes the second backward raise instead, naming the op. (The C++
+autograd nodes of the LayerNorm and FFN kernels, csrc/autograd.cpp, do the same in C++.)
 """
 
 from __future__ import annotations

@@ -270,6 +270,11 @@ def ffn(
     if torch.compiler.is_compiling():
         out = _ffn_op(_rows(x), w1, b1, w2, b2, activation, dropout_p, needs_grad)[0]
         return out.view(*x.shape[:-1], w2.shape[0])
+    if needs_grad and _backend(x) == "cpp":  # eager autograd in C++ (csrc/autograd.cpp)
+        seed = rng.draw_call_seed(x.device) if dropout_p > 0 else 0
+        fused = _fused_epilogue(x, activation, True)
+        args = (x, w1, b1, w2, b2, activation, dropout_p, *_op_seed(seed, fused))
+        return torch.ops.fastformer.ffn_autograd(*args)
     if needs_grad:
         return _FfnFunction.apply(x, w1, b1, w2, b2, activation, dropout_p)
     return _forward(x, w1, b1, w2, b2, activation, dropout_p, needs_grad=False)[0]
@@ -295,8 +300,10 @@ def _with_lead(out: Tensor, x: Tensor) -> Tensor:
 
 # torch.compile sees the custom op fastformer::ffn (one opaque op, seed drawn when the graph
 # runs). Eager calls skip the custom-op machinery (its dispatch cost ~60 us of host time a call
-# on the CI machine, as much as the GPU time of the paper's base FFN on an H200) and run the
-# same helpers through a plain autograd.Function, as layer_norm does.
+# on the CI machine, as much as the GPU time of the paper's base FFN on an H200): with gradients
+# the compiled kernels run through a C++ autograd node (fastformer::ffn_autograd,
+# csrc/autograd.cpp: no Python in the backward), the torch backend through a plain
+# autograd.Function; without gradients the forward helper alone.
 
 
 @torch.library.custom_op("fastformer::ffn", mutates_args=())
@@ -337,6 +344,13 @@ def _op_seed(seed: int | Tensor, *before_device_seed: object) -> tuple:
     return (0, *before_device_seed, seed)
 
 
+def _fused_epilogue(x: Tensor, activation: str, needs_grad: bool) -> bool:
+    """Whether the compiled op runs bias + activation in the first GEMM's epilogue."""
+    return x.is_cuda and use_fused_epilogue(
+        activation, _capability(x.device), needs_grad, epilogue_mode()
+    )
+
+
 def _forward(
     x, w1, b1, w2, b2, activation, dropout_p, needs_grad, backend=None
 ) -> tuple[Tensor, Tensor, int | Tensor]:
@@ -345,11 +359,15 @@ def _forward(
     backend = backend or _backend(x)
     seed = rng.draw_call_seed(x.device) if dropout_p > 0 else 0
     if backend == "cpp":  # the compiled op takes (..., d_model) itself
-        fused = x.is_cuda and use_fused_epilogue(
-            activation, _capability(x.device), needs_grad, epilogue_mode()
-        )
         out, saved = torch.ops.fastformer.ffn_forward(
-            x.contiguous(), w1, b1, w2, b2, activation, dropout_p, *_op_seed(seed, fused)
+            x.contiguous(),
+            w1,
+            b1,
+            w2,
+            b2,
+            activation,
+            dropout_p,
+            *_op_seed(seed, _fused_epilogue(x, activation, needs_grad)),
         )
     else:
         rng.check_host_seed(seed, "ffn")
@@ -449,17 +467,14 @@ _ffn_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _FfnFunction(torch.autograd.Function):
-    """Eager autograd of fastformer::ffn: the same helpers, less the custom-op dispatch. It
-    takes x of any rank as it is (so do the compiled ops), so that autograd records one node,
-    not three (reshape, op, view): host time, which a GPU kernel of the base model's size waits
-    for."""
+    """Eager autograd of fastformer::ffn on its torch backend (the compiled kernels have their
+    C++ node): the same helpers, less the custom-op dispatch. It takes x of any rank as it is,
+    so that autograd records one node, not three (reshape, op, view)."""
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, activation, dropout_p):
-        # The backward runs the forward's backend (its saved tensor is that backend's).
-        ctx.backend = _backend(x)
         inputs = (x, w1, b1, w2, b2, activation, dropout_p)
-        out, saved, ctx.seed = _forward(*inputs, needs_grad=True, backend=ctx.backend)
+        out, saved, ctx.seed = _forward(*inputs, needs_grad=True, backend="torch")
         ctx.save_for_backward(x, w1, w2, saved)
         _keep_options(ctx, activation, dropout_p, b1, b2)
         return out
@@ -472,7 +487,7 @@ class _FfnFunction(torch.autograd.Function):
         x, w1, w2, saved = ctx.saved_tensors
         _check_saved(saved)
         args = (grad_out, x, w1, w2, saved, ctx.seed, ctx.activation, ctx.dropout_p)
-        return _input_grads(ctx, _grad(*args, backend=ctx.backend))
+        return _input_grads(ctx, _grad(*args, backend="torch"))
 
 
 # --------------------------------------------------------------------------- torch backend

@@ -41,7 +41,6 @@ from torch import Tensor
 from fastformer import reference
 from fastformer._ext import cuda_kernels_compiled, extension_error
 from fastformer.ops import rng
-from fastformer.ops._autograd import first_order
 from fastformer.ops._dispatch import Backend, register, select_by_key
 
 __all__ = [
@@ -190,9 +189,10 @@ def _check_residual(fn: str, residual: object, x: Tensor) -> None:
 # --------------------------------------------------------------------------- custom ops
 #
 # torch.compile sees the custom op fastformer::layer_norm (one opaque op, seed drawn when the
-# graph runs). Eager calls skip the custom-op machinery (~40 us a call on the CI machine) and run
-# the same forward and backward helpers through a plain autograd.Function, or without autograd
-# when no gradient is needed; the compile tests check both paths give the same bits.
+# graph runs). Eager calls skip the custom-op machinery (~40 us a call on the CI machine): with
+# gradients they run the same kernels through a C++ autograd node (fastformer::layer_norm_autograd,
+# csrc/autograd.cpp: no Python in the backward), without them the forward helper alone; the
+# compile tests check both paths give the same bits.
 
 
 def _forward(
@@ -320,23 +320,6 @@ def _grads(ctx, dout: Tensor | None, dpre: Tensor | None) -> tuple:
 _layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _LayerNormFunction(torch.autograd.Function):
-    """Eager autograd of the compiled op: the helpers of fastformer::layer_norm, less its
-    dispatch overhead."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps, dropout_p, rms, store_pre):
-        inputs = (x, weight, bias, residual, eps, dropout_p, rms, store_pre)
-        output = _forward(*inputs, seed=rng.NO_SEED)
-        _save(ctx, inputs, output)
-        return output[0], output[1]
-
-    @staticmethod
-    @first_order("LayerNorm / RMSNorm")
-    def backward(ctx, dout, dpre):
-        return _grads(ctx, dout, dpre)
-
-
 @torch.library.custom_op("fastformer::layer_norm_keep_mask", mutates_args=())
 def _keep_mask_op(x: Tensor, dropout_p: float) -> Tensor:
     """Torch backend: draws a seed (at run time, also under torch.compile) and returns the bool
@@ -430,8 +413,9 @@ def _run_cpp(
     )
     if torch.compiler.is_compiling():
         out, pre = _layer_norm_op(*args)[:2]
-    elif grad:
-        out, pre = _LayerNormFunction.apply(*args)
+    elif grad:  # eager autograd in C++ (csrc/autograd.cpp): no Python in the backward
+        seed = rng.seed_scalar(rng.draw_call_seed(x.device)) if dropout_p > 0 else rng.NO_SEED
+        out, pre = torch.ops.fastformer.layer_norm_autograd(*args[:4], seed, *args[4:])
     else:
         out, pre = _forward(*args, seed=rng.NO_SEED)[:2]
     if out.shape != x.shape:
