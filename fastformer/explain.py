@@ -68,10 +68,12 @@ def explain(module: nn.Module, *inputs, **kwargs) -> Explanation:
     """
     with _record.recording() as store:
         handle = nn.modules.module.register_module_forward_pre_hook(_unswapped_hook(store))
+        _record.OWN_HOOKS.add(handle.id)
         try:
             module(*inputs, **kwargs)
         finally:
             handle.remove()
+            _record.OWN_HOOKS.discard(handle.id)
     text = Explanation(_format(module, store))
     text.records = list(store)
     return text

@@ -227,3 +227,63 @@ def test_package_level_swap_and_explain():
     assert callable(fastformer.swap) and callable(fastformer.explain)
     assert fastformer.swap(model).replaced
     assert "layer_norm ->" in fastformer.explain(model, torch.randn(B, E))
+
+
+def _hooked_calls(model, register, x):
+    """Names of the sub-modules whose hooks ran in a forward and backward of `model` on `x`,
+    with hooks installed by `register(model, record)`; also the output."""
+    names = {m: n for n, m in model.named_modules()}
+    seen = []
+
+    def record(module, *args):
+        seen.append(names.get(module, "?"))
+
+    handles = register(model, record)
+    try:
+        out = model(x)
+        out.sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return sorted(seen), out
+
+
+def _own_hooks(model, record):
+    return [
+        model.linear1.register_forward_hook(record),
+        model.dropout.register_forward_pre_hook(record),
+        model.norm2.register_full_backward_hook(record),
+        model.dropout1.register_full_backward_pre_hook(record),
+    ]
+
+
+def _global_forward_hook(model, record):
+    return [nn.modules.module.register_module_forward_hook(record)]
+
+
+def _global_backward_hook(model, record):
+    return [nn.modules.module.register_module_full_backward_hook(record)]
+
+
+@pytest.mark.parametrize("register", [_own_hooks, _global_forward_hook, _global_backward_hook])
+def test_hooks_of_sub_modules_run_as_in_torch_nn(register):
+    """A sub-module the fused ops stand for (linear1, dropout, norm2, dropout1) still runs the
+    hooks attached to it, its own or global ones (profilers register those): with hooks the
+    layer runs those sub-modules, with the same results."""
+    torch.manual_seed(0)
+    ref = nn.TransformerEncoderLayer(E, H, FF, dropout=0.0, batch_first=True)
+    fast = copy.deepcopy(ref)
+    swap(fast)
+    x = torch.randn(B, S, E, requires_grad=True)
+    want, ref_out = _hooked_calls(ref, register, x)
+    got, fast_out = _hooked_calls(fast, register, x)
+    assert want and got == want
+    torch.testing.assert_close(fast_out, ref_out)
+    handles = register(fast, lambda *args: None)
+    try:
+        hooked = explain(fast, x)
+    finally:
+        for h in handles:
+            h.remove()
+    assert "ffn -> eager" in hooked and "without hooks" in hooked, hooked
+    assert "ffn -> eager" not in explain(fast, x)  # hooks removed: fused again

@@ -30,6 +30,9 @@ class Record:
 
 
 _store: list[Record] | None = None
+# Ids of the global module hooks fastformer itself registers (explain's): they do not make a
+# sub-module "hooked" (fastformer.nn.ffn.is_plain), so explain reports the normal path.
+OWN_HOOKS: set[int] = set()
 
 
 def active() -> bool:

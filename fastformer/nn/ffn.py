@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules import module as _module
 
 from fastformer.nn import _ops, _record
 from fastformer.reference import ACTIVATIONS, GATED_ACTIVATIONS
@@ -56,10 +57,26 @@ def linear1_features(dim_feedforward: int, activation: Activation) -> int:
     return 2 * dim_feedforward if gated else dim_feedforward
 
 
+def _runs_hooks(module: nn.Module) -> bool:
+    """Whether calling `module` runs hooks: its own forward / backward hooks or global ones
+    (`torch.nn.modules.module.register_module_forward_hook` and the like, which profilers use),
+    as torch.nn's `Module._call_impl` tests; fastformer.explain's own hook aside."""
+    if module._forward_hooks or module._forward_pre_hooks:
+        return True
+    if module._backward_hooks or module._backward_pre_hooks:
+        return True
+    if _module._global_forward_hooks or _module._global_backward_hooks:
+        return True
+    if _module._global_backward_pre_hooks:
+        return True
+    return any(h not in _record.OWN_HOOKS for h in _module._global_forward_pre_hooks)
+
+
 def is_plain(module: nn.Module, types: tuple[type, ...]) -> bool:
-    """True when `module` is exactly one of `types` with no forward hooks: its forward can be
-    replaced by a fused op without skipping anything the user attached."""
-    return type(module) in types and not (module._forward_hooks or module._forward_pre_hooks)
+    """True when `module` is exactly one of `types` and calling it runs no hooks (its own or
+    global ones): a fused op can then stand for its forward without skipping anything the user
+    attached."""
+    return type(module) in types and not _runs_hooks(module)
 
 
 def ffn_reasons(owner: nn.Module) -> list[str]:
