@@ -287,3 +287,23 @@ def test_hooks_of_sub_modules_run_as_in_torch_nn(register):
             h.remove()
     assert "ffn -> eager" in hooked and "without hooks" in hooked, hooked
     assert "ffn -> eager" not in explain(fast, x)  # hooks removed: fused again
+
+
+def test_inference_mode_and_torch_export():
+    """A swapped model runs under torch.inference_mode, and torch.export keeps its ops as the
+    fastformer custom ops; both give the torch.nn model's outputs."""
+    torch.manual_seed(0)
+    ref = nn.Transformer(E, H, 1, 1, FF, dropout=0.0, batch_first=True).eval()
+    fast = copy.deepcopy(ref)
+    swap(fast)
+    src, tgt = torch.randn(B, S, E), torch.randn(B, T, E)
+    kwargs = {"tgt_mask": nn.Transformer.generate_square_subsequent_mask(T)}
+    with torch.inference_mode():
+        want = ref(src, tgt, **kwargs)
+        got = fast(src, tgt, **kwargs)
+    torch.testing.assert_close(got, want)
+    exported = torch.export.export(fast, (src, tgt), kwargs)
+    ops = {str(n.target) for n in exported.graph.nodes if "fastformer" in str(n.target)}
+    assert {"fastformer.attention.default", "fastformer.layer_norm.default"} <= ops, ops
+    assert "fastformer.ffn.default" in ops, ops
+    torch.testing.assert_close(exported.module()(src, tgt, **kwargs), want)
