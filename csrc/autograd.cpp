@@ -69,27 +69,30 @@ variable_list first_order(const std::string& op, variable_list results,
   return results;
 }
 
-using LnFwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&, const at::Tensor&,
-    double, double, bool, bool);
-using LnBwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const OptTensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool, bool, bool, bool,
-    bool);
-
-const c10::TypedOperatorHandle<LnFwdSig>& ln_fwd() {
+// The registered op `Op::name` (looked up once), called through the dispatcher: its CPU or CUDA
+// kernel, and whatever dispatch modes are active.
+template <typename Op>
+const c10::TypedOperatorHandle<typename Op::Sig>& handle() {
   static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("fastformer::layer_norm_fwd", "")
-                             .typed<LnFwdSig>();
+                             .findSchemaOrThrow(Op::name, "")
+                             .template typed<typename Op::Sig>();
   return op;
 }
 
-const c10::TypedOperatorHandle<LnBwdSig>& ln_bwd() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("fastformer::layer_norm_bwd", "")
-                             .typed<LnBwdSig>();
-  return op;
-}
+using Tensors4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+struct LnFwd {
+  static constexpr const char* name = "fastformer::layer_norm_fwd";
+  using Sig = Tensors4(const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&,
+                       const at::Tensor&, double, double, bool, bool);
+};
+
+struct LnBwd {
+  static constexpr const char* name = "fastformer::layer_norm_bwd";
+  using Sig = Tensors4(const at::Tensor&, const OptTensor&, const at::Tensor&, const OptTensor&,
+                       const OptTensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                       double, bool, bool, bool, bool, bool);
+};
 
 OptTensor optional(const at::Tensor& t) { return t.defined() ? OptTensor(t) : c10::nullopt; }
 
@@ -101,7 +104,7 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
                                const at::Tensor& seed, double eps, double dropout_p, bool rms,
                                bool store_pre) {
     auto [out, pre, mean, rstd] =
-        ln_fwd().call(x, weight, bias, residual, seed, eps, dropout_p, rms, store_pre);
+        handle<LnFwd>().call(x, weight, bias, residual, seed, eps, dropout_p, rms, store_pre);
     // The kernel normalizes pre (and writes it) when there is something to add or drop.
     const bool fused = residual.has_value() || dropout_p > 0 || store_pre;
     TORCH_CHECK(!fused || pre.sym_numel() != 0 || x.sym_numel() == 0,
@@ -135,11 +138,10 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     variable_list results(9);
     {
       const at::NoGradGuard no_grad;
-      auto [dx, dres, dweight, dbias] =
-          ln_bwd().call(dout, dpre, xin, optional(weight), optional(bias), saved[3], saved[4],
-                   saved[5], ctx->saved_data["dropout_p"].toDouble(),
-                   ctx->saved_data["rms"].toBool(), ctx->saved_data["fused"].toBool(), need_res,
-                   need_w, need_b);
+      auto [dx, dres, dweight, dbias] = handle<LnBwd>().call(
+          dout, dpre, xin, optional(weight), optional(bias), saved[3], saved[4], saved[5],
+          ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["rms"].toBool(),
+          ctx->saved_data["fused"].toBool(), need_res, need_w, need_b);
       if (need_x) results[0] = dx;
       if (need_w) results[1] = dweight;
       if (need_b) results[2] = dbias;
@@ -149,19 +151,9 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
   }
 };
 
-// Below autograd (inference mode, tensors without autograd keys): the forward alone.
-std::tuple<at::Tensor, at::Tensor> layer_norm_no_autograd(const at::Tensor& x,
-                                                          const OptTensor& weight,
-                                                          const OptTensor& bias,
-                                                          const OptTensor& residual,
-                                                          const at::Tensor& seed, double eps,
-                                                          double dropout_p, bool rms,
-                                                          bool store_pre) {
-  auto [out, pre, mean, rstd] =
-      ln_fwd().call(x, weight, bias, residual, seed, eps, dropout_p, rms, store_pre);
-  return {out, pre};
-}
-
+// The op's kernel: for the Autograd key the node above; below autograd (inference mode, tensors
+// without autograd keys) the forward alone.
+template <bool kAutograd>
 std::tuple<at::Tensor, at::Tensor> layer_norm_autograd(const at::Tensor& x,
                                                        const OptTensor& weight,
                                                        const OptTensor& bias,
@@ -169,32 +161,31 @@ std::tuple<at::Tensor, at::Tensor> layer_norm_autograd(const at::Tensor& x,
                                                        const at::Tensor& seed, double eps,
                                                        double dropout_p, bool rms,
                                                        bool store_pre) {
-  variable_list out = LayerNormFunction::apply(x, weight, bias, residual, seed, eps, dropout_p,
-                                               rms, store_pre);
-  return {out[0], out[1]};
+  if constexpr (kAutograd) {
+    variable_list out = LayerNormFunction::apply(x, weight, bias, residual, seed, eps, dropout_p,
+                                                 rms, store_pre);
+    return {out[0], out[1]};
+  } else {
+    auto [out, pre, mean, rstd] =
+        handle<LnFwd>().call(x, weight, bias, residual, seed, eps, dropout_p, rms, store_pre);
+    return {out, pre};
+  }
 }
 
-using FfnFwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                     const OptTensor&, const at::Tensor&,
-                                                     const OptTensor&, c10::string_view, double,
-                                                     int64_t, bool, const OptTensor&);
-using FfnBwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, c10::string_view, double, int64_t, const OptTensor&);
+struct FfnFwd {
+  static constexpr const char* name = "fastformer::ffn_forward";
+  using Sig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                 const OptTensor&, const at::Tensor&,
+                                                 const OptTensor&, c10::string_view, double,
+                                                 int64_t, bool, const OptTensor&);
+};
 
-const c10::TypedOperatorHandle<FfnFwdSig>& ffn_fwd() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("fastformer::ffn_forward", "")
-                             .typed<FfnFwdSig>();
-  return op;
-}
-
-const c10::TypedOperatorHandle<FfnBwdSig>& ffn_bwd() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("fastformer::ffn_backward", "")
-                             .typed<FfnBwdSig>();
-  return op;
-}
+struct FfnBwd {
+  static constexpr const char* name = "fastformer::ffn_backward";
+  using Sig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      const at::Tensor&, c10::string_view, double, int64_t, const OptTensor&);
+};
 
 // Saves x, the weights and the forward's saved activation (the pre-activation, or for relu
 // the dropped activation); the dropout mask is regenerated from the seed.
@@ -203,8 +194,8 @@ struct FfnFunction : public torch::autograd::Function<FfnFunction> {
                                const OptTensor& b1, const at::Tensor& w2, const OptTensor& b2,
                                c10::string_view activation, double dropout_p, int64_t seed,
                                bool fused_epilogue, const OptTensor& device_seed) {
-    auto [out, saved] = ffn_fwd().call(x.contiguous(), w1, b1, w2, b2, activation, dropout_p,
-                                       seed, fused_epilogue, device_seed);
+    auto [out, saved] = handle<FfnFwd>().call(x.contiguous(), w1, b1, w2, b2, activation,
+                                              dropout_p, seed, fused_epilogue, device_seed);
     ctx->save_for_backward({x, w1, w2, saved, device_seed.value_or(at::Tensor())});
     ctx->saved_data["activation"] = std::string(activation);
     ctx->saved_data["dropout_p"] = dropout_p;
@@ -221,7 +212,7 @@ struct FfnFunction : public torch::autograd::Function<FfnFunction> {
     const variable_list saved = ctx->get_saved_variables();
     {
       const at::NoGradGuard no_grad;
-      auto [dx, dw1, db1, dw2, db2] = ffn_bwd().call(
+      auto [dx, dw1, db1, dw2, db2] = handle<FfnBwd>().call(
           grads[0].contiguous(), saved[0], saved[1], saved[2], saved[3],
           ctx->saved_data["activation"].toStringRef(), ctx->saved_data["dropout_p"].toDouble(),
           ctx->saved_data["seed"].toInt(), optional(saved[4]));
@@ -235,20 +226,20 @@ struct FfnFunction : public torch::autograd::Function<FfnFunction> {
   }
 };
 
+// As layer_norm_autograd: the node for the Autograd key, the forward alone below autograd.
+template <bool kAutograd>
 at::Tensor ffn_autograd(const at::Tensor& x, const at::Tensor& w1, const OptTensor& b1,
                         const at::Tensor& w2, const OptTensor& b2, c10::string_view activation,
                         double dropout_p, int64_t seed, bool fused_epilogue,
                         const OptTensor& device_seed) {
-  return FfnFunction::apply(x, w1, b1, w2, b2, activation, dropout_p, seed, fused_epilogue,
-                            device_seed)[0];
-}
-
-at::Tensor ffn_no_autograd(const at::Tensor& x, const at::Tensor& w1, const OptTensor& b1,
-                           const at::Tensor& w2, const OptTensor& b2,
-                           c10::string_view activation, double dropout_p, int64_t seed,
-                           bool fused_epilogue, const OptTensor& device_seed) {
-  return std::get<0>(ffn_fwd().call(x.contiguous(), w1, b1, w2, b2, activation, dropout_p, seed,
-                                    fused_epilogue, device_seed));
+  if constexpr (kAutograd) {
+    return FfnFunction::apply(x, w1, b1, w2, b2, activation, dropout_p, seed, fused_epilogue,
+                              device_seed)[0];
+  } else {
+    auto [out, saved] = handle<FfnFwd>().call(x.contiguous(), w1, b1, w2, b2, activation,
+                                              dropout_p, seed, fused_epilogue, device_seed);
+    return out;
+  }
 }
 
 }  // namespace
@@ -264,13 +255,13 @@ TORCH_LIBRARY_FRAGMENT(fastformer, m) {
 }
 
 TORCH_LIBRARY_IMPL(fastformer, Autograd, m) {
-  m.impl("layer_norm_autograd", &layer_norm_autograd);
-  m.impl("ffn_autograd", &ffn_autograd);
+  m.impl("layer_norm_autograd", &layer_norm_autograd<true>);
+  m.impl("ffn_autograd", &ffn_autograd<true>);
 }
 
 TORCH_LIBRARY_IMPL(fastformer, CompositeExplicitAutograd, m) {
-  m.impl("layer_norm_autograd", &layer_norm_no_autograd);
-  m.impl("ffn_autograd", &ffn_no_autograd);
+  m.impl("layer_norm_autograd", &layer_norm_autograd<false>);
+  m.impl("ffn_autograd", &ffn_autograd<false>);
 }
 
 }  // namespace fastformer

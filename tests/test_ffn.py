@@ -386,6 +386,8 @@ def test_opcheck():
     x3 = make_inputs((2, 3), 8, 5, "gelu")[0].transpose(0, 1)  # rank 3, not contiguous
     torch.library.opcheck(eager, (x3, w1[:5], None, w2, b2, "gelu", 0.4, 99))
     torch.library.opcheck(eager, (x, w1, b1, w2, None, "swiglu", 0.0, 0))
+    with torch.inference_mode():  # below autograd: the forward kernel alone
+        assert torch.equal(eager(*plain, "swiglu", 0.4, 99), out)
 
 
 @pytest.mark.parametrize(("activation", "dropout_p"), [("swiglu", 0.2), ("relu", 0.0)])

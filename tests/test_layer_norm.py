@@ -511,6 +511,9 @@ def test_opcheck():
     eager = torch.ops.fastformer.layer_norm_autograd.default  # the eager path's C++ autograd
     torch.library.opcheck(eager, (x, w, b, r, seed, 1e-5, 0.3, False, True))
     torch.library.opcheck(eager, (x, None, b, None, rng.NO_SEED, 1e-5, 0.0, False, False))
+    with torch.inference_mode():  # below autograd: the forward kernel alone
+        got = eager(x, w, b, r, seed, 1e-5, 0.3, False, True)
+    assert torch.equal(got[0], out) and torch.equal(got[1], pre)
 
 
 def _compiled_matches_eager(fn, inputs, seed=0):
