@@ -1417,8 +1417,9 @@ def key_range(key_padding_mask: torch.Tensor) -> torch.Tensor:
 def slice_extent(x: torch.Tensor) -> int:
     """Largest element offset inside one (batch, head) slice of a 4-D tensor: the kernels
     address within a slice in int32, so it must stay below INT32_LIMIT."""
-    (rows, cols), (row_stride, col_stride) = x.shape[2:], x.stride()[2:]
-    return max(rows - 1, 0) * abs(row_stride) + max(cols - 1, 0) * abs(col_stride)
+    _, _, rows, cols = x.shape
+    _, _, row_stride, col_stride = x.stride()  # never negative in PyTorch
+    return max(rows - 1, 0) * row_stride + max(cols - 1, 0) * col_stride
 
 
 def _kernel_layout(x: torch.Tensor) -> torch.Tensor:
@@ -1433,13 +1434,22 @@ def _empty_like_order(q: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """An empty (B, H, L, Dv) tensor whose batch, head and sequence dims lie in memory in the
     order of q's (say (B, L, H, Dv) for heads split off a (B, L, H * D) projection), so that the
     caller merges the heads of the output back with a view, not a copy (as torch's SDPA)."""
-    order = sorted(range(3), key=lambda i: -q.stride(i))  # outermost first; stable on ties
-    if order == [0, 1, 2]:
+    strides = q.stride()
+    if strides[0] >= strides[1] >= strides[2]:  # (B, H, L) order already (ties keep it)
         return q.new_empty(shape)
-    out = q.new_empty(*(shape[i] for i in order), shape[3]).permute(
-        *(order.index(i) for i in range(3)), 3
-    )
-    return out if slice_extent(out) < INT32_LIMIT else q.new_empty(shape)
+    order = sorted(range(3), key=strides.__getitem__, reverse=True)  # outermost first; stable
+    out = q.new_empty(*(shape[i] for i in order), shape[3]).permute(*_INVERSE[tuple(order)], 3)
+    # Dense: every offset is below numel, so only a large one needs the slice's extent.
+    if out.numel() < INT32_LIMIT or slice_extent(out) < INT32_LIMIT:
+        return out
+    return q.new_empty(shape)
+
+
+# The inverse of each order of the (B, H, L) dims: out.permute(*_INVERSE[order]) maps a tensor
+# allocated in `order` back to (B, H, L).
+_INVERSE = {
+    order: tuple(order.index(i) for i in range(3)) for order in itertools.permutations(range(3))
+}
 
 
 def _tile_one_buffer(parts: tuple[torch.Tensor, ...]) -> bool:

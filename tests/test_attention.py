@@ -11,6 +11,7 @@ and sm_80 config without a GPU and checks spills, shared memory and (sm_90) wgmm
 
 import fcntl
 import functools
+import itertools
 import json
 import math
 import os
@@ -1061,6 +1062,31 @@ def test_output_keeps_the_memory_order_of_heads_split_off_a_projection(grad, bat
     assert_parity(compare_with_reference(fast, reference, [packed], names=["qkv"]))
     q = _randn((b, h, seq, d))
     assert attn.scaled_dot_product_attention(q, q, q, is_causal=True).is_contiguous()
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
+def test_output_buffer_takes_the_query_s_order_of_dims(order):
+    # _empty_like_order: (B, H, L, Dv) lying in memory with q's (B, H, L) dims in q's order
+    # (outermost first), dense; where a (batch, head) slice of that layout would span int32
+    # offsets (meta tensors: no memory), contiguous instead.
+    from fastformer.kernels.attention import INT32_LIMIT, _empty_like_order, slice_extent
+
+    def in_order(sizes, d, device):  # (B, H, L, d) allocated with its (B, H, L) dims in `order`
+        alloc = torch.empty(*(sizes[i] for i in order), d, device=device)
+        return alloc.permute(*(order.index(i) for i in range(3)), 3)
+
+    def stride_order(t):
+        return sorted(range(3), key=lambda i: -t.stride(i))
+
+    for device, sizes in (("cpu", (2, 3, 5)), ("meta", (2, 128, 2**22))):
+        q = in_order(sizes, 8, device)
+        assert tuple(q.shape[:3]) == sizes and stride_order(q) == list(order)
+        out = _empty_like_order(q, (*sizes, 4))
+        assert tuple(out.shape) == (*sizes, 4)
+        if slice_extent(in_order(sizes, 4, device)) < INT32_LIMIT:
+            assert out.permute(*order, 3).is_contiguous(), (out.shape, out.stride())
+        else:
+            assert out.is_contiguous() and device == "meta"
 
 
 def test_gradient_buffers_share_storage_only_for_a_packed_projection():
