@@ -359,15 +359,9 @@ def _forward(
     backend = backend or _backend(x)
     seed = rng.draw_call_seed(x.device) if dropout_p > 0 else 0
     if backend == "cpp":  # the compiled op takes (..., d_model) itself
+        fused = _fused_epilogue(x, activation, needs_grad)
         out, saved = torch.ops.fastformer.ffn_forward(
-            x.contiguous(),
-            w1,
-            b1,
-            w2,
-            b2,
-            activation,
-            dropout_p,
-            *_op_seed(seed, _fused_epilogue(x, activation, needs_grad)),
+            x.contiguous(), w1, b1, w2, b2, activation, dropout_p, *_op_seed(seed, fused)
         )
     else:
         rng.check_host_seed(seed, "ffn")
