@@ -63,7 +63,6 @@ struct LnBwdArgs {
   bool fused;  // dx = dropout(dpre_total), dres = dpre_total
 };
 
-
 // Overrides of the launch configurations, for measuring alternatives on a GPU
 // (benchmarks/sweep_layer_norm.py); 0 keeps the built-in choice. vecs: the most 16-byte vectors
 // a thread holds (1, 2 or 4; the backward's 16-bit rows take at most 2 with the next row held);

@@ -740,7 +740,7 @@ def _forward(
     kv_range=None, like_query=False,
 ):  # fmt: skip
     # like_query (eager calls): out in the query's memory order, as the torch backend's may be.
-    seed = rng.draw_call_seed(query.device) if dropout_p > 0 else 0
+    seed = rng.call_seed(query.device, dropout_p)
     args = (query, key, value, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale)
     if (backend or _backend(query, key, value, attn_mask)) == "triton":
         out, lse = _kernels().attention_forward(*args, kv_range=kv_range, like_query=like_query)

@@ -271,7 +271,7 @@ def ffn(
         out = _ffn_op(_rows(x), w1, b1, w2, b2, activation, dropout_p, needs_grad)[0]
         return out.view(*x.shape[:-1], w2.shape[0])
     if needs_grad and _backend(x) == "cpp":  # eager autograd in C++ (csrc/autograd.cpp)
-        seed = rng.draw_call_seed(x.device) if dropout_p > 0 else 0
+        seed = rng.call_seed(x.device, dropout_p)
         fused = _fused_epilogue(x, activation, True)
         args = (x, w1, b1, w2, b2, activation, dropout_p, *_op_seed(seed, fused))
         return torch.ops.fastformer.ffn_autograd(*args)
@@ -357,7 +357,7 @@ def _forward(
     """(out (..., d_out), saved (tokens, width), seed: an int, or a device tensor inside CUDA
     graph capture) for x (..., d_model) through `backend` (default: the selected one)."""
     backend = backend or _backend(x)
-    seed = rng.draw_call_seed(x.device) if dropout_p > 0 else 0
+    seed = rng.call_seed(x.device, dropout_p)
     if backend == "cpp":  # the compiled op takes (..., d_model) itself
         fused = _fused_epilogue(x, activation, needs_grad)
         out, saved = torch.ops.fastformer.ffn_forward(

@@ -208,7 +208,7 @@ def _forward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Draws the dropout seed (when dropout_p > 0) and runs the compiled forward."""
     if dropout_p > 0 or seed is None:
-        seed = rng.seed_scalar(rng.draw_call_seed(x.device) if dropout_p > 0 else 0)
+        seed = rng.seed_scalar(rng.call_seed(x.device, dropout_p))
     out, pre, mean, rstd = torch.ops.fastformer.layer_norm_fwd(
         x, weight, bias, residual, seed, eps, dropout_p, rms, store_pre
     )
@@ -414,7 +414,7 @@ def _run_cpp(
     if torch.compiler.is_compiling():
         out, pre = _layer_norm_op(*args)[:2]
     elif grad:  # eager autograd in C++ (csrc/autograd.cpp): no Python in the backward
-        seed = rng.seed_scalar(rng.draw_call_seed(x.device)) if dropout_p > 0 else rng.NO_SEED
+        seed = rng.seed_tensor(rng.call_seed(x.device, dropout_p))
         out, pre = torch.ops.fastformer.layer_norm_autograd(*args[:4], seed, *args[4:])
     else:
         out, pre = _forward(*args, seed=rng.NO_SEED)[:2]

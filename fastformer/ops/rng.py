@@ -142,6 +142,12 @@ def draw_call_seed(device: torch.device) -> int | torch.Tensor:
     return _host_seed(device)
 
 
+def call_seed(device: torch.device, dropout_p: float) -> int | torch.Tensor:
+    """The seed an op call with dropout probability `dropout_p` runs with: `draw_call_seed`
+    when it drops anything, else 0 (nothing drawn: the generator does not advance)."""
+    return draw_call_seed(device) if dropout_p > 0 else 0
+
+
 def draw_seed(device: torch.device | str | None = None) -> int:
     """A fresh dropout seed in [0, 2**63) from the torch generator of `device`.
 
