@@ -11,7 +11,7 @@ compiled kernel as on a GPU; only the driver's launcher (its C argument parsing 
 cuLaunchKernel) is replaced by a no-op. The first steps compile (~1 s a kernel variant, kept in
 Triton's cache). Adam with foreach, as on CUDA; one thread.
 
-    python benchmarks/host_time.py [--steps N] [--variants eager,torch.nn,fastformer]
+    python benchmarks/host_time.py [--steps N] [--variants eager,torch.nn,fastformer] [--inference]
 """
 
 from __future__ import annotations
@@ -72,6 +72,22 @@ def training_step(model: torch.nn.Module):
     return step
 
 
+def inference_step(model: torch.nn.Module):
+    """The bench's inference pass of `model` (eval, no_grad, teacher-forced), after 20 warm-up
+    calls."""
+    src, tgt = bench.synthetic_batch(CASE, torch.device("cpu"))
+    tgt_in = torch.cat([torch.full_like(tgt[:, :1], bench.BOS), tgt[:, :-1]], dim=1)
+    model.eval()
+
+    def step() -> None:
+        with torch.no_grad():
+            model(src, tgt_in)
+
+    for _ in range(20):
+        step()
+    return step
+
+
 def step_ms(steps: dict, reps: int) -> dict[str, tuple[float, float]]:
     """(median, min) milliseconds of each variant's step, the variants taking turns step by
     step, so that a drift of the machine's speed reaches them alike."""
@@ -88,6 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300, help="timed steps a variant")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list")
+    parser.add_argument(
+        "--inference", action="store_true", help="time the inference pass, not the training step"
+    )
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
     if not names or set(names) - set(VARIANTS):
@@ -96,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", "The PyTorch API of nested tensors")
     _sm90_jit()
     variants = models()
-    steps = {name: training_step(variants[name]) for name in names}
+    make_step = inference_step if args.inference else training_step
+    steps = {name: make_step(variants[name]) for name in names}
     for name, (median, best) in step_ms(steps, args.steps).items():
         print(f"{name:<12} step median {median:7.2f} ms  min {best:7.2f} ms")
     if "fastformer" in names and not _Launcher.launches:
