@@ -466,6 +466,7 @@ def test_rms_norm_parity(dtype, rows, cols, weighted):
 FUSED_CASES = [
     (F32, 37, 129, 0.3, True),
     (BF16, 64, 256, 0.1, True),
+    (BF16, 7, 1000, 0.1, True),  # a warp a row: a partial last block of rows and last chunk
     (F32, 4, 1024, 0.5, False),
     (F16, 3, 8192, 0.2, True),
     (BF16, 2, 16384, 0.25, True),

@@ -5,7 +5,8 @@
 //     the input dtype, converted to fp32 at each use: half the registers for 16-bit rows). A warp
 //     per row (4 rows per block) up to 128 vectors (1024 fp16/bf16, 512 fp32 elements), then a
 //     block per row of up to 512 threads x 4 vectors (16384 fp16/bf16, 8192 fp32 elements).
-//     Needs cols to be a multiple of the vector width and 16-byte aligned pointers.
+//     Needs cols to be a multiple of the vector width and 16-byte aligned pointers. A thread
+//     issues all its loads of a row (x, and the residual when fused) before it uses any.
 //   * ln_fwd_any_kernel: any cols and alignment, scalar loads, the row re-read from L1/L2 for
 //     each of its passes.
 // Statistics are fp32 and two-pass (mean, then the mean of squared deviations), which is exact
@@ -209,17 +210,15 @@ __device__ __forceinline__ float dropout(float v, uint64_t seed, uint64_t offset
   return dropout_keep(seed, offset, p) ? v * scale : 0.f;
 }
 
-// The normalized input of one 16-byte chunk at (row, col), raw in the input dtype: x, or
-// pre = residual + dropout(x) rounded to that dtype (the backward reads pre back in it), stored
-// when a.pre is set. Kept raw, a 16-bit row costs half the registers of its fp32 values.
-template <typename T, bool kFused>
-__device__ __forceinline__ uint4 load_input(const LnFwdArgs& a, int64_t row, int64_t col) {
+// The normalized input of one 16-byte chunk, raw in the input dtype, from its raw x and
+// residual chunks (res: zero bits without a residual): pre = residual + dropout(x) rounded to
+// that dtype (the backward reads pre back in it), stored when a.pre is set. Kept raw, a 16-bit
+// row costs half the registers of its fp32 values.
+template <typename T>
+__device__ __forceinline__ uint4 fuse_chunk(const LnFwdArgs& a, int64_t idx, uint4 x, uint4 res) {
   constexpr int kE = 16 / sizeof(T);
-  const int64_t idx = row * a.cols + col;
-  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + idx));
-  if (!kFused) return raw;
   float v[kE];
-  unpack<T>(raw, v);
+  unpack<T>(x, v);
   if (a.dropout_p > 0.f) {
     for_each_keep<kE>(seed_of(a), static_cast<uint64_t>(idx), a.dropout_p, [&](int e, bool keep) {
       v[e] = keep ? v[e] * a.dropout_scale : 0.f;
@@ -227,7 +226,7 @@ __device__ __forceinline__ uint4 load_input(const LnFwdArgs& a, int64_t row, int
   }
   if (a.residual != nullptr) {
     float r[kE];
-    load_vec<T, kE>(static_cast<const T*>(a.residual) + idx, r);
+    unpack<T>(res, r);
 #pragma unroll
     for (int e = 0; e < kE; ++e) v[e] += r[e];
   }
@@ -236,7 +235,41 @@ __device__ __forceinline__ uint4 load_input(const LnFwdArgs& a, int64_t row, int
   return pre;
 }
 
-// Scalar version of load_input for the generic kernel.
+// One row's normalized input as kVecs raw 16-byte chunks a thread (zero bits, 0.0 in every
+// dtype, past the row or past the last row). Every load of the row is issued before any chunk
+// is fused: fused chunk by chunk, each chunk's pre store kept the next chunk's loads waiting
+// behind it (the compiler may not move a load above a store it cannot prove apart), one memory
+// round trip a chunk (ptxas's sm_90 code for 16-bit rows of 4 chunks a thread).
+template <typename T, int kVecs, bool kFused>
+__device__ __forceinline__ void load_row(const LnFwdArgs& a, int64_t row, bool row_ok,
+                                         int64_t nvec, uint4 (&raw)[kVecs]) {
+  constexpr int kE = 16 / sizeof(T);
+  [[maybe_unused]] uint4 res[kVecs];
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+    const int64_t idx = row * a.cols + vi * kE;
+    raw[i] = make_uint4(0, 0, 0, 0);
+    if (row_ok && vi < nvec) {
+      raw[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + idx));
+    }
+    if constexpr (kFused) {
+      res[i] = make_uint4(0, 0, 0, 0);
+      if (row_ok && vi < nvec && a.residual != nullptr) {
+        res[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.residual) + idx));
+      }
+    }
+  }
+  if constexpr (kFused) {
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+      if (row_ok && vi < nvec) raw[i] = fuse_chunk<T>(a, row * a.cols + vi * kE, raw[i], res[i]);
+    }
+  }
+}
+
+// Scalar version of load_row and fuse_chunk for the generic kernel: one element.
 template <typename T, bool kFused>
 __device__ __forceinline__ float input_at(const LnFwdArgs& a, int64_t idx) {
   float v = to_float(static_cast<const T*>(a.x)[idx]);
@@ -283,14 +316,9 @@ __global__ void __launch_bounds__(kFwdMaxThreads, kFwdMinBlocks)
        base += step) {
     const int64_t row = base + threadIdx.y;
     const bool row_ok = row < a.rows;
-    uint4 raw[kVecs];  // zero bits (0.0 in every dtype) past the row
+    uint4 raw[kVecs];
+    load_row<T, kVecs, kFused>(a, row, row_ok, nvec, raw);
     float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
-      raw[i] = make_uint4(0, 0, 0, 0);
-      if (row_ok && vi < nvec) raw[i] = load_input<T, kFused>(a, row, vi * kE);
-    }
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       float v[kE];
