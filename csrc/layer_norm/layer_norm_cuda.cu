@@ -447,12 +447,17 @@ __device__ __forceinline__ float fused_dx(const LnBwdArgs& a, int64_t idx, float
              : d;
 }
 
-// The same for one vector of kE gradient values at idx (16-byte loads and stores).
+// The same for one vector of kE gradient values at idx (16-byte loads and stores); dpre: the
+// chunk of a.dpre at idx, raw, when the caller has loaded it already.
 template <typename T, int kE>
-__device__ __forceinline__ void fused_dx_vec(const LnBwdArgs& a, int64_t idx, float (&d)[kE]) {
+__device__ __forceinline__ void fused_dx_vec(const LnBwdArgs& a, int64_t idx, float (&d)[kE],
+                                             const uint4* dpre = nullptr) {
   if (a.dpre != nullptr) {
     float g[kE];
-    load_vec<T, kE>(static_cast<const T*>(a.dpre) + idx, g);
+    if constexpr (kE == 16 / sizeof(T)) {
+      if (dpre != nullptr) unpack<T>(*dpre, g);
+    }
+    if (dpre == nullptr) load_vec<T, kE>(static_cast<const T*>(a.dpre) + idx, g);
 #pragma unroll
     for (int e = 0; e < kE; ++e) d[e] += g[e];
   }
@@ -599,6 +604,22 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnB
       if (want_w) add_acc<kE>(acc_w, i * kE / 4, threads, dyx);
       if (want_b) add_acc<kE>(acc_b, i * kE / 4, threads, dy);
     }
+    // Pre-LN's dpre chunks, all loaded before the first dx store (loaded chunk by chunk, each
+    // waited behind the stores of the chunk before: one memory round trip a chunk). Not for
+    // fp32 rows of 4 chunks a thread: their 16 more registers spilled on sm_90.
+    constexpr bool kDpreFirst = kFused && (kVecs <= 2 || sizeof(T) == 2);
+    [[maybe_unused]] uint4 dpre[kVecs];
+    if constexpr (kDpreFirst) {
+#pragma unroll
+      for (int i = 0; i < kVecs; ++i) {
+        const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+        dpre[i] = make_uint4(0, 0, 0, 0);
+        if (a.dpre != nullptr && row_ok && vi < nvec) {
+          dpre[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.dpre) +
+                                                         row * a.cols + vi * kE));
+        }
+      }
+    }
     sums = row_sum(sums, red);
     const float c_g = sums.x / cols, c_gx = sums.y / cols;
 #pragma unroll
@@ -620,7 +641,7 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnB
         const float g = grad_times_weight(dy[e], w[e]);
         d[e] = dx_of<kRms>(g, (x[e] - mean) * rstd, rstd, c_g, c_gx);
       }
-      if (kFused) fused_dx_vec<T, kE>(a, idx, d);
+      if constexpr (kFused) fused_dx_vec<T, kE>(a, idx, d, kDpreFirst ? &dpre[i] : nullptr);
       store_vec<T, kE>(static_cast<T*>(a.dx) + idx, d);
     }
   }
