@@ -1,5 +1,6 @@
 """Registers, stack frames and local memory of compiled CUDA kernels, as `cuobjdump -res-usage`
-reads them from a binary (the built extension, or a cubin Triton built).
+reads them from a binary (the built extension, or a cubin Triton built); and the global stores
+of their machine code (`cuobjdump -sass`).
 
 Spilled registers live in a kernel's stack frame, so a kernel with an empty frame and no local
 memory does not spill. Reading the binary itself checks what runs: a separate compile uses other
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 
@@ -58,3 +61,36 @@ def resource_usage(binary: str | os.PathLike) -> dict[tuple[str, str, str], dict
     if result.returncode != 0:
         raise RuntimeError(f"cuobjdump -res-usage {binary} failed:\n{result.stderr[-2000:]}")
     return parse(result.stdout)
+
+
+_STORE = re.compile(r"\bSTG(\.[A-Z0-9]+)*")
+
+
+def parse_stores(sass: str) -> dict[tuple[str, str], Counter]:
+    """{(arch, kernel): Counter of its global store opcodes ("STG.E.128", "STG.E.U16", ...)}
+    parsed from `cuobjdump -sass` output."""
+    stores: dict[tuple[str, str], Counter] = {}
+    arch, kernel = "", None
+    for line in sass.splitlines():
+        line = line.strip()
+        if line.startswith("code for sm_"):
+            arch = line.removeprefix("code for ")
+        elif line.startswith("Function : "):
+            kernel = line.removeprefix("Function : ")
+            stores[(arch, kernel)] = Counter()
+        elif kernel is not None:
+            match = _STORE.search(line)
+            if match:
+                stores[(arch, kernel)][match.group(0)] += 1
+    return stores
+
+
+def global_stores(binary: str | os.PathLike) -> dict[tuple[str, str], Counter]:
+    """`parse_stores` of `cuobjdump -sass BINARY`; RuntimeError as `resource_usage`."""
+    tool = cuobjdump_path()
+    if tool is None:
+        raise RuntimeError("cuobjdump not found (CUDA toolkit or Triton's wheel; CUOBJDUMP)")
+    result = subprocess.run([tool, "-sass", str(binary)], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"cuobjdump -sass {binary} failed:\n{result.stderr[-2000:]}")
+    return parse_stores(result.stdout)

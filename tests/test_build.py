@@ -155,3 +155,67 @@ def test_built_cuda_kernels_have_no_spills():
         if u.get("STACK") != 0 or u.get("LOCAL") != 0
     ]
     assert not spilled, "kernels with a stack frame or local memory:\n" + "\n".join(spilled)
+
+
+# The kernels that move their data in 16-byte vectors (FFN: 16-bit with 8 values a vector, or
+# fp32 with 4), and how many narrower global stores each may make: the LayerNorm forward's row
+# statistics (mean, rstd); the FFN backward's fp32 column partials (any number of STG.E). nvcc
+# once split such a vector store into four 4-byte stores (LayerNorm) or seven 2- and 4-byte
+# stores (FFN).
+_FFN_16 = r"I(?:(?:13__nv_bfloat16|6__half)L.*?ELi8EE|fL.*?ELi4EE)"
+_VECTOR_KERNELS = [
+    (re.compile(r"ln_fwd_vec_kernel"), {"STG.E": 2}),
+    (re.compile(r"ln_bwd_vec_kernel"), {}),
+    (re.compile(r"ffn_forward_kernel" + _FFN_16), {}),
+    (re.compile(r"ffn_backward_kernel" + _FFN_16), {"STG.E": None}),
+]
+
+
+def vector_store_problems(stores: dict) -> list[str]:
+    """Kernels of `_VECTOR_KERNELS` whose global stores (`_cuobjdump.global_stores`) include
+    narrower ones than those allowed; and a kernel family not found at all."""
+    problems, found = [], set()
+    for (arch, kernel), counts in stores.items():
+        for index, (pattern, allowed) in enumerate(_VECTOR_KERNELS):
+            if not pattern.search(kernel):
+                continue
+            found.add(index)
+            for op, n in counts.items():
+                limit = allowed.get(op, 0)
+                if op != "STG.E.128" and limit is not None and n > limit:
+                    problems.append(f"{arch} {kernel}: {n} x {op}")
+    missing = [_VECTOR_KERNELS[i][0].pattern for i in range(len(_VECTOR_KERNELS)) if i not in found]
+    return problems + [f"no kernel matches {m}" for m in missing]
+
+
+@needs_nvcc
+def test_built_vector_kernels_store_whole_16_byte_vectors():
+    """The vector kernels of the built fastformer._C write their data with 16-byte stores only
+    (STG.E.128), on every arch: see _VECTOR_KERNELS."""
+    if not fastformer.cuda_kernels_compiled():
+        pytest.skip("this build has no CUDA kernels")
+    assert _cuobjdump.cuobjdump_path() is not None, "cuobjdump not found (CUDA toolkit or Triton)"
+    problems = vector_store_problems(_cuobjdump.global_stores(fastformer._C.__file__))
+    assert not problems, "narrow stores in vector kernels:\n" + "\n".join(problems)
+
+
+def test_vector_store_check_flags_split_stores():
+    sass = (
+        "\tcode for sm_90\n\t\tFunction : _ZN10fastformer17ln_fwd_vec_kernelI6__halfEEv\n"
+        + "        /*0010*/ STG.E desc[UR4][R2.64], R5 ;\n" * 3
+        + "        /*0020*/ @P0 STG.E.128 desc[UR4][R2.64], R8 ;\n"
+        "\t\tFunction : _ZN10fastformer18ffn_forward_kernelI6__halfLNS_3ActE0ELi8EEEv\n"
+        "        /*0030*/ STG.E.U16 desc[UR4][R2.64], R5 ;\n"
+        "\t\tFunction : _ZN10fastformer18ffn_forward_kernelI6__halfLNS_3ActE0ELi1EEEv\n"
+        "        /*0040*/ STG.E.U16 desc[UR4][R2.64], R5 ;\n"
+    )
+    stores = _cuobjdump.parse_stores(sass)
+    assert stores[("sm_90", "_ZN10fastformer17ln_fwd_vec_kernelI6__halfEEv")] == {
+        "STG.E": 3,
+        "STG.E.128": 1,
+    }
+    problems = vector_store_problems(stores)
+    assert any("ln_fwd_vec_kernel" in p and "3 x STG.E" in p for p in problems)
+    assert any("ELi8E" in p and "STG.E.U16" in p for p in problems)
+    assert not any("ELi1E" in p for p in problems)  # scalar variants may store 2 bytes
+    assert any("no kernel matches ln_bwd_vec_kernel" in p for p in problems)

@@ -28,6 +28,19 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
 
+// One 16-byte store to global memory (p 16-byte aligned), always one instruction: nvcc turned
+// plain 16-byte struct assignments into several narrower stores, down to a store instruction
+// every 2 bytes for 8 bf16 values (its PTX for the FFN and LayerNorm kernels).
+__device__ __forceinline__ void store16(void* p, const uint4& v) {
+#ifdef FASTFORMER_CUDA_EMU  // tests/cuda_emu runs the kernels as host code
+  *static_cast<uint4*>(p) = v;
+#else
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+#endif
+}
+
 // Rounds an fp32 value to T and back: what storing it in T keeps.
 template <typename T>
 __device__ __forceinline__ float round_to(float v) {

@@ -10,6 +10,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstring>
 #include <type_traits>
 
 #include "common/column_sum.cuh"
@@ -45,7 +46,13 @@ __device__ __forceinline__ void store(T* ptr, const float (&in)[VEC]) {
   Pack<T, VEC> pack;
 #pragma unroll
   for (int k = 0; k < VEC; ++k) pack.v[k] = from_float<T>(in[k]);
-  *reinterpret_cast<Pack<T, VEC>*>(ptr) = pack;
+  if constexpr (sizeof(pack) == 16) {
+    uint4 raw;  // (memcpy, not a uint4 read of the Pack: strict aliasing, see layer_norm_cuda)
+    memcpy(&raw, &pack, sizeof(raw));
+    store16(ptr, raw);
+  } else {
+    *reinterpret_cast<Pack<T, VEC>*>(ptr) = pack;
+  }
 }
 
 constexpr float kSqrtHalf = 0.70710678118654752f;     // 1 / sqrt(2)

@@ -133,7 +133,7 @@ __device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&in)[k
     Chunk<T> e;
 #pragma unroll
     for (int i = 0; i < kPer; ++i) e.v[i] = from_float<T>(in[c * kPer + i]);
-    reinterpret_cast<uint4*>(p)[c] = to_raw(e);
+    store16(reinterpret_cast<uint4*>(p) + c, to_raw(e));
   }
 }
 
@@ -231,7 +231,7 @@ __device__ __forceinline__ uint4 fuse_chunk(const LnFwdArgs& a, int64_t idx, uin
     for (int e = 0; e < kE; ++e) v[e] += r[e];
   }
   const uint4 pre = pack<T>(v);
-  if (a.pre != nullptr) *reinterpret_cast<uint4*>(static_cast<T*>(a.pre) + idx) = pre;
+  if (a.pre != nullptr) store16(static_cast<T*>(a.pre) + idx, pre);
   return pre;
 }
 

@@ -252,6 +252,7 @@ inline float __expf(float x) { return std::exp(x); }
 #define __any_sync ::emu::any_sync
 // A plain load at the call site, so a misaligned vector load is reported there.
 #define __ldg(p) (*(p))
+#define FASTFORMER_CUDA_EMU 1  // csrc/common/convert.cuh: store16 as a plain store
 
 #define cudaGetDevice ::emu::cudaGetDevice
 #define cudaSetDevice ::emu::cudaSetDevice
