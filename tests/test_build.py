@@ -160,8 +160,7 @@ def test_built_cuda_kernels_have_no_spills():
 # The kernels that move their data in 16-byte vectors (FFN: 16-bit with 8 values a vector, or
 # fp32 with 4), and how many narrower global stores each may make: the LayerNorm forward's row
 # statistics (mean, rstd); the FFN backward's fp32 column partials (any number of STG.E). nvcc
-# once split such a vector store into four 4-byte stores (LayerNorm) or seven 2- and 4-byte
-# stores (FFN).
+# once split such vector stores into four 4-byte stores (csrc/common/convert.cuh, store16).
 _FFN_16 = r"I(?:(?:13__nv_bfloat16|6__half)L.*?ELi8EE|fL.*?ELi4EE)"
 _VECTOR_KERNELS = [
     (re.compile(r"ln_fwd_vec_kernel"), {"STG.E": 2}),

@@ -28,9 +28,10 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
 
-// One 16-byte store to global memory (p 16-byte aligned), always one instruction: nvcc turned
-// plain 16-byte struct assignments into several narrower stores, down to a store instruction
-// every 2 bytes for 8 bf16 values (its PTX for the FFN and LayerNorm kernels).
+// One 16-byte store to global memory (p 16-byte aligned), always one instruction: nvcc split
+// plain 16-byte struct assignments into narrower stores (2- and 4-byte ones in its PTX; four
+// 4-byte stores a vector in the sm_90 code of the FFN's 16-bit elementwise kernels and of the
+// LayerNorm forward's last chunks of a row).
 __device__ __forceinline__ void store16(void* p, const uint4& v) {
 #ifdef FASTFORMER_CUDA_EMU  // tests/cuda_emu runs the kernels as host code
   *static_cast<uint4*>(p) = v;
