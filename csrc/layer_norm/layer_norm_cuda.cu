@@ -454,10 +454,11 @@ __device__ __forceinline__ void fused_dx_vec(const LnBwdArgs& a, int64_t idx, fl
                                              const uint4* dpre = nullptr) {
   if (a.dpre != nullptr) {
     float g[kE];
-    if constexpr (kE == 16 / sizeof(T)) {
-      if (dpre != nullptr) unpack<T>(*dpre, g);
+    if (dpre == nullptr) {
+      load_vec<T, kE>(static_cast<const T*>(a.dpre) + idx, g);
+    } else if constexpr (kE * sizeof(T) == 16) {
+      unpack<T>(*dpre, g);
     }
-    if (dpre == nullptr) load_vec<T, kE>(static_cast<const T*>(a.dpre) + idx, g);
 #pragma unroll
     for (int e = 0; e < kE; ++e) d[e] += g[e];
   }
@@ -550,6 +551,10 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnB
   constexpr int kE = 16 / sizeof(T);
   constexpr int kQ = kVecs * kE / 4;  // float4 accumulators a thread holds per gradient
   constexpr bool kPrefetch = kVecs * kE <= 16;  // see bwd_max_vecs
+  // Pre-LN's dpre chunks of a row all load before its first dx store (loaded chunk by chunk,
+  // each waited behind the chunk before's stores: a memory round trip a chunk). Not for fp32
+  // rows of 4 chunks a thread: their 16 more registers spilled on sm_90.
+  constexpr bool kDpreFirst = kFused && (kVecs <= 2 || sizeof(T) == 2);
   __shared__ float2 red[kWarp];
   extern __shared__ float acc_smem[];  // [wanted gradient][kQ][thread] float4s
   const int64_t nvec = a.cols / kE;
@@ -604,10 +609,6 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnB
       if (want_w) add_acc<kE>(acc_w, i * kE / 4, threads, dyx);
       if (want_b) add_acc<kE>(acc_b, i * kE / 4, threads, dy);
     }
-    // Pre-LN's dpre chunks, all loaded before the first dx store (loaded chunk by chunk, each
-    // waited behind the stores of the chunk before: one memory round trip a chunk). Not for
-    // fp32 rows of 4 chunks a thread: their 16 more registers spilled on sm_90.
-    constexpr bool kDpreFirst = kFused && (kVecs <= 2 || sizeof(T) == 2);
     [[maybe_unused]] uint4 dpre[kVecs];
     if constexpr (kDpreFirst) {
 #pragma unroll
