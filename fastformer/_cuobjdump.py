@@ -52,15 +52,20 @@ def parse(report: str) -> dict[tuple[str, str, str], dict[str, int]]:
     return usage
 
 
-def resource_usage(binary: str | os.PathLike) -> dict[tuple[str, str, str], dict[str, int]]:
-    """`parse` of `cuobjdump -res-usage BINARY`; RuntimeError without cuobjdump or on failure."""
+def _cuobjdump(option: str, binary: str | os.PathLike) -> str:
+    """The output of `cuobjdump OPTION BINARY`; RuntimeError without cuobjdump or on failure."""
     tool = cuobjdump_path()
     if tool is None:
         raise RuntimeError("cuobjdump not found (CUDA toolkit or Triton's wheel; CUOBJDUMP)")
-    result = subprocess.run([tool, "-res-usage", str(binary)], capture_output=True, text=True)
+    result = subprocess.run([tool, option, str(binary)], capture_output=True, text=True)
     if result.returncode != 0:
-        raise RuntimeError(f"cuobjdump -res-usage {binary} failed:\n{result.stderr[-2000:]}")
-    return parse(result.stdout)
+        raise RuntimeError(f"cuobjdump {option} {binary} failed:\n{result.stderr[-2000:]}")
+    return result.stdout
+
+
+def resource_usage(binary: str | os.PathLike) -> dict[tuple[str, str, str], dict[str, int]]:
+    """`parse` of `cuobjdump -res-usage BINARY`; RuntimeError without cuobjdump or on failure."""
+    return parse(_cuobjdump("-res-usage", binary))
 
 
 _STORE = re.compile(r"\bSTG(\.[A-Z0-9]+)*")
@@ -87,10 +92,4 @@ def parse_stores(sass: str) -> dict[tuple[str, str], Counter]:
 
 def global_stores(binary: str | os.PathLike) -> dict[tuple[str, str], Counter]:
     """`parse_stores` of `cuobjdump -sass BINARY`; RuntimeError as `resource_usage`."""
-    tool = cuobjdump_path()
-    if tool is None:
-        raise RuntimeError("cuobjdump not found (CUDA toolkit or Triton's wheel; CUOBJDUMP)")
-    result = subprocess.run([tool, "-sass", str(binary)], capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"cuobjdump -sass {binary} failed:\n{result.stderr[-2000:]}")
-    return parse_stores(result.stdout)
+    return parse_stores(_cuobjdump("-sass", binary))
