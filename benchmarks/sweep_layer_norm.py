@@ -7,7 +7,9 @@ backward kernels with every override of that choice (torch.ops.fastformer.layer_
 the most 16-byte vectors a thread holds, the threads a block), next to the built-in one, as
 GB/s and the fraction of the copy bandwidth measured in the same run. Which configuration runs
 is the C++ choice given the override (rows too long for the vectors asked for take the long-row
-kernels). The backward is timed as its op alone (kernel and finalize, no autograd).
+kernels). The backward is timed as its op alone (kernel and finalize, no autograd). "fused" is
+the forward of dropout_add_layer_norm (dropout 0.1, the residual added, pre stored as for
+training), which takes the forward's overrides.
 
     python benchmarks/sweep_layer_norm.py [--cols 1024,4096] [--out sweep.json]
 
@@ -46,8 +48,8 @@ def _time_ms(fn) -> float:
 
 
 def _calls(cols: int, dtype: torch.dtype):
-    """(forward, backward) of a (ROWS, cols) LayerNorm: the two C++ ops on fixed inputs."""
-    x, dy = (torch.randn(ROWS, cols, device="cuda", dtype=dtype) for _ in range(2))
+    """{kind: call} of a (ROWS, cols) LayerNorm: the C++ ops on fixed inputs."""
+    x, dy, res = (torch.randn(ROWS, cols, device="cuda", dtype=dtype) for _ in range(3))
     w, b = (torch.randn(cols, device="cuda", dtype=dtype) for _ in range(2))
     seed = torch.zeros((), dtype=torch.int64)
     ops = torch.ops.fastformer
@@ -61,12 +63,15 @@ def _calls(cols: int, dtype: torch.dtype):
             dy, None, x, w, b, mean, rstd, seed, 0.0, False, False, False, True, True
         )
 
-    return forward, backward
+    def fused():
+        return ops.layer_norm_fwd(x, w, b, res, seed, 1e-5, 0.1, False, True)
+
+    return {"fwd": forward, "bwd": backward, "fused": fused}
 
 
 def _configs(kind: str, elem: int) -> list[tuple[int, int]]:
     """The built-in choice (0, 0), then the overrides worth timing for `kind`."""
-    if kind == "fwd":
+    if kind != "bwd":
         return [(0, 0), *FWD]
     # 16-bit rows: at most 2 vectors a backward thread (the C++ choice caps it).
     return [(0, 0), *(c for c in BWD if not (elem == 2 and c[0] == 4))]
@@ -74,10 +79,10 @@ def _configs(kind: str, elem: int) -> list[tuple[int, int]]:
 
 def _measure(kind: str, fn, cols: int, elem: int, copy_gbps: float) -> list[dict]:
     tuning = torch.ops.fastformer.layer_norm_tuning
-    tensors = 2 if kind == "fwd" else 3  # x and y; x, dy and dx
+    tensors = {"fwd": 2, "bwd": 3, "fused": 4}[kind]  # x, y; x, dy, dx; x, residual, y, pre
     rows = []
     for vecs, block in _configs(kind, elem):
-        tuning([vecs, block, 0, 0] if kind == "fwd" else [0, 0, vecs, block])
+        tuning([0, 0, vecs, block] if kind == "bwd" else [vecs, block, 0, 0])
         ms = _time_ms(fn)
         gbps = tensors * ROWS * cols * elem / ms / 1e6
         rows.append(
@@ -103,10 +108,10 @@ def sweep(cols_list: list[int], dtype: torch.dtype) -> dict:
     rows = []
     try:
         for cols in cols_list:
-            forward, backward = _calls(cols, dtype)
-            rows += _measure("fwd", forward, cols, elem, copy_gbps)
-            rows += _measure("bwd", backward, cols, elem, copy_gbps)
-            del forward, backward
+            calls = _calls(cols, dtype)
+            for kind, fn in calls.items():
+                rows += _measure(kind, fn, cols, elem, copy_gbps)
+            del calls
             torch.cuda.empty_cache()
     finally:
         torch.ops.fastformer.layer_norm_tuning([0, 0, 0, 0])

@@ -718,6 +718,10 @@ def test_sweep_times_each_override_once(monkeypatch):
     rows = sweep._measure("bwd", None, 1024, 2, 4000.0)
     assert timed == calls == [[0, 0, v, b] for v, b in [(0, 0), *sweep.BWD] if v != 4]
     assert rows[0]["gbps"] == 3 * 16384 * 1024 * 2 / 0.5 / 1e6  # x, dy, dx of 2 bytes
+    calls.clear(), timed.clear()
+    rows = sweep._measure("fused", None, 1024, 2, 4000.0)  # the forward's knobs
+    assert timed == calls == [[v, b, 0, 0] for v, b in [(0, 0), *sweep.FWD]]
+    assert rows[0]["gbps"] == 4 * 16384 * 1024 * 2 / 0.5 / 1e6  # x, residual, y, pre
     calls.clear()
     assert len(sweep._measure("fwd", None, 1024, 4, 4000.0)) == 1 + len(sweep.FWD)
     assert calls[0] == [0, 0, 0, 0] and calls[1:] == [[v, b, 0, 0] for v, b in sweep.FWD]
