@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import fastformer
 import fastformer.nn as fnn
 from fastformer import reference
 from fastformer.explain import explain
@@ -413,6 +414,37 @@ def test_feed_forward_custom_callable_runs_unfused():
     x = _randn(B, S, E, grad=False)
     expected = ours.linear2(torch.tanh(ours.linear1(x)))
     torch.testing.assert_close(ours(x), expected, atol=0, rtol=0)
+
+
+def test_layers_read_parameters_set_as_plain_tensors():
+    # The layers read children and parameters from the module's registries (host time) and
+    # fall back to the attribute for anything else: a weight swapped for a plain tensor (the
+    # way some weight-sharing code does it) and a norm without bias still give torch.nn's
+    # results.
+    torch.manual_seed(0)
+    ref = nn.TransformerEncoderLayer(E, H, FF, dropout=0.0, batch_first=True, bias=False).eval()
+    ours = copy.deepcopy(ref)
+    fastformer.swap(ours)
+    for layer in (ref, ours):
+        weight = layer.linear1.weight.detach() * 0.5
+        del layer.linear1.weight
+        layer.linear1.weight = weight
+    assert "weight" not in ours.linear1._parameters and ours.norm1.bias is None
+    x = _randn(B, S, E, grad=False)
+    torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=1e-5)
+
+
+def test_lookup_matches_getattr():
+    from fastformer.nn._lookup import child, param
+
+    layer = nn.TransformerEncoderLayer(E, H, FF, bias=False)
+    assert child(layer, "linear1") is layer.linear1 and child(layer, "activation") is F.relu
+    assert param(layer.linear1, "weight") is layer.linear1.weight
+    assert param(layer.linear1, "bias") is None
+    layer.linear1.extra = torch.ones(1)
+    assert param(layer.linear1, "extra") is layer.linear1.extra
+    with pytest.raises(AttributeError):
+        param(layer.linear1, "missing")
 
 
 def test_positional_encoding_matches_reference():

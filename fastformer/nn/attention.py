@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from fastformer.nn import _ops, _record
+from fastformer.nn._lookup import child, param
 
 
 def _check_mask_dtype(name: str, mask: Tensor) -> None:
@@ -269,10 +270,11 @@ class MultiheadAttention(nn.MultiheadAttention):
         """q, k, v as (B, H, L, D) from (B, L, E) inputs (`bf`) or (L, B, E); one GEMM for all
         three in self-attention, one for k and v when key is value (usual cross-attention)."""
         e, h = self.embed_dim, self.num_heads
-        bias = self.in_proj_bias
+        bias = param(self, "in_proj_bias")
         if query is key and key is value and self._qkv_same_embed_dim:
             # Self-attention, the usual case first: no bias slices (host time per call).
-            return _split_heads(nn.functional.linear(query, self.in_proj_weight, bias), 3, h, bf)
+            weight = param(self, "in_proj_weight")
+            return _split_heads(nn.functional.linear(query, weight, bias), 3, h, bf)
         b_q = b_k = b_v = None
         if bias is not None:
             b_q, b_k, b_v = bias.split(e)
@@ -281,7 +283,7 @@ class MultiheadAttention(nn.MultiheadAttention):
             k = nn.functional.linear(key, self.k_proj_weight, b_k)
             v = nn.functional.linear(value, self.v_proj_weight, b_v)
             return [_split_heads(t, 1, h, bf)[0] for t in (q, k, v)]
-        w = self.in_proj_weight
+        w = param(self, "in_proj_weight")
         q = _split_heads(nn.functional.linear(query, w[:e], b_q), 1, h, bf)[0]
         if key is value:
             b_kv = None if bias is None else bias[e:]
@@ -317,7 +319,8 @@ class MultiheadAttention(nn.MultiheadAttention):
         )
         p = self.dropout if self.training else 0.0
         out = _ops.attention(self, q, k, v, mask, p, causal, kpm)
+        proj = child(self, "out_proj")
         out = nn.functional.linear(
-            _merge_heads(out, batch_first), self.out_proj.weight, self.out_proj.bias
+            _merge_heads(out, batch_first), param(proj, "weight"), param(proj, "bias")
         )
         return (out if batched else out.squeeze(0)), None

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
 from fastformer.nn import _ops, _record
+from fastformer.nn._lookup import child, param
 from fastformer.reference import ACTIVATIONS, GATED_ACTIVATIONS
 
 Activation = str | Callable[[Tensor], Tensor]
@@ -81,18 +82,26 @@ def is_plain(module: nn.Module, types: tuple[type, ...]) -> bool:
 
 def ffn_reasons(owner: nn.Module) -> list[str]:
     """Why `feed_forward(owner, x)` runs unfused ([] = it runs the fused op)."""
+    return _reasons(owner, *_parts(owner))
+
+
+def _parts(owner: nn.Module) -> tuple:
+    return child(owner, "linear1"), child(owner, "dropout"), child(owner, "linear2")
+
+
+def _reasons(owner: nn.Module, linear1: nn.Module, drop: nn.Module, linear2: nn.Module):
     reasons = []
     if activation_name(owner.activation) is None:
         reasons.append(
             f"activation {owner.activation!r} is a custom callable; the fused FFN runs "
             f"{', '.join(ACTIVATIONS)} (or F.relu/F.gelu/F.silu, nn.ReLU/GELU/SiLU)"
         )
-    for name in ("linear1", "linear2"):
-        if not is_plain(getattr(owner, name), _LINEAR_TYPES):
+    for name, linear in (("linear1", linear1), ("linear2", linear2)):
+        if not is_plain(linear, _LINEAR_TYPES):
             reasons.append(f"{name} is not a plain nn.Linear without hooks")
-    if not is_plain(owner.dropout, (nn.Dropout,)):
+    if not is_plain(drop, (nn.Dropout,)):
         reasons.append("dropout is not a plain nn.Dropout without hooks")
-    elif owner.dropout.p >= 1.0:
+    elif drop.p >= 1.0:
         reasons.append("dropout p=1 drops everything; the fused op takes p < 1")
     return reasons
 
@@ -122,15 +131,14 @@ def feed_forward(owner: nn.Module, x: Tensor) -> Tensor:
     x (..., d_model) -> (..., d_model). Runs the fused op unless the activation is a custom
     callable or a sub-module is not plain (then torch.nn's modules run, reason recorded).
     """
-    reasons = ffn_reasons(owner)
+    l1, drop, l2 = parts = _parts(owner)
+    reasons = _reasons(owner, *parts)
     if reasons:
         _record.note(owner, "ffn", "eager", [("fastformer", reasons)])
-        return owner.linear2(owner.dropout(_eager_activation(owner.activation, owner.linear1(x))))
-    drop = owner.dropout
+        return l2(drop(_eager_activation(owner.activation, l1(x))))
     p = drop.p if drop.training else 0.0
-    l1, l2 = owner.linear1, owner.linear2
-    name = activation_name(owner.activation)
-    return _ops.ffn(owner, x, l1.weight, l1.bias, l2.weight, l2.bias, name, p)
+    w1, b1, w2, b2 = param(l1, "weight"), param(l1, "bias"), param(l2, "weight"), param(l2, "bias")
+    return _ops.ffn(owner, x, w1, b1, w2, b2, activation_name(owner.activation), p)
 
 
 class FeedForward(nn.Module):

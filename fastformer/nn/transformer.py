@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from fastformer import reference
 from fastformer.nn import _ops, _record
+from fastformer.nn._lookup import child, param
 from fastformer.nn.attention import MultiheadAttention
 from fastformer.nn.ffn import (
     Activation,
@@ -38,11 +39,11 @@ _NORM_TYPES = (nn.LayerNorm, LayerNorm, reference.LayerNorm)
 def _adopt_children(module: nn.Module) -> None:
     """Turn the torch.nn attention and LayerNorm children torch's __init__ built into their
     fastformer subclasses, in place (no new parameters, so init and RNG use match torch)."""
-    for child in module.children():
-        if type(child) is nn.MultiheadAttention:
-            child.__class__ = MultiheadAttention
-        elif type(child) is nn.LayerNorm:
-            child.__class__ = LayerNorm
+    for sub in module.children():
+        if type(sub) is nn.MultiheadAttention:
+            sub.__class__ = MultiheadAttention
+        elif type(sub) is nn.LayerNorm:
+            sub.__class__ = LayerNorm
 
 
 def _torch_activation(activation: Activation) -> Activation:
@@ -81,21 +82,22 @@ def residual_norm(
     owner: nn.Module,
     sub: Tensor,
     residual: Tensor,
-    norm: nn.Module,
-    drop: nn.Module,
+    norm_name: str,
+    drop_name: str,
     prenorm: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """`norm(residual + drop(sub))`, plus the sum itself when `prenorm`, as one fused op.
+    """`norm(residual + drop(sub))`, plus the sum itself when `prenorm`, as one fused op; norm
+    and drop are the children of `owner` named `norm_name` and `drop_name`.
 
     sub, residual: (..., d_model). Falls back to calling `drop` and `norm` (reason recorded)
     when they are not a plain nn.Dropout and a plain 1-D LayerNorm.
     """
+    norm, drop = child(owner, norm_name), child(owner, drop_name)
     reasons = _norm_reasons(norm, drop)
     if not reasons:
         p = drop.p if drop.training else 0.0
-        return _ops.dropout_add_layer_norm(
-            owner, sub, residual, norm.weight, norm.bias, norm.eps, p, prenorm
-        )
+        weight, bias = param(norm, "weight"), param(norm, "bias")
+        return _ops.dropout_add_layer_norm(owner, sub, residual, weight, bias, norm.eps, p, prenorm)
     _record.note(owner, "dropout_add_layer_norm", "eager", [("fastformer", reasons)])
     pre = residual + drop(sub)
     out = norm(pre)
@@ -178,7 +180,7 @@ class TransformerEncoderLayer(nn.TransformerEncoderLayer):
         return _layer_reasons(self, ("self_attn",), _fused_pairs(self, 2))
 
     def _sa(self, x: Tensor, mask: Tensor | None, kpm: Tensor | None, causal: bool) -> Tensor:
-        return self.self_attn(
+        return child(self, "self_attn")(
             x, x, x, attn_mask=mask, key_padding_mask=kpm, need_weights=False, is_causal=causal
         )[0]
 
@@ -196,10 +198,10 @@ class TransformerEncoderLayer(nn.TransformerEncoderLayer):
         x = src
         if self.norm_first:
             attn = self._sa(self.norm1(x), *masks)
-            h, x = residual_norm(self, attn, x, self.norm2, self.dropout1, prenorm=True)
+            h, x = residual_norm(self, attn, x, "norm2", "dropout1", prenorm=True)
             return x + self.dropout2(feed_forward(self, h))
-        x = residual_norm(self, self._sa(x, *masks), x, self.norm1, self.dropout1)
-        return residual_norm(self, feed_forward(self, x), x, self.norm2, self.dropout2)
+        x = residual_norm(self, self._sa(x, *masks), x, "norm1", "dropout1")
+        return residual_norm(self, feed_forward(self, x), x, "norm2", "dropout2")
 
 
 class TransformerDecoderLayer(nn.TransformerDecoderLayer):
@@ -241,12 +243,12 @@ class TransformerDecoderLayer(nn.TransformerDecoderLayer):
         return _layer_reasons(self, ("self_attn", "multihead_attn"), _fused_pairs(self, 3))
 
     def _sa(self, x: Tensor, mask: Tensor | None, kpm: Tensor | None, causal: bool) -> Tensor:
-        return self.self_attn(
+        return child(self, "self_attn")(
             x, x, x, attn_mask=mask, key_padding_mask=kpm, need_weights=False, is_causal=causal
         )[0]
 
     def _ca(self, x: Tensor, mem: Tensor, mask, kpm, causal: bool) -> Tensor:
-        return self.multihead_attn(
+        return child(self, "multihead_attn")(
             x, mem, mem, attn_mask=mask, key_padding_mask=kpm, need_weights=False,
             is_causal=causal,
         )[0]  # fmt: skip
@@ -273,13 +275,13 @@ class TransformerDecoderLayer(nn.TransformerDecoderLayer):
         x = tgt
         if self.norm_first:
             attn = self._sa(self.norm1(x), *self_masks)
-            h, x = residual_norm(self, attn, x, self.norm2, self.dropout1, prenorm=True)
+            h, x = residual_norm(self, attn, x, "norm2", "dropout1", prenorm=True)
             attn = self._ca(h, memory, *mem_masks)
-            h, x = residual_norm(self, attn, x, self.norm3, self.dropout2, prenorm=True)
+            h, x = residual_norm(self, attn, x, "norm3", "dropout2", prenorm=True)
             return x + self.dropout3(feed_forward(self, h))
-        x = residual_norm(self, self._sa(x, *self_masks), x, self.norm1, self.dropout1)
-        x = residual_norm(self, self._ca(x, memory, *mem_masks), x, self.norm2, self.dropout2)
-        return residual_norm(self, feed_forward(self, x), x, self.norm3, self.dropout3)
+        x = residual_norm(self, self._sa(x, *self_masks), x, "norm1", "dropout1")
+        x = residual_norm(self, self._ca(x, memory, *mem_masks), x, "norm2", "dropout2")
+        return residual_norm(self, feed_forward(self, x), x, "norm3", "dropout3")
 
 
 def _causal_hint_note(owner: nn.Module, name: str, mask: Tensor | None, causal: bool | None):
