@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from fastformer.nn import _ops, _record
+from fastformer.nn._lookup import param
 
 
 def _nested_reason(input: Tensor) -> list[str]:
@@ -30,9 +31,8 @@ class LayerNorm(nn.LayerNorm):
         if input.is_nested:
             _record.note(self, "LayerNorm", "torch.nn", [("fastformer", _nested_reason(input))])
             return super().forward(input)
-        return _ops.layer_norm(
-            self, input, tuple(self.normalized_shape), self.weight, self.bias, self.eps
-        )
+        weight, bias = param(self, "weight"), param(self, "bias")
+        return _ops.layer_norm(self, input, tuple(self.normalized_shape), weight, bias, self.eps)
 
 
 class RMSNorm(nn.RMSNorm):
@@ -53,4 +53,5 @@ class RMSNorm(nn.RMSNorm):
         if input.is_nested:
             _record.note(self, "RMSNorm", "torch.nn", [("fastformer", _nested_reason(input))])
             return super().forward(input)
-        return _ops.rms_norm(self, input, tuple(self.normalized_shape), self.weight, self.eps)
+        weight = param(self, "weight")
+        return _ops.rms_norm(self, input, tuple(self.normalized_shape), weight, self.eps)
