@@ -9,7 +9,9 @@ GB/s and the fraction of the copy bandwidth measured in the same run. Which conf
 is the C++ choice given the override (rows too long for the vectors asked for take the long-row
 kernels). The backward is timed as its op alone (kernel and finalize, no autograd). "fused" is
 the forward of dropout_add_layer_norm (dropout 0.1, the residual added, pre stored as for
-training), which takes the forward's overrides.
+training), which takes the forward's overrides; "prenorm_bwd" its backward in a Pre-LN stack
+(the gradient of pre comes in too), which takes the backward's. Those two at FUSED_COLS only,
+to keep the sweep within its ~45 s in the GPU suite; the JSON is rewritten after each size.
 
     python benchmarks/sweep_layer_norm.py [--cols 1024,4096] [--out sweep.json]
 
@@ -27,6 +29,8 @@ import torch
 FWD = [(v, b) for v in (1, 2, 4) for b in (64, 128, 256, 512)]
 BWD = [(v, b) for v in (1, 2, 4) for b in (128, 256, 512)]
 COLS = (512, 1024, 2048, 4096, 8192, 16384)
+FUSED_COLS = (1024, 4096)  # the bench's fused case, and a size with a block a row
+KINDS = ("fwd", "bwd", "fused", "prenorm_bwd")
 ROWS = 16384
 
 
@@ -66,12 +70,17 @@ def _calls(cols: int, dtype: torch.dtype):
     def fused():
         return ops.layer_norm_fwd(x, w, b, res, seed, 1e-5, 0.1, False, True)
 
-    return {"fwd": forward, "bwd": backward, "fused": fused}
+    def prenorm_bwd():  # x stands for pre, res for the gradient of pre
+        return ops.layer_norm_bwd(
+            dy, res, x, w, b, mean, rstd, seed, 0.1, False, True, True, True, True
+        )
+
+    return dict(zip(KINDS, (forward, backward, fused, prenorm_bwd), strict=True))
 
 
 def _configs(kind: str, elem: int) -> list[tuple[int, int]]:
     """The built-in choice (0, 0), then the overrides worth timing for `kind`."""
-    if kind != "bwd":
+    if kind in ("fwd", "fused"):
         return [(0, 0), *FWD]
     # 16-bit rows: at most 2 vectors a backward thread (the C++ choice caps it).
     return [(0, 0), *(c for c in BWD if not (elem == 2 and c[0] == 4))]
@@ -79,10 +88,11 @@ def _configs(kind: str, elem: int) -> list[tuple[int, int]]:
 
 def _measure(kind: str, fn, cols: int, elem: int, copy_gbps: float) -> list[dict]:
     tuning = torch.ops.fastformer.layer_norm_tuning
-    tensors = {"fwd": 2, "bwd": 3, "fused": 4}[kind]  # x, y; x, dy, dx; x, residual, y, pre
+    # x, y; x, dy, dx; x, residual, y, pre; pre, dy, dpre, dx, dresidual
+    tensors = {"fwd": 2, "bwd": 3, "fused": 4, "prenorm_bwd": 5}[kind]
     rows = []
     for vecs, block in _configs(kind, elem):
-        tuning([0, 0, vecs, block] if kind == "bwd" else [vecs, block, 0, 0])
+        tuning([vecs, block, 0, 0] if kind in ("fwd", "fused") else [0, 0, vecs, block])
         ms = _time_ms(fn)
         gbps = tensors * ROWS * cols * elem / ms / 1e6
         rows.append(
@@ -99,29 +109,32 @@ def _measure(kind: str, fn, cols: int, elem: int, copy_gbps: float) -> list[dict
     return rows
 
 
-def sweep(cols_list: list[int], dtype: torch.dtype) -> dict:
-    """Every configuration's ms, GB/s and fraction of copy bandwidth, per hidden size."""
+def sweep(cols_list: list[int], dtype: torch.dtype, done=lambda result: None) -> dict:
+    """Every configuration's ms, GB/s and fraction of copy bandwidth, per hidden size;
+    `done(result so far)` after each size."""
     from fastformer.cli import bench, timing
 
     copy_gbps = bench.rooflines(torch.device("cuda"), dtype, timing.GPU_DEFAULT)["copy_gbps"]
     elem = torch.finfo(dtype).bits // 8
-    rows = []
-    try:
-        for cols in cols_list:
-            calls = _calls(cols, dtype)
-            for kind, fn in calls.items():
-                rows += _measure(kind, fn, cols, elem, copy_gbps)
-            del calls
-            torch.cuda.empty_cache()
-    finally:
-        torch.ops.fastformer.layer_norm_tuning([0, 0, 0, 0])
-    return {
+    result = {
         "device": torch.cuda.get_device_name(),
         "dtype": str(dtype),
         "rows": ROWS,
         "copy_gbps": copy_gbps,
-        "results": rows,
+        "results": [],
     }
+    try:
+        for cols in cols_list:
+            calls = _calls(cols, dtype)
+            for kind, fn in calls.items():
+                if kind in ("fwd", "bwd") or cols in FUSED_COLS:
+                    result["results"] += _measure(kind, fn, cols, elem, copy_gbps)
+            del calls
+            torch.cuda.empty_cache()
+            done(result)
+    finally:
+        torch.ops.fastformer.layer_norm_tuning([0, 0, 0, 0])
+    return result
 
 
 def table(result: dict) -> str:
@@ -160,11 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     if why is not None:
         print(f"sweep_layer_norm: {why}", file=sys.stderr)
         return 2
-    result = sweep(cols, getattr(torch, args.dtype))
+
+    def save(result: dict) -> None:  # what a stage timeout would leave
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+
+    result = sweep(cols, getattr(torch, args.dtype), save)
     print(table(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
     return 0
 
 

@@ -722,6 +722,29 @@ def test_sweep_times_each_override_once(monkeypatch):
     rows = sweep._measure("fused", None, 1024, 2, 4000.0)  # the forward's knobs
     assert timed == calls == [[v, b, 0, 0] for v, b in [(0, 0), *sweep.FWD]]
     assert rows[0]["gbps"] == 4 * 16384 * 1024 * 2 / 0.5 / 1e6  # x, residual, y, pre
+    calls.clear(), timed.clear()
+    rows = sweep._measure("prenorm_bwd", None, 1024, 2, 4000.0)  # the backward's knobs
+    assert timed == calls == [[0, 0, v, b] for v, b in [(0, 0), *sweep.BWD] if v != 4]
+    assert rows[0]["gbps"] == 5 * 16384 * 1024 * 2 / 0.5 / 1e6  # pre, dy, dpre, dx, dres
     calls.clear()
     assert len(sweep._measure("fwd", None, 1024, 4, 4000.0)) == 1 + len(sweep.FWD)
     assert calls[0] == [0, 0, 0, 0] and calls[1:] == [[v, b, 0, 0] for v, b in sweep.FWD]
+
+
+def test_sweep_measures_the_fused_kinds_at_their_sizes_and_saves_each_size(monkeypatch):
+    # The sweep's outer loop with the GPU parts replaced: which (kind, size) pairs it times,
+    # and that each finished size is handed over (the suite's stage timeout keeps those).
+    sweep = _sweep_module()
+    from fastformer.cli import bench
+
+    monkeypatch.setattr(torch.ops.fastformer, "layer_norm_tuning", lambda t: None, raising=False)
+    monkeypatch.setattr(sweep, "_time_ms", lambda fn: 0.5)
+    monkeypatch.setattr(sweep, "_calls", lambda cols, dtype: dict.fromkeys(sweep.KINDS))
+    monkeypatch.setattr(bench, "rooflines", lambda *a: {"copy_gbps": 4000.0})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU")
+    saved = []
+    result = sweep.sweep([512, 1024], torch.bfloat16, lambda r: saved.append(len(r["results"])))
+    pairs = sorted({(r["kind"], r["cols"]) for r in result["results"]})
+    fused = [(k, 1024) for k in ("fused", "prenorm_bwd")]
+    assert pairs == sorted([(k, c) for k in ("fwd", "bwd") for c in (512, 1024)] + fused)
+    assert saved == [20, 60]  # 13 + 7 timings at 512; 13 + 7 + 13 + 7 more at 1024
