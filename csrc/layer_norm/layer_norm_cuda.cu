@@ -154,6 +154,12 @@ __device__ __forceinline__ uint4 pack(const float (&in)[16 / sizeof(T)]) {
   return to_raw(e);
 }
 
+// Chunk vi of a row of 16-byte chunks at `row`, raw; zero bits (0.0 in every dtype) unless
+// `valid` (past the row, or past the last row).
+__device__ __forceinline__ uint4 chunk_or_zero(const void* row, int64_t vi, bool valid) {
+  return valid ? __ldg(static_cast<const uint4*>(row) + vi) : make_uint4(0, 0, 0, 0);
+}
+
 // ------------------------------------------------------------------ row reductions
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -244,20 +250,16 @@ template <typename T, int kVecs, bool kFused>
 __device__ __forceinline__ void load_row(const LnFwdArgs& a, int64_t row, bool row_ok,
                                          int64_t nvec, uint4 (&raw)[kVecs]) {
   constexpr int kE = 16 / sizeof(T);
+  const int64_t offset = row_ok ? row * a.cols : 0;
   [[maybe_unused]] uint4 res[kVecs];
 #pragma unroll
   for (int i = 0; i < kVecs; ++i) {
     const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
-    const int64_t idx = row * a.cols + vi * kE;
-    raw[i] = make_uint4(0, 0, 0, 0);
-    if (row_ok && vi < nvec) {
-      raw[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + idx));
-    }
+    const bool valid = row_ok && vi < nvec;
+    raw[i] = chunk_or_zero(static_cast<const T*>(a.x) + offset, vi, valid);
     if constexpr (kFused) {
-      res[i] = make_uint4(0, 0, 0, 0);
-      if (row_ok && vi < nvec && a.residual != nullptr) {
-        res[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.residual) + idx));
-      }
+      const T* residual = static_cast<const T*>(a.residual);
+      res[i] = chunk_or_zero(residual + offset, vi, valid && residual != nullptr);
     }
   }
   if constexpr (kFused) {
@@ -495,16 +497,11 @@ __device__ __forceinline__ void fetch_row(const LnBwdArgs& a, int64_t row, int64
                                           RawRow<kVecs>& r) {
   const bool row_ok = row < a.rows;
   const int64_t offset = row_ok ? row * a.cols : 0;
-  const uint4* x_row = reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + offset);
-  const uint4* dy_row = reinterpret_cast<const uint4*>(static_cast<const T*>(a.dy) + offset);
 #pragma unroll
   for (int i = 0; i < kVecs; ++i) {
     const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
-    r.x[i] = r.dy[i] = make_uint4(0, 0, 0, 0);
-    if (row_ok && vi < nvec) {
-      r.x[i] = __ldg(x_row + vi);
-      r.dy[i] = __ldg(dy_row + vi);
-    }
+    r.x[i] = chunk_or_zero(static_cast<const T*>(a.x) + offset, vi, row_ok && vi < nvec);
+    r.dy[i] = chunk_or_zero(static_cast<const T*>(a.dy) + offset, vi, row_ok && vi < nvec);
   }
   r.mean = (kRms || !row_ok) ? 0.f : a.mean[row];
   r.rstd = row_ok ? a.rstd[row] : 0.f;
@@ -634,14 +631,11 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnB
     }
     [[maybe_unused]] uint4 dpre[kVecs];
     if constexpr (kDpreFirst) {
+      const T* dpre_row = static_cast<const T*>(a.dpre) + (row_ok ? row * a.cols : 0);
 #pragma unroll
       for (int i = 0; i < kVecs; ++i) {
         const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
-        dpre[i] = make_uint4(0, 0, 0, 0);
-        if (a.dpre != nullptr && row_ok && vi < nvec) {
-          dpre[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(a.dpre) +
-                                                         row * a.cols + vi * kE));
-        }
+        dpre[i] = chunk_or_zero(dpre_row, vi, a.dpre != nullptr && row_ok && vi < nvec);
       }
     }
     sums = row_sum(sums, red);
