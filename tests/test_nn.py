@@ -596,6 +596,30 @@ def test_float32_block_inside_autocast_with_backward_under_autocast(kind):
             torch.testing.assert_close(grad, grads["plain"][name], atol=0, rtol=0, msg=name)
 
 
+def test_meta_device_model_runs_like_torch():
+    # Models built on the meta device (shape inference, deferred init before `to_empty`):
+    # the ops' autocast guard asked torch.is_autocast_enabled("meta"), which raises.
+    def model():
+        torch.manual_seed(0)
+        kw = dict(dim_feedforward=FF, dropout=0.1, batch_first=True, device="meta")
+        return nn.Transformer(E, H, 1, 1, **kw)
+
+    ours, theirs = model(), model()
+    fastformer.swap(ours)
+    src, tgt = torch.empty(B, S, E, device="meta"), torch.empty(B, T, E, device="meta")
+    pad = torch.zeros(B, S, dtype=torch.bool, device="meta")
+    for module in (ours, theirs):
+        out = module(src, tgt, src_key_padding_mask=pad, memory_key_padding_mask=pad)
+        assert out.shape == (B, T, E) and out.device.type == "meta"
+        out.sum().backward()
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        assert p.grad is not None and p.grad.shape == q.grad.shape, name
+    ours.to_empty(device="cpu")  # uninitialized memory: give it values
+    for p in ours.parameters():
+        nn.init.normal_(p.detach(), std=0.1)
+    assert ours(torch.randn(B, S, E), torch.randn(B, T, E)).isfinite().all()
+
+
 # --------------------------------------------------------------------------- the other paths
 
 

@@ -63,6 +63,11 @@ def first_order(op: str) -> Callable:
     return wrap
 
 
+def autocast_on(device_type: str) -> bool:
+    """Whether autocast is on for `device_type`; False for device types without autocast."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 def autocast_off(fn: Callable) -> Callable:
     """`fn` run with autocast off for its first argument's device type when it is on there.
 
@@ -75,7 +80,8 @@ def autocast_off(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def run(first: Tensor, *args, **kwargs):
         device = first.device.type
-        if not torch.is_autocast_enabled(device):
+        # "meta" and other device types without autocast: torch.is_autocast_enabled raises.
+        if not autocast_on(device):
             return fn(first, *args, **kwargs)
         with torch.autocast(device, enabled=False):
             return fn(first, *args, **kwargs)
