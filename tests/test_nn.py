@@ -391,6 +391,36 @@ def test_norms_match_torch(case):
     module_parity(ours, theirs, (_randn(B, 4, E) * 3 + 1,), None, ["input"])
 
 
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm", "PostLN", "PreLN"])
+def test_eps_zero_runs_torch_nn_path_with_reason(kind):
+    # torch.nn takes eps=0; the ops refuse eps <= 0, so the modules run torch.nn's path.
+    make = {
+        "LayerNorm": (nn.LayerNorm, fnn.LayerNorm, (E,), dict(eps=0.0)),
+        "RMSNorm": (nn.RMSNorm, fnn.RMSNorm, (E,), dict(eps=0.0)),
+        "PostLN": (nn.TransformerEncoderLayer, fnn.TransformerEncoderLayer, (E, H, FF, 0.0),
+                   dict(layer_norm_eps=0.0)),
+        "PreLN": (nn.TransformerEncoderLayer, fnn.TransformerEncoderLayer, (E, H, FF, 0.0),
+                  dict(layer_norm_eps=0.0, norm_first=True)),
+    }  # fmt: skip
+    torch_cls, fast_cls, args, kwargs = make[kind]
+    theirs, ours = _pair(torch_cls, fast_cls, *args, **kwargs)
+    assert any("eps=0.0" in why for why in ours.fallback_reasons)
+    module_parity(ours, theirs, (_randn(B, 4, E) * 3 + 1,), None, ["input"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_rms_norm_default_eps_is_torchs(dtype):
+    # F.rms_norm's eps=None is float32's epsilon for 16-bit inputs (not the input dtype's):
+    # at this scale the two eps differ in the output by ~50%.
+    theirs, ours = _pair(nn.RMSNorm, fnn.RMSNorm, (E,))
+    x = (_randn(B, 4, E, grad=False) * 0.02).to(dtype)
+    expected = theirs.to(dtype)(x)
+    torch.testing.assert_close(ours.to(dtype)(x), expected, atol=0, rtol=0.02)
+    weight = theirs.weight.detach().double()
+    got = reference.rms_norm(x.double(), (E,), weight, eps=reference.rms_norm_eps(dtype))
+    torch.testing.assert_close(got.to(dtype), expected, atol=0, rtol=0.02)
+
+
 @pytest.mark.parametrize("activation", list(reference.ACTIVATIONS))
 def test_feed_forward_matches_reference(activation):
     ours = perturb(fnn.FeedForward(E, FF, dropout=0.0, activation=activation))

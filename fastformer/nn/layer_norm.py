@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from torch import Tensor, nn
 
 from fastformer.nn import _ops, _record
@@ -10,6 +12,22 @@ from fastformer.nn._lookup import param
 
 def _nested_reason(input: Tensor) -> list[str]:
     return ["nested-tensor input: the op takes dense tensors"] if input.is_nested else []
+
+
+def eps_reasons(eps: float | None) -> list[str]:
+    """Why the ops cannot take a norm's `eps` ([] = they can): torch.nn accepts 0, the ops take
+    a finite eps > 0 (None: RMSNorm's default)."""
+    if eps is None or (math.isfinite(eps) and eps > 0):
+        return []
+    return [f"eps={eps}: the op takes a finite eps > 0"]
+
+
+def _fallback(module: nn.Module, op: str, input: Tensor) -> bool:
+    """Whether `module` runs torch.nn's forward for `input` (the reason recorded)."""
+    reasons = _nested_reason(input) + module.fallback_reasons
+    if reasons:
+        _record.note(module, op, "torch.nn", [("fastformer", reasons)])
+    return bool(reasons)
 
 
 class LayerNorm(nn.LayerNorm):
@@ -23,13 +41,12 @@ class LayerNorm(nn.LayerNorm):
 
     @property
     def fallback_reasons(self) -> list[str]:
-        """Configuration reasons for torch.nn's path: none, every configuration is fused."""
-        return []
+        """Configuration reasons for torch.nn's path ([] = fused): an eps the op refuses."""
+        return eps_reasons(self.eps)
 
     def forward(self, input: Tensor) -> Tensor:
         """input (..., *normalized_shape) -> normalized, same shape."""
-        if input.is_nested:
-            _record.note(self, "LayerNorm", "torch.nn", [("fastformer", _nested_reason(input))])
+        if _fallback(self, "LayerNorm", input):
             return super().forward(input)
         weight, bias = param(self, "weight"), param(self, "bias")
         return _ops.layer_norm(self, input, tuple(self.normalized_shape), weight, bias, self.eps)
@@ -38,20 +55,19 @@ class LayerNorm(nn.LayerNorm):
 class RMSNorm(nn.RMSNorm):
     """Drop-in `torch.nn.RMSNorm` running `fastformer.ops.layer_norm.rms_norm`.
 
-    Same constructor (normalized_shape, eps=None meaning finfo(dtype).eps, elementwise_affine,
+    Same constructor (normalized_shape, eps=None meaning F.rms_norm's default, elementwise_affine,
     device, dtype) and parameter `weight`. Input (..., *normalized_shape); output same shape
     and dtype. Nested tensors fall back to torch.nn.
     """
 
     @property
     def fallback_reasons(self) -> list[str]:
-        """Configuration reasons for torch.nn's path: none, every configuration is fused."""
-        return []
+        """Configuration reasons for torch.nn's path ([] = fused): an eps the op refuses."""
+        return eps_reasons(self.eps)
 
     def forward(self, input: Tensor) -> Tensor:
         """input (..., *normalized_shape) -> normalized, same shape."""
-        if input.is_nested:
-            _record.note(self, "RMSNorm", "torch.nn", [("fastformer", _nested_reason(input))])
+        if _fallback(self, "RMSNorm", input):
             return super().forward(input)
         weight = param(self, "weight")
         return _ops.rms_norm(self, input, tuple(self.normalized_shape), weight, self.eps)

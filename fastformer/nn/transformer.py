@@ -30,7 +30,7 @@ from fastformer.nn.ffn import (
     is_plain,
     linear1_features,
 )
-from fastformer.nn.layer_norm import LayerNorm
+from fastformer.nn.layer_norm import LayerNorm, eps_reasons
 
 _TORCH_ACTIVATIONS = ("relu", "gelu")
 _NORM_TYPES = (nn.LayerNorm, LayerNorm, reference.LayerNorm)
@@ -71,6 +71,8 @@ def _norm_reasons(norm: nn.Module, drop: nn.Module) -> list[str]:
     reasons = []
     if not is_plain(norm, _NORM_TYPES) or len(norm.normalized_shape) != 1:
         reasons.append(f"{type(norm).__name__} is not a plain 1-D LayerNorm without hooks")
+    else:
+        reasons += eps_reasons(norm.eps)
     if not is_plain(drop, (nn.Dropout,)):
         reasons.append("the residual dropout is not a plain nn.Dropout without hooks")
     elif drop.p >= 1.0:

@@ -493,7 +493,8 @@ def rms_norm(
         input: ``(*, *normalized_shape)``, float32/float16/bfloat16 (float64 too).
         normalized_shape: int or sequence of ints, the trailing dims of ``input``.
         weight: ``normalized_shape``, the input dtype or float32, or None.
-        eps: > 0; None means ``torch.finfo(input.dtype).eps``.
+        eps: > 0; None means ``fastformer.reference.rms_norm_eps(input.dtype)``, as
+            ``F.rms_norm``: float32's machine epsilon for 16-bit inputs.
 
     Returns:
         Tensor of ``input``'s shape and dtype.
@@ -502,7 +503,7 @@ def rms_norm(
     x = _check_input(fn, "input", input)
     shape = _normalized_shape(fn, x, normalized_shape)
     _check_params(fn, x, shape, weight, None)
-    eps = torch.finfo(x.dtype).eps if eps is None else _check_eps(fn, eps)
+    eps = reference.rms_norm_eps(x.dtype) if eps is None else _check_eps(fn, eps)
     return _run(x, shape, weight, None, None, eps, 0.0, True, False)
 
 
