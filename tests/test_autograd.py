@@ -85,3 +85,52 @@ def test_second_derivative_raises(monkeypatch, op, square, backend):
         return
     with pytest.raises(RuntimeError, match="first-order gradients only"):
         torch.autograd.grad(second, inputs)
+
+
+# --------------------------------------------------------------------------- torch.func, forward AD
+# Under a torch.func transform or a forward-AD level the ops compute with the reference's torch
+# operations and the kernels' dropout mask (`_autograd.under_transform`): forward AD through the
+# kernels dropped the tangents in silence (zero), and torch.func refused their autograd.
+
+
+def _wide_inputs(op: str) -> list[torch.Tensor]:
+    return [_randn(*shape, seed=i).detach().double() for i, shape in enumerate(OPS[op][1])]
+
+
+def _seeded(fn, *args):
+    torch.manual_seed(0)  # the same dropout mask in every call
+    return fn(*args)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_forward_ad_tangent_matches_finite_differences(op):
+    fn = OPS[op][0]
+    inputs = _wide_inputs(op)
+    tangents = [torch.randn_like(t) for t in inputs]
+    step = 1e-6
+    moved = [[x + s * step * t for x, t in zip(inputs, tangents)] for s in (1, -1)]
+    expected = (_seeded(fn, *moved[0]) - _seeded(fn, *moved[1])) / (2 * step)
+    plain = _seeded(fn, *inputs)
+    out, tangent = _seeded(torch.func.jvp, fn, tuple(inputs), tuple(tangents))
+    torch.testing.assert_close(out, plain, rtol=1e-12, atol=1e-12)  # the same dropout mask
+    torch.testing.assert_close(tangent, expected, rtol=1e-6, atol=1e-6)
+    # Forward AD on plain tensors (no requires_grad anywhere: the kernels' path before).
+    with torch.autograd.forward_ad.dual_level():
+        duals = [torch.autograd.forward_ad.make_dual(x, t) for x, t in zip(inputs, tangents)]
+        dual_tangent = torch.autograd.forward_ad.unpack_dual(_seeded(fn, *duals)).tangent
+    assert dual_tangent is not None
+    torch.testing.assert_close(dual_tangent, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_torch_func_grad_matches_autograd(op):
+    fn = OPS[op][0]
+    inputs = [t.requires_grad_() for t in _wide_inputs(op)]
+
+    def loss(*args):
+        return _seeded(fn, *args).square().sum()
+
+    expected = torch.autograd.grad(loss(*inputs), inputs)  # the kernels' backward
+    got = torch.func.grad(loss, argnums=tuple(range(len(inputs))))(*inputs)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-10)

@@ -626,6 +626,38 @@ def test_float32_block_inside_autocast_with_backward_under_autocast(kind):
             torch.testing.assert_close(grad, grads["plain"][name], atol=0, rtol=0, msg=name)
 
 
+def test_per_sample_gradients_and_jvp_match_torch():
+    # torch.func over a swapped layer (per-sample gradients: vmap of grad; jvp with frozen
+    # weights, which forward-mode AD through the kernels answered with zeros).
+    torch.manual_seed(0)
+    theirs = nn.TransformerEncoderLayer(E, H, FF, 0.0, batch_first=True).double()
+    ours = copy.deepcopy(theirs)
+    fastformer.swap(ours)
+    x, pad = _randn(B, S, E, grad=False).double(), _padding(B, S)
+
+    def per_sample(module):
+        def loss(params, xi, pi):
+            out = torch.func.functional_call(module, params, (xi,), {"src_key_padding_mask": pi})
+            return out.square().sum()
+
+        params = {k: v.detach() for k, v in module.named_parameters()}
+        return torch.func.vmap(torch.func.grad(loss), (None, 0, 0))(
+            params, x[:, None], pad[:, None]
+        )
+
+    expected, got = per_sample(theirs), per_sample(ours)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-10, atol=1e-10)
+    ours.requires_grad_(False)
+    theirs.requires_grad_(False)
+    tangent = torch.randn_like(x)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):  # has forward AD
+        want = torch.func.jvp(lambda t: theirs(t, src_key_padding_mask=pad), (x,), (tangent,))
+    have = torch.func.jvp(lambda t: ours(t, src_key_padding_mask=pad), (x,), (tangent,))
+    for g, w in zip(have, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
 def test_meta_device_model_runs_like_torch():
     # Models built on the meta device (shape inference, deferred init before `to_empty`):
     # the ops' autocast guard asked torch.is_autocast_enabled("meta"), which raises.

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from fastformer.nn import _ops, _record
 from fastformer.nn._lookup import child, param
+from fastformer.ops._autograd import under_transform
 
 
 def _check_mask_dtype(name: str, mask: Tensor) -> None:
@@ -145,7 +146,12 @@ def _offset_in_one_buffer(grads, parts) -> int | None:
 
 def _split_heads(x: Tensor, n: int, heads: int, batch_first: bool) -> list[Tensor]:
     """(B, L, n*E) or (L, B, n*E) -> n tensors (B, H, L, D) (views, no copy)."""
-    if x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+    if (
+        x.requires_grad
+        and torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and not under_transform()  # a Function without setup_context: torch.func refuses it
+    ):
         return list(_SplitHeads.apply(x, n, heads, batch_first))
     return _head_views(x, n, heads, batch_first)
 

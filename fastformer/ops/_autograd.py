@@ -1,5 +1,6 @@
 """Wrappers of the ops' implementations: first-order gradients only, said loudly (the backward
-of the ops' eager autograd Functions), and autocast kept out of their plain-PyTorch backends.
+of the ops' eager autograd Functions), autocast kept out of their plain-PyTorch backends, and
+the test that sends calls under torch.func transforms or forward-mode AD to plain PyTorch.
 
 Their backward runs compiled kernels (C++/CUDA, Triton) whose results carry no autograd graph.
 Taken with ``create_graph=True`` (a gradient penalty, a Hessian-vector product), those gradients
@@ -14,7 +15,10 @@ import functools
 from collections.abc import Callable
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
+
+_TRANSFORMS = torch._C._functorch.peek_interpreter_stack
 
 
 class _SecondDerivative(torch.autograd.Function):
@@ -87,3 +91,15 @@ def autocast_off(fn: Callable) -> Callable:
             return fn(first, *args, **kwargs)
 
     return run
+
+
+def under_transform() -> bool:
+    """Whether a torch.func transform (grad, vjp, jvp, jacrev, jacfwd, vmap, ...) or a
+    forward-mode AD level (`torch.autograd.forward_ad.dual_level`) is active.
+
+    The ops' kernels have reverse-mode autograd only (C++ nodes, custom ops, Functions without
+    setup_context or jvp): under a transform they would raise, and forward-mode AD would pass
+    through them without their tangents, a silent zero. The ops then compute with the
+    reference's PyTorch operations and the same dropout mask, which every transform handles.
+    """
+    return _TRANSFORMS() is not None or _forward_ad._current_level >= 0

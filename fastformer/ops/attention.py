@@ -47,7 +47,7 @@ from torch import Tensor
 
 from fastformer import reference
 from fastformer.ops import rng
-from fastformer.ops._autograd import autocast_off, first_order
+from fastformer.ops._autograd import autocast_off, first_order, under_transform
 from fastformer.ops._dispatch import Backend, explain, register, select_by_key
 
 __all__ = [
@@ -144,11 +144,31 @@ def scaled_dot_product_attention_with_lse(
     args = (query, key, value, attn_mask, key_padding_mask, float(dropout_p), bool(is_causal))
     if torch.compiler.is_compiling():
         out, lse, _ = torch.ops.fastformer.attention(*args, scale)
+    elif under_transform():
+        out, lse = _transformed(*args, scale)
     elif torch.is_grad_enabled() and _any_requires_grad(query, key, value, attn_mask):
         out, lse = _AttentionFunction.apply(*args, scale)
     else:
         out, lse, _ = _forward(*args, scale, like_query=True)
     return out, lse
+
+
+def _transformed(q, k, v, attn_mask, kpm, dropout_p, is_causal, scale):
+    """The reference's function with the kernels' dropout mask (`under_transform`), in float32
+    for 16-bit inputs as the kernels compute."""
+    keep = None
+    if dropout_p > 0:
+        seed = rng.call_seed(q.device, dropout_p)
+        rng.check_host_seed(seed, "attention")
+        b, h, lq, _ = q.shape
+        keep = dropout_keep_mask(seed, b, h, lq, k.shape[2], dropout_p, device=q.device)
+    wq, wk, wv, wmask = _wide(q, k, v, attn_mask)
+    gqa = k.shape[1] != q.shape[1]
+    out, lse = reference.scaled_dot_product_attention(
+        wq, wk, wv, wmask, dropout_p, is_causal, scale, gqa, key_padding_mask=kpm,
+        dropout_mask=keep, return_lse=True,
+    )  # fmt: skip
+    return out.to(q.dtype), lse.to(lse_dtype(q.dtype))
 
 
 def _any_requires_grad(*tensors: Tensor | None) -> bool:

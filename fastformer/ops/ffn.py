@@ -43,7 +43,7 @@ from torch import Tensor
 from fastformer import reference
 from fastformer._ext import cuda_kernels_compiled, extension_error
 from fastformer.ops import rng
-from fastformer.ops._autograd import autocast_off, first_order
+from fastformer.ops._autograd import autocast_off, first_order, under_transform
 from fastformer.ops._dispatch import Backend, register, select_by_key
 
 __all__ = [
@@ -270,6 +270,8 @@ def ffn(
     if torch.compiler.is_compiling():
         out = _ffn_op(_rows(x), w1, b1, w2, b2, activation, dropout_p, needs_grad)[0]
         return out.view(*x.shape[:-1], w2.shape[0])
+    if under_transform():
+        return _transformed(x, w1, b1, w2, b2, activation, dropout_p)
     if needs_grad and _backend(x) == "cpp":  # eager autograd in C++ (csrc/autograd.cpp)
         seed = rng.call_seed(x.device, dropout_p)
         fused = _fused_epilogue(x, activation, True)
@@ -278,6 +280,18 @@ def ffn(
     if needs_grad:
         return _FfnFunction.apply(x, w1, b1, w2, b2, activation, dropout_p)
     return _forward(x, w1, b1, w2, b2, activation, dropout_p, needs_grad=False)[0]
+
+
+def _transformed(x, w1, b1, w2, b2, activation: str, dropout_p: float) -> Tensor:
+    """The reference's function with the kernels' dropout mask (`under_transform`)."""
+    keep = None
+    if dropout_p > 0:
+        seed = rng.call_seed(x.device, dropout_p)
+        rng.check_host_seed(seed, "ffn")
+        d_ff = w1.shape[0] // 2 if activation in GATED_ACTIVATIONS else w1.shape[0]
+        tokens = math.prod(x.shape[:-1])
+        keep = ffn_keep_mask(seed, tokens, d_ff, dropout_p, x.device).view(*x.shape[:-1], d_ff)
+    return reference.ffn(x, w1, b1, w2, b2, activation, dropout_p, keep_mask=keep)
 
 
 def _rows(t: Tensor) -> Tensor:

@@ -41,6 +41,7 @@ from torch import Tensor
 from fastformer import reference
 from fastformer._ext import cuda_kernels_compiled, extension_error
 from fastformer.ops import rng
+from fastformer.ops._autograd import under_transform
 from fastformer.ops._dispatch import Backend, register, select_by_key
 
 __all__ = [
@@ -451,6 +452,8 @@ def _run_torch(
 
 def _run(x, shape, weight, bias, residual, eps, dropout_p, rms, prenorm):
     args = (weight, bias, residual, eps, dropout_p, rms, prenorm)
+    if not torch.compiler.is_compiling() and under_transform():
+        return _run_torch(x, shape, *args)
     if select_by_key(OP, (x.device.type, x.dtype), lambda: x) == "cpp":
         return _run_cpp(x, math.prod(shape), *args)
     return _run_torch(x, shape, *args)
