@@ -1022,6 +1022,19 @@ def test_torch_backend_uses_cpu_flash_kernels_without_dropout(monkeypatch, dropo
     assert len(calls) == (2 if flash else 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_float32_mask_of_16_bit_query_keeps_its_bits(monkeypatch, dtype):
+    # The CPU flash kernels take the mask in q's dtype: 3001.5 rounded to 3000 or 3008 there.
+    # Kernels and reference add the float32 mask to float32 scores.
+    _use_backend(monkeypatch, "torch")
+    q, k, v = (torch.zeros(1, 1, 1, 16, dtype=dtype), *torch.zeros(2, 1, 1, 2, 16, dtype=dtype))
+    v[0, 0, 0, 0] = v[0, 0, 1, 1] = 1
+    mask = torch.tensor([[3000.0, 3001.5]])
+    out = attn.scaled_dot_product_attention(q, k, v, mask)[0, 0, 0, :2].double()
+    expected = torch.softmax(mask.double(), -1)[0]
+    torch.testing.assert_close(out, expected, atol=4e-3, rtol=0)
+
+
 @pytest.mark.parametrize("backend", ["default", "torch"])
 def test_strided_grad_out(monkeypatch, backend):
     # A gradient whose last stride is not 1 (on CPU the torch backend hands the flash kernels

@@ -531,9 +531,11 @@ _CPU_FLASH_BWD = getattr(
 )
 
 
-def _cpu_flash_ok(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
+def _cpu_flash_ok(q: Tensor, k: Tensor, v: Tensor, attn_mask, dropout_p: float) -> bool:
     """Whether torch's CPU flash kernels compute this call: no dropout (fastformer's Philox mask
-    cannot be fed to them), CPU, one head dim for q/k/v, no empty dimension."""
+    cannot be fed to them), CPU, one head dim for q/k/v, no empty dimension, and no float mask
+    wider than q (they take it in q's dtype: a float32 mask of 16-bit q would lose bits the
+    kernels and the reference keep)."""
     return (
         _CPU_FLASH is not None
         and _CPU_FLASH_BWD is not None
@@ -543,13 +545,13 @@ def _cpu_flash_ok(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
         and q.shape[-1] == v.shape[-1]
         and q.numel() > 0
         and k.numel() > 0
+        and (attn_mask is None or attn_mask.dtype in (torch.bool, q.dtype))
     )
 
 
 def _cpu_flash_mask(q: Tensor, attn_mask, kpm) -> Tensor | None:
     """The one additive 4-D mask (q's dtype) the CPU flash kernels take: a bool mask and key
-    padding become -inf, as in the reference, and a float mask is cast to q's dtype, as the
-    reference adds it."""
+    padding become -inf, as in the reference; a float mask is in q's dtype (`_cpu_flash_ok`)."""
     if attn_mask is None and kpm is None:
         return None
     keep = None if attn_mask is None or attn_mask.is_floating_point() else attn_mask
@@ -557,7 +559,7 @@ def _cpu_flash_mask(q: Tensor, attn_mask, kpm) -> Tensor | None:
         keep = ~kpm[:, None, None, :] if keep is None else keep & ~kpm[:, None, None, :]
     add = torch.zeros((), dtype=q.dtype)
     if attn_mask is not None and attn_mask.is_floating_point():
-        add = attn_mask.to(q.dtype)
+        add = attn_mask
     mask = add if keep is None else torch.where(keep, add, float("-inf"))
     return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
 
@@ -613,7 +615,7 @@ def _cpu_flash_backward(grad_out, q, k, v, out, lse, attn_mask, kpm, is_causal, 
 def _torch_forward(q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scale):
     """torch's CPU flash kernels where they apply (`_cpu_flash_ok`), else the eager reference
     with the Philox keep-mask of `seed` (materialized: fine here)."""
-    if _cpu_flash_ok(q, k, v, dropout_p):
+    if _cpu_flash_ok(q, k, v, attn_mask, dropout_p):
         return _cpu_flash_forward(q, k, v, attn_mask, kpm, is_causal, scale)
     return _reference_forward(q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scale)
 
@@ -674,7 +676,9 @@ def _torch_backward(
     """Gradients through torch's CPU flash backward (from out and lse) where the forward used
     it and only `out` has a gradient, else by `_reference_backward`; the arguments are those of
     kernels.attention.attention_backward."""
-    flash = _cpu_flash_ok(q, k, v, dropout_p) and not mask_grad  # CPU only: .any() never syncs
+    flash = (
+        _cpu_flash_ok(q, k, v, attn_mask, dropout_p) and not mask_grad
+    )  # CPU only: .any() never syncs
     if flash and (grad_lse is None or not bool(grad_lse.any())):
         dq, dk, dv = _cpu_flash_backward(
             grad_out, q, k, v, out, lse, attn_mask, kpm, is_causal, scale
