@@ -748,3 +748,14 @@ def test_sweep_measures_the_fused_kinds_at_their_sizes_and_saves_each_size(monke
     fused = [(k, 1024) for k in ("fused", "prenorm_bwd")]
     assert pairs == sorted([(k, c) for k in ("fwd", "bwd") for c in (512, 1024)] + fused)
     assert saved == [20, 60]  # 13 + 7 timings at 512; 13 + 7 + 13 + 7 more at 1024
+
+
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_prenorm_returns_a_new_pre_tensor(monkeypatch, backend, grad):
+    # Nothing to add or drop: pre equals x, but is its own tensor on every backend (the torch
+    # backend returned x itself), so that writing into it leaves x alone.
+    monkeypatch.setenv("FASTFORMER_BACKEND_LAYER_NORM", backend)
+    x = _make((3, 8), grad=grad)
+    out, pre = ln.dropout_add_layer_norm(x, None, None, None, prenorm=True)
+    assert torch.equal(pre, x) and pre.data_ptr() != x.data_ptr()

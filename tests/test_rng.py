@@ -1,5 +1,6 @@
 """The shared dropout RNG: PyTorch reference == C++ CPU op == Triton tl.rand, bit for bit."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -348,3 +349,24 @@ def test_cpp_op_rejects_wrong_dtype():
         torch.ops.fastformer.philox_uniform(1, torch.zeros(3, dtype=torch.int32))
     with pytest.raises(RuntimeError, match="attention_keep_mask: offsets must be int64"):
         torch.ops.fastformer.attention_keep_mask(1, torch.zeros(3, dtype=torch.int32), 4, 10)
+
+
+@pytest.mark.parametrize("p", [np.float32(0.25), np.float64(0.0), np.int64(0), 0])
+def test_every_op_takes_dropout_p_of_any_real_type(p):
+    # numpy scalars (a config read with numpy) run as the equal Python float does.
+    from fastformer.ops import attention, ffn, layer_norm
+
+    x, w1, w2 = torch.randn(2, 4, 8), torch.randn(16, 8), torch.randn(8, 16)
+    q = torch.randn(1, 2, 4, 8)
+    calls = {
+        "attention": lambda p: attention.scaled_dot_product_attention(q, q, q, dropout_p=p),
+        "ffn": lambda p: ffn.ffn(x, w1, None, w2, None, dropout_p=p),
+        "layer_norm": lambda p: layer_norm.dropout_add_layer_norm(x, x, None, None, dropout_p=p),
+    }
+    for name, call in calls.items():
+        torch.manual_seed(0)
+        got = call(p)
+        torch.manual_seed(0)
+        assert torch.equal(got, call(float(p))), name
+    with pytest.raises(TypeError, match="dropout_p must be a float, got bool"):
+        ffn.ffn(x, w1, None, w2, None, dropout_p=False)

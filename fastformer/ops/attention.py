@@ -339,10 +339,12 @@ def _check_key_padding_mask(kpm, query: Tensor, key: Tensor) -> None:
 
 
 def _check_dropout_p(fn: str, dropout_p) -> None:
-    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool):
-        raise TypeError(f"{fn}: dropout_p must be a float, got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p}")
+    dropout_p = rng.check_dropout_p(fn, dropout_p)
+    if dropout_threshold(dropout_p) >= 65536:  # no 16-bit lane reaches it: all dropped
+        raise ValueError(
+            f"{fn}: dropout_p must be below 1 - 2**-17 for attention's 16-bit keep threshold "
+            f"(round(p * 65536) must be < 65536), got {dropout_p}"
+        )
 
 
 def _check_dropout_size(fn: str, seq_q: int, seq_k: int) -> None:

@@ -192,10 +192,7 @@ def _check_shape(name: str, t: Tensor | None, expected: tuple[int, ...], why: st
 def _check_scalars(activation: object, dropout_p: object) -> None:
     if not isinstance(activation, str) or activation not in ACTIVATIONS:
         raise ValueError(f"ffn: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"ffn: dropout_p must be a float, got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"ffn: dropout_p must be in [0, 1), got {dropout_p}")
+    rng.check_dropout_p("ffn", dropout_p)
 
 
 def _check_inputs(x, w1, b1, w2, b2, activation, dropout_p) -> None:

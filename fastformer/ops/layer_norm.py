@@ -134,9 +134,8 @@ def _check_param(fn: str, name: str, p: object, x: Tensor, shape: tuple[int, ...
     if p.shape != shape:  # torch.Size is a tuple: no copy to compare
         raise ValueError(f"{fn}: {name} must have shape {shape}, got {tuple(p.shape)}")
     if p.dtype not in (x.dtype, torch.float32):
-        raise TypeError(
-            f"{fn}: {name} must have the input dtype {x.dtype} or float32, got {p.dtype}"
-        )
+        allowed = "float32" if x.dtype == torch.float32 else f"the input dtype {x.dtype} or float32"
+        raise TypeError(f"{fn}: {name} must be {allowed}, got {p.dtype}")
     if p.device != x.device:
         raise ValueError(f"{fn}: {name} is on {p.device} but input is on {x.device}")
 
@@ -158,16 +157,6 @@ def _check_eps(fn: str, eps: object) -> float:
     if not (math.isfinite(eps) and eps > 0):
         raise ValueError(f"{fn}: eps must be a finite number > 0, got {eps}")
     return float(eps)
-
-
-def _check_dropout_p(fn: str, dropout_p: object) -> float:
-    if type(dropout_p) is float and 0.0 <= dropout_p < 1.0:  # the usual case
-        return dropout_p
-    if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool):
-        raise TypeError(f"{fn}: dropout_p must be a float, got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p}")
-    return float(dropout_p)
 
 
 def _check_residual(fn: str, residual: object, x: Tensor) -> None:
@@ -445,8 +434,10 @@ def _run_torch(
     result = reference.dropout_add_layer_norm(
         x, residual, weight, bias, eps, dropout_p, prenorm, keep_mask=keep
     )
-    if prenorm:
-        return result[0].to(x.dtype), result[1]
+    if prenorm:  # pre is a new tensor, as the kernels' (the reference returns x itself
+        # when there is nothing to add or drop; a caller may write into pre)
+        pre = result[1].clone() if result[1] is x else result[1]
+        return result[0].to(x.dtype), pre
     return result.to(x.dtype)
 
 
@@ -542,7 +533,7 @@ def dropout_add_layer_norm(
     _check_residual(fn, residual, x)
     _check_params(fn, x, shape, weight, bias)
     eps = _check_eps(fn, eps)
-    dropout_p = _check_dropout_p(fn, dropout_p)
+    dropout_p = rng.check_dropout_p(fn, dropout_p)
     if not isinstance(prenorm, bool):
         raise TypeError(f"{fn}: prenorm must be a bool, got {type(prenorm).__name__}")
     return _run(x, shape, weight, bias, residual, eps, dropout_p, False, prenorm)

@@ -10,6 +10,8 @@ which is how tests feed the exact mask to the eager reference.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -22,6 +24,18 @@ SEED_BITS = 63
 # The seed tensor of eager calls without dropout, shared (never written): saves the host time of
 # a new CPU tensor per call.
 NO_SEED = torch.zeros((), dtype=torch.int64)
+
+
+def check_dropout_p(fn: str, dropout_p: object) -> float:
+    """`dropout_p` as a float in [0, 1) (any real number type: a numpy scalar too); TypeError or
+    ValueError naming `fn` otherwise."""
+    if type(dropout_p) is float and 0.0 <= dropout_p < 1.0:  # the usual case, fast
+        return dropout_p
+    if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool):
+        raise TypeError(f"{fn}: dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p}")
+    return float(dropout_p)
 
 
 def _mulhilo(const: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
