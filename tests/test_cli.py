@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import re
 import subprocess
@@ -429,6 +430,14 @@ def test_compare_directions():
     assert slower == {"ffn.c.fwd.fastformer.ms", "model.fastformer.train_tokens_per_s"}
 
 
+def test_compare_skips_figures_that_are_not_finite():
+    # json.dumps writes NaN: such a figure is no change (a NaN change passed --fail-if-slower).
+    old = {"ops": {"ffn": {"cases": [_row(math.nan, 4.0)]}}, "model": _model(math.inf)}
+    new = {"ops": {"ffn": {"cases": [_row(3.0, 4.0)]}}, "model": _model(50.0)}
+    keys = {c.key for c in R.compare(old, new)}
+    assert keys == {"ffn.c.fwd.reference.ms"}  # the old speedup is NaN too
+
+
 def _row(fast_ms: float, ref_ms: float) -> dict:
     impls = {"fastformer": {"ms": fast_ms}, "reference": {"ms": ref_ms}}
     return {"case": "c", "mode": "fwd", "impls": impls, "speedup": {"reference": ref_ms / fast_ms}}
@@ -451,6 +460,8 @@ def _model(tokens_per_s: float) -> dict:
         (["bench", "--compare", "{tmp}/empty.json"], "not valid JSON"),
         (["bench", "--compare", "{tmp}/schema_only.json"], "lacks ops"),
         (["bench", "--compare", "{tmp}/malformed.json"], "is malformed"),
+        (["bench", "--compare", "{tmp}/string_ms.json"], "is malformed"),
+        (["bench", "--results", "{tmp}/null_model.json"], "model is None, not an object"),
         (["bench", "--results", "{tmp}/partial.json"], "lacks manifest"),
         (["bench", "--out", "{tmp}/empty.json"], "cannot create the folder"),
         (["bench", "--results", "{old}", "--ops", "ffn", "--quick"], "do nothing"),
@@ -465,6 +476,10 @@ def test_usage_errors_before_any_measurement(argv, message, tmp_path, monkeypatc
     (tmp_path / "malformed.json").write_text(json.dumps({"schema": R.SCHEMA, "ops": {"ffn": 5}}))
     partial = {"schema": R.SCHEMA, "ops": {}, "config": {}, "rooflines": {}, "manifest": {}}
     (tmp_path / "partial.json").write_text(json.dumps(partial))
+    string_ms = {**partial, "ops": {"ffn": {"cases": [_row(2.0, 4.0)]}}}
+    string_ms["ops"]["ffn"]["cases"][0]["impls"]["fastformer"]["ms"] = "2.0"
+    (tmp_path / "string_ms.json").write_text(json.dumps(string_ms))
+    (tmp_path / "null_model.json").write_text(json.dumps({**partial, "model": None}))
     monkeypatch.setattr(B, "measure", lambda *a: pytest.fail("measured before checking"))
     old = tmp_path / "old.json"
     old.write_text(json.dumps({**partial, "manifest": dict.fromkeys(R.REQUIRED_MANIFEST)}))

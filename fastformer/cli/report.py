@@ -44,6 +44,8 @@ def missing_fields(results: dict[str, Any]) -> list[str]:
     missing = [k for k in REQUIRED_TOP if k not in results]
     missing += [f"manifest.{k}" for k in REQUIRED_MANIFEST if k not in results.get("manifest", {})]
     model = results.get("model")
+    if "model" in results and not isinstance(model, dict):  # absent: a --no-model run
+        raise TypeError(f"model is {model!r}, not an object")
     if model is not None:
         for key in ("config", "parity", "variants", "tokens_per_batch"):
             if key not in model:
@@ -535,6 +537,11 @@ class Figure:
     higher: bool
     own: bool
 
+    def __post_init__(self) -> None:
+        # A results.json with a string or null figure is malformed (`load` says so up front).
+        if not isinstance(self.value, (int, float)) or isinstance(self.value, bool):
+            raise TypeError(f"a figure in {self.unit} is {self.value!r}, not a number")
+
 
 def figures(results: dict[str, Any]) -> dict[str, Figure]:
     """Every number of a run, flattened to `key -> Figure`."""
@@ -591,7 +598,7 @@ def compare(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
     changes = []
     for key in sorted(set(a) & set(b)):
         fa, fb = a[key], b[key]
-        if fa.value <= 0 or fb.value <= 0:
+        if not (0 < fa.value < math.inf and 0 < fb.value < math.inf):  # NaN too: no change
             continue
         # Slowdown as a percentage of the old performance, whichever way "better" points.
         speed_ratio = fb.value / fa.value if fa.higher else fa.value / fb.value
