@@ -147,7 +147,7 @@ def _key_kept(kpm_base, cols, stride_pn, Lk):
 @triton.jit
 def _apply_attn_mask(s, mask_base, rows_rel, rows, cols, Lq, Lk, stride_mm, stride_mn,
                      MASK_KIND: tl.constexpr):
-    # s: (queries `rows`, keys `cols`) scores in log2 units; mask_base + rows_rel * stride_mm
+    # s: (queries `rows`, keys `cols`) scores (_unscaled's); mask_base + rows_rel * stride_mm
     # addresses those rows (fwd/dq advance mask_base to their first row, in int64).
     ptrs = mask_base + rows_rel[:, None] * stride_mm + cols[None, :] * stride_mn
     inside = (rows[:, None] < Lq) & (cols[None, :] < Lk)
@@ -155,8 +155,7 @@ def _apply_attn_mask(s, mask_base, rows_rel, rows, cols, Lq, Lk, stride_mm, stri
         allowed = tl.load(ptrs, mask=inside, other=1)
         s = tl.where(allowed != 0, s, float("-inf"))
     elif MASK_KIND == 2:
-        bias = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
-        s = s + bias * 1.4426950408889634
+        s = s + tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
     return s
 
 
@@ -239,6 +238,29 @@ def _lse_log2(Lse, row_ptrs, rows, Lq):
 
 
 @triton.jit
+def _row_lse(Lse, Stat, row_ptrs, rows, Lq, MASK_KIND: tl.constexpr):
+    # (hi, lo) of _probs. With a float mask, the forward's row max (natural units) and log2 of
+    # its sum (Stat): a row whose every score carries a bias of, say, -1e9 has an LSE of
+    # -1e9 + log(Lk), which float32 rounds to -1e9 (a multiple of 64); P recomputed from that
+    # LSE came out 1 instead of 1 / Lk. Otherwise (LSE in log2 units, unused).
+    if MASK_KIND == 2:
+        hi = tl.load(Stat + 2 * row_ptrs, mask=rows < Lq, other=float("inf"))
+        lo = tl.load(Stat + 2 * row_ptrs + 1, mask=rows < Lq, other=0.0)
+        return hi, lo
+    lse = _lse_log2(Lse, row_ptrs, rows, Lq)
+    return lse, lse
+
+
+@triton.jit
+def _probs(s, s_scale, hi, lo, MASK_KIND: tl.constexpr):
+    # P from scores and broadcast (hi, lo) of _row_lse. With a float mask, s - hi is exact
+    # (both near the row max) and log2 of the sum goes after it.
+    if MASK_KIND == 2:
+        return tl.math.exp2((s - hi) * 1.4426950408889634 - lo)
+    return tl.math.exp2(s * s_scale - hi)
+
+
+@triton.jit
 def _batch_head(H):
     # (batch, head) of a program of `bh_grid` as int64, and b * H + h as int32 (B * H < 2**31:
     # fastformer.ops.attention's shape reasons): as an int64 held through the key loop it cost
@@ -283,11 +305,22 @@ def attn_kv_range(Kpm, KvRange, Lk, stride_pb, stride_pn, BLOCK_N: tl.constexpr)
 @triton.jit
 def _unscaled(s, qk_scale, MASK_KIND: tl.constexpr):
     # (scores, the scale still to apply). Scores stay unscaled (masks select on them as they
-    # are) so that exp2(s * scale - max or LSE) is one FMA a score; a float mask adds to scaled
-    # scores, so with one the scale is applied first.
+    # are) so that exp2(s * scale - max or LSE) is one FMA a score. A float mask adds to scaled
+    # scores in natural units, as torch does, and they stay so (`_exp_diff`): in log2 units a
+    # bias of finfo.min (Hugging Face's masks) would overflow to -inf, masking a key that
+    # softmax still weighs.
     if MASK_KIND == 2:
-        return s * qk_scale, 1.0
+        return s * (qk_scale * 0.6931471805599453), 1.0
     return s, qk_scale
+
+
+@triton.jit
+def _exp_diff(s, s_scale, m, MASK_KIND: tl.constexpr):
+    # exp(scores - m): scores (and m) in natural units with a float mask (_unscaled), the
+    # difference taken before the conversion to log2 units; else exp2(s * s_scale - m).
+    if MASK_KIND == 2:
+        return tl.math.exp2((s - m) * 1.4426950408889634)
+    return tl.math.exp2(s * s_scale - m)
 
 
 # --------------------------------------------------------------------------- forward
@@ -321,8 +354,8 @@ def _fwd_tile(
     m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)
     # A row with nothing visible yet has m = -inf: subtract 0 instead, so exp2 gives 0, not NaN.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s * s_scale - m_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_safe)
+    p = _exp_diff(s, s_scale, m_safe[:, None], MASK_KIND)
+    alpha = _exp_diff(m_i, 1.0, m_safe, MASK_KIND)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if HAS_DROPOUT:
@@ -357,7 +390,7 @@ def _fwd_loop(
 
 @triton.jit(do_not_specialize=["seed"])
 def attn_fwd(
-    Q, K, V, Out, Lse, Mask, Kpm, KvRange, Seed,
+    Q, K, V, Out, Lse, Stat, Mask, Kpm, KvRange, Seed,
     seed, drop_t, qk_scale, out_scale,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
@@ -413,11 +446,19 @@ def attn_fwd(
     empty = l_i == 0.0  # every key masked: O = 0, LSE = -inf
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc * (out_scale / l_safe)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    if MASK_KIND == 2:  # m in natural units (_unscaled)
+        lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe) * 0.6931471805599453)
+    else:
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     _store_rows(Out + off_b * stride_ob + off_h * stride_oh, row0, rows_local, Lq, stride_om,
                 offs_dv, out.to(Out.dtype.element_ty), HEAD_DV, BLOCK_DV)
     rows = row0 + rows_local
-    tl.store(Lse + off_bh.to(tl.int64) * Lq + rows, lse, mask=rows < Lq)
+    row_ptrs = off_bh.to(tl.int64) * Lq + rows
+    tl.store(Lse + row_ptrs, lse, mask=rows < Lq)
+    if MASK_KIND == 2:  # the backward's (hi, lo): _row_lse; empty rows P = 0
+        tl.store(Stat + 2 * row_ptrs, tl.where(empty, float("inf"), m_i), mask=rows < Lq)
+        tl.store(Stat + 2 * row_ptrs + 1, tl.where(empty, 0.0, tl.math.log2(l_safe)),
+                 mask=rows < Lq)
 
 
 # --------------------------------------------------------------------------- backward
@@ -425,7 +466,7 @@ def attn_fwd(
 
 @triton.jit
 def _dkdv_tile_t(
-    dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, start_m, col0, offs_m, offs_n, offs_d,
+    dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, start_m, col0, offs_m, offs_n, offs_d,
     offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
     seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -442,7 +483,7 @@ def _dkdv_tile_t(
     q = _tile_rows(q_base, start_m, offs_m, Lq, stride_qm, offs_d, HEAD_D, BLOCK_D, USE_TMA)
     do = _tile_rows(do_base, start_m, offs_m, Lq, stride_dom, offs_dv, HEAD_DV, BLOCK_DV,
                     USE_TMA)
-    lse = _lse_log2(Lse, bh_row0 + rows, rows, Lq)
+    hi, lo = _row_lse(Lse, Stat, bh_row0 + rows, rows, Lq, MASK_KIND)
     s_t, s_scale = _unscaled(tl.dot(k, tl.trans(q), input_precision=DOT_PREC), qk_scale,
                              MASK_KIND)
     if MASK_KIND != 0:
@@ -452,7 +493,7 @@ def _dkdv_tile_t(
                                         stride_mm, stride_mn, MASK_KIND))
     if CAUSAL_TILE:
         s_t = tl.where(cols[:, None] <= rows[None, :], s_t, float("-inf"))
-    p_t = tl.math.exp2(s_t * s_scale - lse[None, :])
+    p_t = _probs(s_t, s_scale, hi[None, :], lo[None, :], MASK_KIND)
     if HAS_DROPOUT:
         keep_t = tl.trans(_dropout_keep(seed, drop_base, rows, col0, offs_n, Lk, drop_t))
     pd_t = p_t  # dV = (P * keep / (1 - p))^T dO
@@ -470,7 +511,7 @@ def _dkdv_tile_t(
 
 @triton.jit
 def _dkdv_tile_n(
-    dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, start_m, col0, offs_m, offs_n, offs_d,
+    dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, start_m, col0, offs_m, offs_n, offs_d,
     offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
     seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -486,14 +527,14 @@ def _dkdv_tile_n(
     q = _tile_rows(q_base, start_m, offs_m, Lq, stride_qm, offs_d, HEAD_D, BLOCK_D, USE_TMA)
     do = _tile_rows(do_base, start_m, offs_m, Lq, stride_dom, offs_dv, HEAD_DV, BLOCK_DV,
                     USE_TMA)
-    lse = _lse_log2(Lse, bh_row0 + rows, rows, Lq)
+    hi, lo = _row_lse(Lse, Stat, bh_row0 + rows, rows, Lq, MASK_KIND)
     s, s_scale = _unscaled(tl.dot(q, tl.trans(k), input_precision=DOT_PREC), qk_scale, MASK_KIND)
     if MASK_KIND != 0:
         s = _apply_attn_mask(s, mask_base, rows, rows, cols, Lq, Lk, stride_mm, stride_mn,
                              MASK_KIND)
     if CAUSAL_TILE:
         s = tl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
-    p = tl.math.exp2(s * s_scale - lse[:, None])
+    p = _probs(s, s_scale, hi[:, None], lo[:, None], MASK_KIND)
     pd = p  # P * keep / (1 - p): dV = pd^T dO, and dS = pd * dP - P * delta
     if HAS_DROPOUT:
         pd = tl.where(_dropout_keep(seed, drop_base, rows, col0, offs_n, Lk, drop_t),
@@ -510,7 +551,7 @@ def _dkdv_tile_n(
 
 @triton.jit
 def _dkdv_loop(
-    dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, lo, hi, col0, offs_m, offs_n, offs_d,
+    dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, lo, hi, col0, offs_m, offs_n, offs_d,
     offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
     seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -521,7 +562,7 @@ def _dkdv_loop(
     for start_m in range(lo, hi, BLOCK_M):
         if PART == 0 and not QK_TILES:
             dk, dv = _dkdv_tile_t(
-                dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, start_m, col0, offs_m,
+                dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, start_m, col0, offs_m,
                 offs_n, offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
                 seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
                 HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC,
@@ -529,7 +570,7 @@ def _dkdv_loop(
             )
         else:
             dk, dv = _dkdv_tile_n(
-                dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, start_m, col0, offs_m,
+                dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, start_m, col0, offs_m,
                 offs_n, offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
                 seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
                 HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC,
@@ -540,7 +581,7 @@ def _dkdv_loop(
 
 @triton.jit(do_not_specialize=["seed"])
 def attn_bwd_dkdv(
-    Q, K, V, DO, Lse, Delta, DK, DV, Mask, Kpm, Seed,
+    Q, K, V, DO, Lse, Stat, Delta, DK, DV, Mask, Kpm, Seed,
     seed, drop_t, out_scale, qk_scale, sm_scale,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
@@ -599,14 +640,16 @@ def attn_bwd_dkdv(
         hi = tl.where(any_kept, hi, lo)
         diag_end = tl.where(any_kept, diag_end, lo)
     dk, dv = _dkdv_loop(
-        dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, lo, diag_end, col0, offs_m, offs_n,
+        dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, lo, diag_end, col0, offs_m,
+        offs_n,
         offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
         seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC, True, PART, QK_TILES,
         BLOCK_M, USE_TMA,
     )
     dk, dv = _dkdv_loop(
-        dk, dv, k, v, q_base, do_base, Lse, Delta, mask_base, diag_end, hi, col0, offs_m, offs_n,
+        dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, diag_end, hi, col0, offs_m,
+        offs_n,
         offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
         seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC, False, PART, QK_TILES,
@@ -627,7 +670,7 @@ def attn_bwd_dkdv(
 
 @triton.jit
 def _dq_tile(
-    dq, q, do, lse, delta, k_base, v_base, mask_base, ds_base, kpm_base, start_n, row0,
+    dq, q, do, lse, lse_lo, delta, k_base, v_base, mask_base, ds_base, kpm_base, start_n, row0,
     rows_local, offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
     seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -649,7 +692,7 @@ def _dq_tile(
         if IS_CAUSAL:
             visible = visible & (cols[None, :] <= row0 + rows_local[:, None])
         s = tl.where(visible, s, float("-inf"))
-    p = tl.math.exp2(s * s_scale - lse[:, None])
+    p = _probs(s, s_scale, lse[:, None], lse_lo[:, None], MASK_KIND)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
     if HAS_DROPOUT:
         keep = _dropout_keep(seed, drop_base, rows_local, start_n, offs_n, Lk, drop_t)
@@ -664,7 +707,7 @@ def _dq_tile(
 
 @triton.jit
 def _dq_loop(
-    dq, q, do, lse, delta, k_base, v_base, mask_base, ds_base, kpm_base, lo, hi, row0,
+    dq, q, do, lse, lse_lo, delta, k_base, v_base, mask_base, ds_base, kpm_base, lo, hi, row0,
     rows_local, offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
     seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -674,7 +717,7 @@ def _dq_loop(
 ):
     for start_n in range(lo, hi, BLOCK_N):
         dq = _dq_tile(
-            dq, q, do, lse, delta, k_base, v_base, mask_base, ds_base, kpm_base, start_n, row0,
+            dq, q, do, lse, lse_lo, delta, k_base, v_base, mask_base, ds_base, kpm_base, start_n, row0,
             rows_local, offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn,
             stride_pn, seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
             HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
@@ -685,7 +728,7 @@ def _dq_loop(
 
 @triton.jit(do_not_specialize=["seed"])
 def attn_bwd_dq(
-    Q, K, V, DO, Lse, Delta, DQ, Mask, Kpm, KvRange, DS, Out, DLse, Seed,
+    Q, K, V, DO, Lse, Stat, Delta, DQ, Mask, Kpm, KvRange, DS, Out, DLse, Seed,
     seed, drop_t, out_scale, qk_scale, sm_scale,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
@@ -725,7 +768,7 @@ def attn_bwd_dq(
         delta -= tl.load(DLse + bh_row0 + rows, mask=rows < Lq, other=0.0)
     q = _load_rows(Q + off_b * stride_qb + off_h * stride_qh, row0, rows_local, Lq, stride_qm,
                    offs_d, HEAD_D, BLOCK_D)
-    lse = _lse_log2(Lse, bh_row0 + rows, rows, Lq)
+    lse, lse_lo = _row_lse(Lse, Stat, bh_row0 + rows, rows, Lq, MASK_KIND)
     tl.store(Delta + bh_row0 + rows, delta, mask=rows < Lq)
     k_base = K + off_b * stride_kb + off_hkv * stride_kh
     v_base = V + off_b * stride_vb + off_hkv * stride_vh
@@ -740,14 +783,16 @@ def attn_bwd_dq(
 
     lo, hi, full_hi = _key_range(KvRange, off_b, row0, Lk, IS_CAUSAL, HAS_KPM, BLOCK_M, BLOCK_N)
     dq = _dq_loop(
-        dq, q, do, lse, delta, k_base, v_base, mask_base, ds_base, kpm_base, lo, full_hi, row0,
+        dq, q, do, lse, lse_lo, delta, k_base, v_base, mask_base, ds_base, kpm_base, lo, full_hi,
+        row0,
         rows_local, offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn,
         stride_pn, seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
         WRITE_DS, DOT_PREC, False, BLOCK_N, USE_TMA,
     )
     dq = _dq_loop(
-        dq, q, do, lse, delta, k_base, v_base, mask_base, ds_base, kpm_base, full_hi, hi, row0,
+        dq, q, do, lse, lse_lo, delta, k_base, v_base, mask_base, ds_base, kpm_base, full_hi, hi,
+        row0,
         rows_local, offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn,
         stride_pn, seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
@@ -780,12 +825,13 @@ class Config(NamedTuple):
 # by (kernel, arch family, dtype class, head-dim bucket, feature class). The feature class
 # matters because dropout (a Philox call per 8 scores) and mask tiles cost registers: "base" = no
 # attn_mask / padding / dropout (causal allowed), "padded" = key padding alone, "masked" =
-# attn_mask (with or without key padding), "dropout" = dropout with anything; "plain" = base
-# without causal, only where _PLAIN_EXTRA has configs for it. Every entry is checked by
+# attn_mask (with or without key padding), "dropout" = dropout without attn_mask,
+# "masked_dropout" = dropout with attn_mask (the dropout list less _MASKED_DROPOUT_SPILLS);
+# "plain" = base without causal, only where _PLAIN_EXTRA has configs for it. Every entry is checked by
 # compile_report() in CI: no stack frame (spills) with Triton 3.6 and 3.8, smem within the
 # arch's limit, wgmma for fp16/bf16 on sm_90.
 INTERPRET_CONFIG = Config(32, 32, 4, 1)
-FEATURE_CLASSES = ("base", "padded", "masked", "dropout")
+FEATURE_CLASSES = ("base", "padded", "masked", "dropout", "masked_dropout")
 _C = Config
 
 
@@ -813,7 +859,8 @@ _SM90 = {
                            [_C(128, 32, 8, 3), _C(64, 32, 4, 3), _C(128, 64, 8, 3)]),
     ("fwd", "16bit", 128): ([_C(128, 64, 8, 3), _C(128, 128, 8, 2)], [_C(128, 64, 8, 3)],
                             [_C(128, 32, 8, 3), _C(64, 32, 4, 3), _C(128, 64, 8, 3)]),
-    # dropout: 16-key tiles use half of each Philox call; 32 keys now fit without spills too.
+    # dropout: 16-key tiles use half of each Philox call; 32 keys fit too (not with a float
+    # mask: _MASKED_DROPOUT_SPILLS).
     ("fwd", "16bit", 256): ([_C(128, 64, 8, 2), _C(128, 32, 8, 2)], [_C(128, 32, 8, 2)],
                             [_C(128, 32, 8, 2), _C(128, 16, 8, 2)]),
     # dropout: (query x key) tiles take the keep-mask without conversions. Of those, 32-query
@@ -847,14 +894,16 @@ _SM90 = {
     ("fwd", "fp32", 256): ([_C(32, 16, 4, 2)], [_C(32, 16, 4, 2)], [_C(32, 16, 8, 2)]),
     # dkdv masked / dropout: the base configs spilled 4-260 bytes with a float mask or the
     # transposed 32-column keep-mask tile (sm_90 or sm_80, Triton 3.6 or 3.8); these do not.
-    ("dkdv", "fp32", 64): ([_C(16, 32, 4, 2)], [_C(16, 32, 4, 2)], [_C(16, 32, 8, 2)]),
+    # dropout: (16, 32, 8, 2) spilled 8 bytes without a mask (Triton 3.8).
+    ("dkdv", "fp32", 64): ([_C(16, 32, 4, 2)], [_C(16, 32, 4, 2)], [_C(16, 16, 8, 2)]),
     # masked: (16, 16, 8, 2) spilled 16 bytes with Triton 3.8 (sm_90) once the grid gave batch
     # and head a dim each, at 80 registers; 4 warps do not (128-142 registers, 3.6 and 3.8).
     ("dkdv", "fp32", 128): ([_C(16, 32, 8, 2)], [_C(16, 16, 4, 2)], [_C(16, 16, 8, 2)]),
     ("dkdv", "fp32", 256): ([_C(16, 16, 4, 2)], [_C(16, 16, 8, 2)], [_C(16, 16, 8, 2)]),
     ("dq", "fp32", 64): ([_C(16, 16, 4, 2)],) * 3,
     ("dq", "fp32", 128): ([_C(16, 16, 4, 2)],) * 3,
-    ("dq", "fp32", 256): ([_C(16, 16, 4, 2)],) * 3,
+    # masked: (16, 16, 4, 2) spilled 16 bytes with the float mask's row statistics (_row_lse).
+    ("dq", "fp32", 256): ([_C(16, 16, 4, 2)], [_C(32, 16, 8, 2)], [_C(16, 16, 4, 2)]),
 }
 # sm_80 (and the fallback for other archs): mma.sync, 164 KB smem on A100 (99 KB on sm_86/89;
 # the autotuner drops configs that do not fit).
@@ -906,14 +955,32 @@ _PADDED_SPILLS = {
 }
 
 
-def _with_padded(arch: int, kernel: str, bucket: int, lists: tuple) -> tuple[list[Config], ...]:
+# Dropout configs that spill with an attn_mask too (a float mask's tile and the row statistics of
+# _row_lse; compile_report, Triton 3.6 or 3.8): not "masked_dropout" candidates. (kernel,
+# dtype class, bucket, config) per arch; _MASKED_DROPOUT_EXTRA gives lists left empty others.
+_MASKED_DROPOUT_SPILLS = {
+    90: {("fwd", "16bit", 256, _C(128, 32, 8, 2)), ("dkdv", "16bit", 64, _QK(64, 64, 4, 3))},
+    80: {("dq", "16bit", 256, _C(64, 32, 8, 2)), ("fwd", "fp32", 256, _C(32, 16, 8, 2))},
+}
+# (arch, kernel, dtype class, bucket) -> configs: fp32 d256 (32, 16, 8, 1), one stage, 240-246
+# registers on sm_80 (3.6, 3.8).
+_MASKED_DROPOUT_EXTRA = {(80, "fwd", "fp32", 256): [_C(32, 16, 8, 1)]}
+
+
+def _with_padded(
+    arch: int, kernel: str, dclass: str, bucket: int, lists: tuple
+) -> tuple[list[Config], ...]:
     # Key padding alone costs a byte a key and a select a score: most base configs fit it (and
     # run it as fast as no padding, less the skipped tiles), next to the float-mask ones. With
     # only the latter, padded calls ran at the masked configs' speed: 0.716 ms against 0.757
-    # without padding, for 25% fewer keys (H200, d64 s2048).
+    # without padding, for 25% fewer keys (H200, d64 s2048). Dropout with an attn_mask gets the
+    # dropout configs that fit a float mask too.
     base, masked, dropout = lists
     fits = [c for c in base if (kernel, bucket, c) not in _PADDED_SPILLS[arch]]
-    return base, list(dict.fromkeys(fits + masked)), masked, dropout
+    spills = _MASKED_DROPOUT_SPILLS[arch]
+    masked_dropout = [c for c in dropout if (kernel, dclass, bucket, c) not in spills]
+    masked_dropout += _MASKED_DROPOUT_EXTRA.get((arch, kernel, dclass, bucket), [])
+    return base, list(dict.fromkeys(fits + masked)), masked, dropout, masked_dropout
 
 
 # Configs that spill with one Triton version only (that version's compile_report): left out
@@ -923,13 +990,12 @@ def _with_padded(arch: int, kernel: str, bucket: int, lists: tuple) -> tuple[lis
 _VERSION_SPILLS = {
     (3, 6): {
         ("dq", 80, 256, "padded", _C(32, 16, 8, 2)),
-        ("fwd", 90, 256, "dropout", _C(128, 32, 8, 2)),
         ("dkdv", 80, 64, "padded", _C(16, 32, 8, 2)),
     },
     (3, 8): {
-        ("dkdv", 90, 64, "dropout", _QK(64, 64, 4, 3)),
         ("dkdv", 90, 64, "dropout", _QK(128, 64, 8, 2)),
-        ("dkdv", 90, 128, "dropout", _C(32, 64, 8, 2)),
+        ("dkdv", 90, 64, "masked_dropout", _QK(128, 64, 8, 2)),
+        ("dkdv", 90, 128, "masked_dropout", _C(32, 64, 8, 2)),
         ("dkdv", 90, 128, "padded", _QK(128, 64, 8, 2)),
     },
 }
@@ -954,7 +1020,7 @@ _PLAIN_EXTRA = {
 def listed_configs(kernel: str, arch: int, dclass: str, bucket: int, fclass: str) -> list[Config]:
     """The tables' configs of one CONFIGS key, before the Triton-version exclusions."""
     table = _SM90 if arch == 90 else _SM80
-    lists = _with_padded(arch, kernel, bucket, table[(kernel, dclass, bucket)])
+    lists = _with_padded(arch, kernel, dclass, bucket, table[(kernel, dclass, bucket)])
     if fclass == "plain":
         return lists[0] + _PLAIN_EXTRA[(arch, kernel, dclass, bucket)]
     return lists[FEATURE_CLASSES.index(fclass)]
@@ -973,7 +1039,7 @@ CONFIGS: dict[tuple[str, int, str, int, str], list[Config]] = {
 KERNELS = {"fwd": attn_fwd, "dkdv": attn_bwd_dkdv, "dq": attn_bwd_dq}
 _CHECKED_KERNELS = {**KERNELS, "kv_range": attn_kv_range}
 # The kernels' pointer (tensor) arguments.
-_FP32_POINTERS = {"Lse", "Delta", "DLse", "DS"}
+_FP32_POINTERS = {"Lse", "Stat", "Delta", "DLse", "DS"}
 _POINTERS = {"Q", "K", "V", "Out", "DO", "DQ", "DK", "DV", "Mask", "Kpm", "KvRange", "Seed"}
 _POINTERS |= _FP32_POINTERS
 # Re-tune when any of these change; Triton's autotuner adds the tensor dtypes itself.
@@ -1051,9 +1117,10 @@ def _seq_bucket(n: int) -> int:
 
 
 def feature_class(mask_kind: int, has_kpm: bool, has_dropout: bool) -> str:
-    """ "base", "padded", "masked" or "dropout": which config list a call uses (see CONFIGS)."""
+    """ "base", "padded", "masked", "dropout" or "masked_dropout": which config list a call
+    uses (see CONFIGS)."""
     if has_dropout:
-        return "dropout"
+        return "dropout" if mask_kind == MASK_NONE else "masked_dropout"
     if mask_kind != MASK_NONE:
         return "masked"
     return "padded" if has_kpm else "base"
@@ -1106,10 +1173,10 @@ TMA = os.environ.get("FASTFORMER_ATTN_TMA", "0") == "1"
 # The split d256 dK/dV (PART 1 and 2) has none: its twins took 20-90 more registers than the
 # pointer loads, and the dK part spilled 4-832 bytes.
 _TMA_SPILLS = {
-    ("fwd", 256, "dropout", _C(128, 32, 8, 2)),
+    ("fwd", 256, "masked_dropout", _C(128, 32, 8, 2)),
     ("fwd", 256, "masked", _C(128, 32, 8, 2)),
     ("fwd", 256, "padded", _C(128, 64, 8, 2)),
-    ("dkdv", 128, "dropout", _QK(32, 64, 8, 2)),
+    ("dkdv", 128, "masked_dropout", _QK(32, 64, 8, 2)),
 }
 
 
@@ -1383,6 +1450,14 @@ def _seed_args(seed: int | torch.Tensor, device: torch.device) -> tuple[torch.Te
     return dummy, seed
 
 
+def _row_stat(mask: _Mask, stat: torch.Tensor | None, lse: torch.Tensor) -> torch.Tensor:
+    """The Stat argument of a launch: `stat` (float masks; a scratch buffer when the caller
+    keeps none), else lse (never read)."""
+    if mask.kind != MASK_FLOAT:
+        return lse
+    return stat if stat is not None else lse.new_empty(*lse.shape, 2)
+
+
 def _on_device_of(fn):
     """`fn` run with its first argument's CUDA device current. Triton launches on the current
     device and its current stream, whatever device the tensors are on: a model on cuda:1 in a
@@ -1525,6 +1600,7 @@ def attention_forward(
     config: Config | None = None,
     kv_range: torch.Tensor | None = None,
     like_query: bool = False,
+    stat: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention forward; inputs are trusted (fastformer.ops.attention validates them).
 
@@ -1540,6 +1616,9 @@ def attention_forward(
         kv_range: key_range(key_padding_mask) when the caller has it already.
         like_query: out in q's order of dims in memory (see `_empty_like_order`), else
             contiguous.
+        stat: with a float attn_mask, a (B, H, Lq, 2) float32 tensor that receives each row's
+            score max and log2 of its exponential sum, for attention_backward (its `stat`):
+            the LSE alone loses the sum's log where a large negative bias dominates a row.
 
     Returns:
         out (B, H, Lq, Dv) in q's dtype, lse (B, H, Lq) fp32 (natural log; -inf when every key
@@ -1556,8 +1635,10 @@ def attention_forward(
     mask = _attn_mask(attn_mask, (b, h, lq, lk), q)
     pad = _padding(key_padding_mask, q, kv_range)
     meta = _meta(q, k, v, mask, key_padding_mask, dropout_p, is_causal)
+    stat = _row_stat(mask, stat, lse)
     args = (
-        q, k, v, out, lse, mask.tensor, pad.tensor, pad.kv_range, *_seed_args(seed, q.device),
+        q, k, v, out, lse, stat, mask.tensor, pad.tensor, pad.kv_range,
+        *_seed_args(seed, q.device),
         dropout_threshold(dropout_p), scale * LOG2E, 1.0 / (1.0 - dropout_p), *q.stride()[:3],
         *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *mask.strides, *pad.strides, h,
         h // hkv, lq, lk, _seq_bucket(lq), _seq_bucket(lk),
@@ -1586,6 +1667,7 @@ def attention_backward(
     config: Config | None = None,
     kv_range: torch.Tensor | None = None,
     like_inputs: bool = False,
+    stat: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of attention_forward's (out, lse) w.r.t. q, k, v and a float attn_mask.
 
@@ -1596,6 +1678,9 @@ def attention_backward(
         kv_range: key_range(key_padding_mask) when the caller has it (the forward's).
         like_inputs: dq, dk, dv laid out in memory as q, k, v are (see `grads_like`), else
             contiguous.
+        stat: what attention_forward wrote into its `stat` (float attn_mask); without it the
+            row statistics are taken from lse, which is exact unless a row's scores are all
+            below about -1e6 (a large negative bias on every key of the row).
 
     Returns:
         (dq, dk, dv, dmask or None), dq/dk/dv in the dtype and shape of q/k/v.
@@ -1623,7 +1708,7 @@ def attention_backward(
     else:
         _backward_kernels(
             grad_out, grad_lse, q, k, v, out, lse, attn_mask, key_padding_mask, seed, dropout_p,
-            is_causal, scale, dq, dk, dv_, ds, config, kv_range,
+            is_causal, scale, dq, dk, dv_, ds, config, kv_range, stat,
         )
     if group > 1:
         dk = dk.view(b, hkv, group, lk, d).sum(2).to(q.dtype)
@@ -1655,6 +1740,7 @@ def _backward_kernels(
     ds,
     config,
     kv_range,
+    stat,
 ) -> None:
     b, h, lq, _ = q.shape
     hkv, lk = k.shape[1], k.shape[2]
@@ -1664,17 +1750,21 @@ def _backward_kernels(
     pad = _padding(key_padding_mask, q, kv_range)
     meta = _meta(q, k, v, mask, key_padding_mask, dropout_p, is_causal)
     seed_ptr, seed = _seed_args(seed, q.device)
+    if mask.kind == MASK_FLOAT and stat is None:  # from lse: (lse, 0) (_row_lse)
+        hi = torch.where(lse == float("-inf"), float("inf"), lse)
+        stat = torch.stack((hi, torch.zeros_like(hi)), -1)
+    stat = _row_stat(mask, stat, lse)
     common = (
         seed, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p), scale * LOG2E, scale,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
     )
     tail = (*mask.strides, *pad.strides, h, h // hkv, lq, lk, _seq_bucket(lq), _seq_bucket(lk))
     args = (
-        q, k, v, grad_out, lse, delta, dk, dv, mask.tensor, pad.tensor, seed_ptr, *common,
+        q, k, v, grad_out, lse, stat, delta, dk, dv, mask.tensor, pad.tensor, seed_ptr, *common,
         *dk.stride()[:3], *dv.stride()[:3], *tail,
     )
     dq_args = (
-        q, k, v, grad_out, lse, delta, dq, mask.tensor, pad.tensor, pad.kv_range,
+        q, k, v, grad_out, lse, stat, delta, dq, mask.tensor, pad.tensor, pad.kv_range,
         delta if ds is None else ds, out, dlse, seed_ptr, *common, *dq.stride()[:3],
         *out.stride()[:3], *tail,
     )
@@ -1717,7 +1807,8 @@ CHECK_VARIANTS = {
     "base": Variant("causal", True, MASK_NONE, False, False),
     "padded": Variant("padding", True, MASK_NONE, True, False),
     "masked": Variant("masks", True, MASK_FLOAT, True, False),
-    "dropout": Variant("all", True, MASK_FLOAT, True, True),
+    "dropout": Variant("dropout", True, MASK_NONE, True, True),
+    "masked_dropout": Variant("all", True, MASK_FLOAT, True, True),
     "plain": Variant("plain", False, MASK_NONE, False, False),
 }
 

@@ -315,6 +315,44 @@ def test_fully_masked_rows_parity_float_mask(monkeypatch, backend):
     assert_parity(results)
 
 
+@pytest.mark.parametrize("mask_grad", [True, False])
+@pytest.mark.parametrize("backend", ["default", "torch"])
+@pytest.mark.parametrize("bias", [-1e4, -1e9, torch.finfo(torch.float32).min])
+def test_rows_under_one_large_negative_bias_average_their_values(
+    monkeypatch, backend, bias, mask_grad
+):
+    # Every key of some rows carries the same large negative bias (finfo.min: Hugging Face's
+    # masks), so softmax gives each key 1 / Lk (a shift of a row changes nothing; zero queries
+    # there make it exact in float32 too). The kernel's forward made a finfo.min row -inf (a
+    # zero row), and its backward recomputed P from an LSE that float32 had rounded to the bias
+    # alone (P = 1, or 0, for every key instead of 1 / Lk).
+    _use_backend(monkeypatch, backend)
+    b, h, lq, lk, d = 2, 2, 9, 12, 16
+    q, k, v = _randn((b, h, lq, d)), _randn((b, h, lk, d), seed=1), _randn((b, h, lk, d), seed=2)
+    rows = [1, 4, 8]
+    q[:, :, rows] = 0
+    mask = _randn((lq, lk), seed=4)
+    mask[rows] = bias
+    mask[4, :5] = float("-inf")  # and some keys masked outright
+    kpm = torch.zeros(b, lk, dtype=torch.bool, device=DEVICE)
+    kpm[1, -3:] = True
+    inputs = [t.requires_grad_() for t in (q, k, v, mask)]
+    kw = dict(key_padding_mask=kpm)
+    if not mask_grad:  # (the torch backend's CPU flash backward then; it has the same fault)
+        inputs[3].requires_grad_(False)
+    results = compare_with_reference(
+        lambda q, k, v, m: attn.scaled_dot_product_attention(q, k, v, m, **kw),
+        lambda q, k, v, m: ref.scaled_dot_product_attention(q, k, v, m, **kw),
+        inputs,
+        names=["q", "k", "v", "attn_mask"],
+    )
+    assert_parity(results)
+    out = attn.scaled_dot_product_attention(*inputs[:3], mask.detach(), **kw)
+    kept = ~kpm[:, None, :, None]
+    average = (v * kept).sum(2) / kept.sum(2)  # rows 1 and 8: every unpadded key alike
+    torch.testing.assert_close(out[:, :, 1], average, atol=1e-5, rtol=1e-5)
+
+
 # --------------------------------------------------------------------------- dropout
 
 
@@ -598,6 +636,8 @@ def test_key_padding_alone_tunes_over_the_base_configs_too():
     assert cls(kernels.MASK_BOOL, True, False) == cls(kernels.MASK_FLOAT, False, False) == "masked"
     assert cls(kernels.MASK_NONE, False, False) == "base"
     assert cls(kernels.MASK_NONE, True, True) == "dropout"
+    assert cls(kernels.MASK_BOOL, False, True) == cls(kernels.MASK_FLOAT, True, True)
+    assert cls(kernels.MASK_FLOAT, True, True) == "masked_dropout"
     grown = 0
     for kernel, arch, dclass, bucket, fclass in kernels.CONFIGS:
         if fclass != "padded":
@@ -721,14 +761,15 @@ def test_opcheck(monkeypatch, backend):
     torch.library.opcheck(op, (q, k, v, _attn_mask(c), _key_padding(c), 0.0, True, 0.25))
     torch.library.opcheck(op, (q, k, v, None, None, 0.0, False, 0.25))
     q, k, v = (t.detach() for t in (q, k, v))  # the backward op itself has no autograd
-    out, lse, seed = op(q, k, v, None, None, 0.0, False, 0.25)
-    # Without an lse gradient the torch backend runs torch's CPU flash backward, with one its
-    # written-out reference backward: check both.
-    for grad_lse in (None, torch.randn_like(lse)):
-        args = (torch.randn_like(out), grad_lse, q, k, v, out, lse, None, None, seed, 0.0)
-        torch.library.opcheck(
-            torch.ops.fastformer.attention_backward.default, (*args, False, 0.25, False)
-        )
+    backward = torch.ops.fastformer.attention_backward.default
+    for mask in (None, _attn_mask(c).detach()):  # a float mask: the forward's row statistics
+        out, lse, seed, stat = op(q, k, v, mask, None, 0.0, False, 0.25)
+        assert stat.shape == ((1, 2, 9, 2) if mask is not None else (0,))
+        # Without an lse gradient the torch backend runs torch's CPU flash backward, with one
+        # its written-out reference backward: check both.
+        for grad_lse in (None, torch.randn_like(lse)):
+            args = (torch.randn_like(out), grad_lse, q, k, v, out, lse, stat, mask, None, seed)
+            torch.library.opcheck(backward, (*args, 0.0, False, 0.25, False))
 
 
 def test_torch_compile_fullgraph_matches_eager():
@@ -1391,7 +1432,7 @@ q, g = (torch.randn(1, 2, 64, 64, dtype=torch.float16) for _ in range(2))
 lse = torch.zeros(1, 2, 64)
 dq, dk, dv = (torch.empty_like(q) for _ in range(3))
 A._backward_kernels(g, None, q, q, q, q, lse, None, None, 0, 0.0, False, 0.125, dq, dk, dv, None,
-                    None, None)
+                    None, None, None)
 """
 _PRECOMPILE_SCRIPT = (
     _SM90_SCRIPT

@@ -143,13 +143,13 @@ def scaled_dot_product_attention_with_lse(
     )
     args = (query, key, value, attn_mask, key_padding_mask, float(dropout_p), bool(is_causal))
     if torch.compiler.is_compiling():
-        out, lse, _ = torch.ops.fastformer.attention(*args, scale)
+        out, lse = torch.ops.fastformer.attention(*args, scale)[:2]
     elif under_transform():
         out, lse = _transformed(*args, scale)
     elif torch.is_grad_enabled() and _any_requires_grad(query, key, value, attn_mask):
         out, lse = _AttentionFunction.apply(*args, scale)
     else:
-        out, lse, _ = _forward(*args, scale, like_query=True)
+        out, lse = _forward(*args, scale, like_query=True)[:2]
     return out, lse
 
 
@@ -678,9 +678,9 @@ def _torch_backward(
     """Gradients through torch's CPU flash backward (from out and lse) where the forward used
     it and only `out` has a gradient, else by `_reference_backward`; the arguments are those of
     kernels.attention.attention_backward."""
-    flash = (
-        _cpu_flash_ok(q, k, v, attn_mask, dropout_p) and not mask_grad
-    )  # CPU only: .any() never syncs
+    # CPU only: .any() and amax never sync with a GPU
+    flash = _cpu_flash_ok(q, k, v, attn_mask, dropout_p) and not mask_grad
+    flash = flash and _lse_keeps_its_sum(lse, attn_mask)
     if flash and (grad_lse is None or not bool(grad_lse.any())):
         dq, dk, dv = _cpu_flash_backward(
             grad_out, q, k, v, out, lse, attn_mask, kpm, is_causal, scale
@@ -689,6 +689,16 @@ def _torch_backward(
     return _reference_backward(
         grad_out, grad_lse, q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scale, mask_grad
     )
+
+
+def _lse_keeps_its_sum(lse: Tensor, attn_mask: Tensor | None) -> bool:
+    """Whether P recomputed from `lse` is accurate (torch's CPU flash backward does so): not
+    where a float mask's large negative bias dominates a row and float32 has rounded the
+    log of the row's sum out of its LSE (at -1e9 every P came out 1 instead of 1 / Lk)."""
+    if attn_mask is None or not attn_mask.is_floating_point() or lse.numel() == 0:
+        return True
+    finite = torch.where(torch.isfinite(lse), lse, 0.0)
+    return bool(finite.abs().amax() < 4096.0)  # float32 keeps 2**-12 of the log there
 
 
 def _reference_backward(
@@ -750,15 +760,18 @@ def _attention_op(
     dropout_p: float,
     is_causal: bool,
     scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(out, lse, seed): seed is a CPU int64 scalar, drawn here at run time when dropout_p > 0
-    (inside CUDA graph capture a device scalar, see rng.draw_call_seed)."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, lse, seed, stat): seed is a CPU int64 scalar, drawn here at run time when
+    dropout_p > 0 (inside CUDA graph capture a device scalar, see rng.draw_call_seed); stat the
+    Triton forward's row statistics for its backward (`_row_stat`), else empty."""
     args = (query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale)
-    out, lse, seed = _forward(*args)
+    out, lse, seed, stat = _forward(*args)
     # Contiguous like the fake: inductor trusts its strides. The torch backend's tensors may
     # be (B, L, H, D) views, kept in eager calls, where that layout is what a caller with
     # (B, L, H * D) projections reshapes for free.
-    return out.contiguous(), lse.contiguous(), rng.seed_scalar(seed)
+    if stat is None:  # the fake's shape (it cannot know the backend); never read
+        stat = _stat_fake(query, attn_mask).zero_()
+    return out.contiguous(), lse.contiguous(), rng.seed_scalar(seed), stat
 
 
 def _forward(
@@ -768,12 +781,24 @@ def _forward(
     # like_query (eager calls): out in the query's memory order, as the torch backend's may be.
     seed = rng.call_seed(query.device, dropout_p)
     args = (query, key, value, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale)
+    stat = None
     if (backend or _backend(query, key, value, attn_mask)) == "triton":
-        out, lse = _kernels().attention_forward(*args, kv_range=kv_range, like_query=like_query)
+        stat = _row_stat(query, key, attn_mask)
+        out, lse = _kernels().attention_forward(
+            *args, kv_range=kv_range, like_query=like_query, stat=stat
+        )
     else:
         rng.check_host_seed(seed, "attention")
         out, lse = _torch_forward(*args)
-    return out, lse, seed
+    return out, lse, seed, stat
+
+
+def _row_stat(query: Tensor, key: Tensor, attn_mask: Tensor | None) -> Tensor | None:
+    """The (B, H, Lq, 2) float32 buffer in which the Triton forward leaves its row statistics
+    for the backward, with a float mask (kernels.attention.attention_forward's `stat`)."""
+    if attn_mask is None or not attn_mask.is_floating_point() or key.shape[2] == 0:
+        return None
+    return torch.empty(*query.shape[:3], 2, dtype=torch.float32, device=query.device)
 
 
 @_attention_op.register_fake
@@ -781,7 +806,14 @@ def _attention_fake(query, key, value, attn_mask, key_padding_mask, dropout_p, i
     b, h, lq, _ = query.shape
     out = query.new_empty(b, h, lq, value.shape[-1])
     lse = query.new_empty(b, h, lq, dtype=lse_dtype(query.dtype))
-    return out, lse, torch.empty((), dtype=torch.int64)
+    return out, lse, torch.empty((), dtype=torch.int64), _stat_fake(query, attn_mask)
+
+
+def _stat_fake(query: Tensor, attn_mask: Tensor | None) -> Tensor:
+    # The op's stat output: (B, H, Lq, 2) float32 with a float mask (`_row_stat`), else empty.
+    if attn_mask is not None and attn_mask.is_floating_point():
+        return query.new_empty(*query.shape[:3], 2, dtype=torch.float32)
+    return query.new_empty(0, dtype=torch.float32)
 
 
 @torch.library.custom_op("fastformer::attention_backward", mutates_args=())
@@ -793,6 +825,7 @@ def _attention_backward_op(
     value: Tensor,
     out: Tensor,
     lse: Tensor,
+    stat: Tensor,
     attn_mask: Optional[Tensor],  # noqa: UP045
     key_padding_mask: Optional[Tensor],  # noqa: UP045
     seed: Tensor,
@@ -801,14 +834,15 @@ def _attention_backward_op(
     scale: float,
     mask_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dmask); dmask is empty unless mask_grad (float attn_mask needing grad)."""
-    grads = _backward_kernels(grad_out, grad_lse, query, key, value, out, lse, attn_mask,
+    """(dq, dk, dv, dmask); dmask is empty unless mask_grad (float attn_mask needing grad).
+    stat: the forward op's."""
+    grads = _backward_kernels(grad_out, grad_lse, query, key, value, out, lse, stat, attn_mask,
                               key_padding_mask, seed, dropout_p, is_causal, scale, mask_grad)  # fmt: skip
     return tuple(g.contiguous() for g in grads)  # as the fake (see _attention_op)
 
 
 def _backward_kernels(
-    grad_out, grad_lse, query, key, value, out, lse, attn_mask, key_padding_mask, seed,
+    grad_out, grad_lse, query, key, value, out, lse, stat, attn_mask, key_padding_mask, seed,
     dropout_p, is_causal, scale, mask_grad, backend=None, kv_range=None, like_inputs=False,
 ):  # fmt: skip
     # like_inputs (eager calls): Triton's dq, dk, dv in the memory layout of q, k, v.
@@ -816,7 +850,8 @@ def _backward_kernels(
             rng.saved_seed(seed), dropout_p, is_causal, scale, mask_grad)  # fmt: skip
     if (backend or _backend(query, key, value, attn_mask)) == "triton":
         backward = _kernels().attention_backward
-        dq, dk, dv, dmask = backward(*args, kv_range=kv_range, like_inputs=like_inputs)
+        stat = stat if stat is not None and stat.numel() else None
+        dq, dk, dv, dmask = backward(*args, kv_range=kv_range, like_inputs=like_inputs, stat=stat)
     else:
         dq, dk, dv, dmask = _torch_backward(*args)
     return dq, dk, dv, query.new_empty(0) if dmask is None else dmask
@@ -824,7 +859,7 @@ def _backward_kernels(
 
 @_attention_backward_op.register_fake
 def _attention_backward_fake(grad_out, grad_lse, query, key, value, *rest):
-    attn_mask, mask_grad = rest[2], rest[-1]
+    attn_mask, mask_grad = rest[3], rest[-1]
     dmask = attn_mask.new_empty(attn_mask.shape) if mask_grad else query.new_empty(0)
     return (
         query.new_empty(query.shape),
@@ -836,20 +871,20 @@ def _attention_backward_fake(grad_out, grad_lse, query, key, value, *rest):
 
 def _setup_context(ctx, inputs, output) -> None:
     query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale = inputs
-    out, lse, seed = output
-    # O(B*H*L*D): q, k, v, out and lse; the masks are the caller's own tensors.
-    ctx.save_for_backward(query, key, value, out, lse, attn_mask, key_padding_mask, seed)
+    out, lse, seed, stat = output
+    # O(B*H*L*D): q, k, v, out, lse and stat; the masks are the caller's own tensors.
+    ctx.save_for_backward(query, key, value, out, lse, stat, attn_mask, key_padding_mask, seed)
     ctx.dropout_p, ctx.is_causal, ctx.scale = dropout_p, is_causal, scale
     ctx.float_mask = attn_mask is not None and attn_mask.is_floating_point()
 
 
-def _backward(ctx, grad_out, grad_lse, _grad_seed):
+def _backward(ctx, grad_out, grad_lse, _grad_seed, _grad_stat):
     return _grads(ctx, grad_out, grad_lse, torch.ops.fastformer.attention_backward)
 
 
 def _grads(ctx, grad_out, grad_lse, backward_fn) -> tuple:
     """Gradients of the 8 inputs of the op (None for masks without grad and non-tensors)."""
-    query, key, value, out, lse, attn_mask, key_padding_mask, seed = ctx.saved_tensors
+    query, key, value, out, lse, stat, attn_mask, key_padding_mask, seed = ctx.saved_tensors
     mask_grad = ctx.float_mask and ctx.needs_input_grad[3]
     if grad_out is None:  # only lse was used
         grad_out = torch.zeros_like(out)
@@ -861,6 +896,7 @@ def _grads(ctx, grad_out, grad_lse, backward_fn) -> tuple:
         value,
         out,
         lse,
+        stat,
         attn_mask,
         key_padding_mask,
         seed,
@@ -887,11 +923,10 @@ class _AttentionFunction(torch.autograd.Function):
         ctx.kv_range = None
         if ctx.backend == "triton" and key_padding_mask is not None:
             ctx.kv_range = _kernels().key_range(key_padding_mask)
-        out, lse, seed = _forward(
+        out, lse, seed, stat = _forward(
             *inputs, backend=ctx.backend, kv_range=ctx.kv_range, like_query=True
         )
-        seed = rng.seed_tensor(seed)
-        output = (out, lse, seed)
+        output = (out, lse, rng.seed_tensor(seed), stat)
         _setup_context(ctx, inputs, output)
         ctx.set_materialize_grads(False)  # no zero LSE cotangent when only out is used
         return output[0], output[1]
