@@ -530,6 +530,7 @@ def test_dropout_rate_of_feed_forward():
         ("mask_shape", ValueError, ["attn_mask", "(5, 7)", "(4, 4)"]),
         ("kpm_shape", ValueError, ["key_padding_mask", "(3, 7)", "(3, 5)"]),
         ("kpm_dtype", TypeError, ["key_padding_mask", "torch.int64"]),
+        ("kpm_unbatched", ValueError, ["key_padding_mask", "1-D", "unbatched", "(1, 7)"]),
         ("activation", ValueError, ["activation", "'tanh'"]),
         ("activation_type", TypeError, ["activation", "int"]),
         ("max_len", ValueError, ["max_len", "60"]),
@@ -544,6 +545,9 @@ def test_errors_name_the_argument(case, error, words):
         "mask_shape": lambda: mha(q, k, k, attn_mask=torch.ones(4, 4), need_weights=False),
         "kpm_shape": lambda: mha(q, k, k, torch.zeros(B, 5, dtype=torch.bool), need_weights=False),
         "kpm_dtype": lambda: mha(q, k, k, torch.zeros(B, S, dtype=torch.long), need_weights=False),
+        "kpm_unbatched": lambda: mha(
+            q[:, 0], k[:, 0], k[:, 0], torch.zeros(1, S, dtype=torch.bool), need_weights=False
+        ),
         "activation": lambda: fnn.TransformerEncoderLayer(E, H, activation="tanh"),
         "activation_type": lambda: fnn.FeedForward(E, activation=3),
         "max_len": lambda: fnn.PositionalEncoding(E, max_len=50)(torch.randn(1, 60, E)),

@@ -317,6 +317,11 @@ class MultiheadAttention(nn.MultiheadAttention):
             key = query if same_qk else key.unsqueeze(0)
             value = key if same_kv else value.unsqueeze(0)
             if key_padding_mask is not None:
+                if key_padding_mask.dim() != 1:  # torch.nn's rule, said before the unsqueeze
+                    raise ValueError(
+                        "key_padding_mask must be 1-D (seq_k,) for an unbatched (2-D) query, "
+                        f"got shape {tuple(key_padding_mask.shape)}"
+                    )
                 key_padding_mask = key_padding_mask.unsqueeze(0)
         q, k, v = self._project(query, key, value, batch_first)
         batch, lq, lk = q.shape[0], q.shape[2], k.shape[2]
