@@ -466,8 +466,8 @@ def attn_fwd(
 
 @triton.jit
 def _dkdv_tile_t(
-    dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, start_m, col0, offs_m, offs_n, offs_d,
-    offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
+    dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, start_m, col0, offs_m, offs_n,
+    offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
     seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -511,8 +511,8 @@ def _dkdv_tile_t(
 
 @triton.jit
 def _dkdv_tile_n(
-    dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, start_m, col0, offs_m, offs_n, offs_d,
-    offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
+    dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, start_m, col0, offs_m, offs_n,
+    offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
     seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -551,8 +551,8 @@ def _dkdv_tile_n(
 
 @triton.jit
 def _dkdv_loop(
-    dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, lo, hi, col0, offs_m, offs_n, offs_d,
-    offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
+    dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, lo, hi, col0, offs_m, offs_n,
+    offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
     seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -641,16 +641,14 @@ def attn_bwd_dkdv(
         diag_end = tl.where(any_kept, diag_end, lo)
     dk, dv = _dkdv_loop(
         dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, lo, diag_end, col0, offs_m,
-        offs_n,
-        offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
+        offs_n, offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
         seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC, True, PART, QK_TILES,
         BLOCK_M, USE_TMA,
     )
     dk, dv = _dkdv_loop(
         dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, diag_end, hi, col0, offs_m,
-        offs_n,
-        offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
+        offs_n, offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
         seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC, False, PART, QK_TILES,
         BLOCK_M, USE_TMA,
@@ -717,8 +715,8 @@ def _dq_loop(
 ):
     for start_n in range(lo, hi, BLOCK_N):
         dq = _dq_tile(
-            dq, q, do, lse, lse_lo, delta, k_base, v_base, mask_base, ds_base, kpm_base, start_n, row0,
-            rows_local, offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn,
+            dq, q, do, lse, lse_lo, delta, k_base, v_base, mask_base, ds_base, kpm_base, start_n,
+            row0, rows_local, offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn,
             stride_pn, seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
             HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
             WRITE_DS, DOT_PREC, EDGE, USE_TMA,
@@ -827,9 +825,9 @@ class Config(NamedTuple):
 # attn_mask / padding / dropout (causal allowed), "padded" = key padding alone, "masked" =
 # attn_mask (with or without key padding), "dropout" = dropout without attn_mask,
 # "masked_dropout" = dropout with attn_mask (the dropout list less _MASKED_DROPOUT_SPILLS);
-# "plain" = base without causal, only where _PLAIN_EXTRA has configs for it. Every entry is checked by
-# compile_report() in CI: no stack frame (spills) with Triton 3.6 and 3.8, smem within the
-# arch's limit, wgmma for fp16/bf16 on sm_90.
+# "plain" = base without causal, only where _PLAIN_EXTRA has configs for it. Every entry is
+# checked by compile_report() in CI: no stack frame (spills) with Triton 3.6 and 3.8, smem
+# within the arch's limit, wgmma for fp16/bf16 on sm_90.
 INTERPRET_CONFIG = Config(32, 32, 4, 1)
 FEATURE_CLASSES = ("base", "padded", "masked", "dropout", "masked_dropout")
 _C = Config

@@ -836,8 +836,10 @@ def _attention_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dmask); dmask is empty unless mask_grad (float attn_mask needing grad).
     stat: the forward op's."""
-    grads = _backward_kernels(grad_out, grad_lse, query, key, value, out, lse, stat, attn_mask,
-                              key_padding_mask, seed, dropout_p, is_causal, scale, mask_grad)  # fmt: skip
+    grads = _backward_kernels(
+        grad_out, grad_lse, query, key, value, out, lse, stat, attn_mask, key_padding_mask, seed,
+        dropout_p, is_causal, scale, mask_grad,
+    )  # fmt: skip
     return tuple(g.contiguous() for g in grads)  # as the fake (see _attention_op)
 
 
