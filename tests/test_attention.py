@@ -353,6 +353,29 @@ def test_rows_under_one_large_negative_bias_average_their_values(
     torch.testing.assert_close(out[:, :, 1], average, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("bias", [2000.0, -2000.0])
+def test_torch_backend_float_mask_of_large_values(monkeypatch, bias):
+    # torch's CPU flash backward recomputes P from a float32 LSE, which at |LSE| ~ 2000 has
+    # lost 2**-13 of it: its gradients missed the parity bound (found by a fuzzer).
+    _use_backend(monkeypatch, "torch")
+    b, h, lq, lk, d = 1, 4, 40, 40, 32
+    q, k, v = (_randn((b, h, n, d), seed=i, grad=True) for i, n in enumerate((lq, lk, lk)))
+    mask = _randn((lq, lk), seed=3)
+    if bias > 0:  # two dominant keys a row
+        rows = torch.arange(lq)
+        mask[rows, rows % lk] += bias
+        mask[rows, (7 * rows + 3) % lk] += bias
+    else:
+        mask += bias
+    results = compare_with_reference(
+        lambda q, k, v: attn.scaled_dot_product_attention(q, k, v, mask, scale=2.0),
+        lambda q, k, v: ref.scaled_dot_product_attention(q, k, v, mask, scale=2.0),
+        [q, k, v],
+        names=["q", "k", "v"],
+    )
+    assert_parity(results)
+
+
 # --------------------------------------------------------------------------- dropout
 
 
