@@ -109,7 +109,9 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     const bool fused = residual.has_value() || dropout_p > 0 || store_pre;
     TORCH_CHECK(!fused || pre.sym_numel() != 0 || x.sym_numel() == 0,
                 "fastformer::layer_norm_autograd: the backward needs pre; call with store_pre");
-    ctx->save_for_backward({fused ? pre : x, weight.value_or(at::Tensor()),
+    // (Zero rows: no pre is written; x, as empty, stands for it.)
+    const bool use_pre = fused && pre.sym_numel() != 0;
+    ctx->save_for_backward({use_pre ? pre : x, weight.value_or(at::Tensor()),
                             bias.value_or(at::Tensor()), mean, rstd, seed});
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["rms"] = rms;

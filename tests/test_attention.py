@@ -795,6 +795,26 @@ def test_opcheck(monkeypatch, backend):
             torch.library.opcheck(backward, (*args, 0.0, False, 0.25, False))
 
 
+@pytest.mark.parametrize("case", ["key_batch", "value_length", "grad_out", "lse", "seed"])
+def test_raw_ops_check_their_inputs(case):
+    # torch.ops.fastformer.attention(_backward) are public: torch's CPU flash kernels read out
+    # of bounds (a segfault) for a key of fewer batches than q, or a grad_out / lse smaller
+    # than q's geometry.
+    q, k, v = (_randn((2, 2, 5, 8), seed=i) for i in range(3))
+    op, backward = torch.ops.fastformer.attention, torch.ops.fastformer.attention_backward
+    if case in ("key_batch", "value_length"):
+        k, v = (k[:1], v) if case == "key_batch" else (k, v[:, :, :3])
+        with pytest.raises(ValueError, match="key has batch 1|value .* must match key"):
+            op(q, k, v, None, None, 0.0, False, 0.25)
+        return
+    out, lse, seed, stat = op(q, k, v, None, None, 0.0, False, 0.25)
+    grad_out = {"grad_out": out[:, :, :1]}.get(case, torch.ones_like(out))
+    lse = lse[:, :, :3] if case == "lse" else lse
+    seed = seed.float() if case == "seed" else seed
+    with pytest.raises(ValueError, match=f"attention_backward: {case} must be"):
+        backward(grad_out, None, q, k, v, out, lse, stat, None, None, seed, 0.0, False, 0.25, False)
+
+
 def test_torch_compile_fullgraph_matches_eager():
     c = Case(lq=33, lk=47, d=16, mask="float", kpm="random")
     kpm = _key_padding(c)

@@ -503,3 +503,24 @@ def test_cuda_bias_grad_deterministic_and_many_rows():
         grads.append(torch.autograd.grad(out.float().sum(), inputs[2]))
     assert torch.equal(grads[0][0], grads[1][0])
     check_parity(make_inputs((530_000,), 8, 16, "swiglu", torch.float32, "cuda"), "swiglu", 0.1)
+
+
+def test_zero_features_in_a_rank_3_input():
+    # reshape(-1, 0) cannot tell the rows of an empty last dim: the leading dims' product can.
+    x, w1, b1 = torch.randn(2, 3, 0), torch.randn(16, 0), torch.randn(16)
+    w2, b2 = torch.randn(8, 16), torch.randn(8)
+    got = ffn(x, w1, b1, w2, b2, "gelu")
+    torch.testing.assert_close(got, reference.ffn(x, w1, b1, w2, b2, "gelu"))
+    assert got.shape == (2, 3, 8)
+
+
+def test_raw_grad_op_refuses_a_seed_that_is_not_int64():
+    # rng.saved_seed read a float seed tensor with int() (1.5 -> 1) instead of refusing it.
+    x, w1, w2 = torch.randn(4, 8), torch.randn(16, 8), torch.randn(8, 16)
+    out, saved, seed = torch.ops.fastformer.ffn(x, w1, None, w2, None, "relu", 0.1, True)
+    with pytest.raises(TypeError, match="seed must be a 0-dim int64 tensor"):
+        torch.ops.fastformer.ffn_grad(torch.ones_like(out), x, w1, w2, saved, seed.float(),
+                                      "relu", 0.1)  # fmt: skip
+    # One meta argument among CPU ones reached the fake kernel, which returned CPU tensors.
+    with pytest.raises(ValueError, match="w1 is on meta"):
+        torch.ops.fastformer.ffn(x, w1.to("meta"), None, w2, None, "relu", 0.0, False)

@@ -7,6 +7,7 @@ keep-mask regenerated from the seed the op drew (`torch.manual_seed` predicts it
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -759,3 +760,63 @@ def test_prenorm_returns_a_new_pre_tensor(monkeypatch, backend, grad):
     x = _make((3, 8), grad=grad)
     out, pre = ln.dropout_add_layer_norm(x, None, None, None, prenorm=True)
     assert torch.equal(pre, x) and pre.data_ptr() != x.data_ptr()
+
+
+def _ln_bwd_args(**change):
+    """Arguments of torch.ops.fastformer.layer_norm_bwd for a plain (4, 8) forward."""
+    x, w, b = torch.randn(4, 8), torch.randn(8), torch.randn(8)
+    out, pre, mean, rstd = torch.ops.fastformer.layer_norm_fwd(
+        x, w, b, None, rng.NO_SEED, 1e-5, 0.0, False, False
+    )
+    args = dict(dy=torch.randn(4, 8), dpre=None, x=x, weight=w, bias=b, mean=mean, rstd=rstd,
+                seed=rng.NO_SEED, dropout_p=0.0, rms=False, fused=False, has_residual=False,
+                need_dweight=True, need_dbias=True)  # fmt: skip
+    return list({**args, **change}.values())
+
+
+@pytest.mark.skipif(extension_error() is not None, reason="fastformer._C not built")
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        # an unfused backward never wrote dres: it came back as uninitialized memory
+        (dict(has_residual=True), "need fused=True"),
+        (dict(dropout_p=0.3), "need fused=True"),
+        (dict(dpre=torch.ones(4, 8)), "need fused=True"),
+        (dict(dropout_p=1.0, fused=True), "dropout_p must be in [0, 1)"),
+        (dict(dropout_p=float("nan"), fused=True), "dropout_p must be in [0, 1)"),
+        (dict(rms=True), "takes no bias"),
+    ],
+)
+def test_raw_backward_op_refuses_inconsistent_flags(change, words):
+    # torch.ops.fastformer.* are public: called directly, bad flags raise, never a wrong answer.
+    with pytest.raises(RuntimeError, match=re.escape(words)):
+        torch.ops.fastformer.layer_norm_bwd(*_ln_bwd_args(**change))
+
+
+@pytest.mark.skipif(extension_error() is not None, reason="fastformer._C not built")
+def test_raw_ops_refuse_an_infinite_eps_and_mixed_meta_arguments():
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="eps must be finite"):
+        torch.ops.fastformer.layer_norm_fwd(x, None, None, None, rng.NO_SEED, math.inf, 0.0,
+                                            False, False)  # fmt: skip
+    # One meta argument sends the call to the fake kernel, which returned empty CPU tensors.
+    with pytest.raises(ValueError, match="weight is on meta"):
+        torch.ops.fastformer.layer_norm_fwd(x, torch.empty(8, device="meta"), None, None,
+                                            rng.NO_SEED, 1e-5, 0.0, False, False)  # fmt: skip
+    with pytest.raises(ValueError, match="dropout_p must be in"):
+        torch.ops.fastformer.layer_norm_keep_mask(x, -0.5)
+
+
+@pytest.mark.skipif(extension_error() is not None, reason="fastformer._C not built")
+@pytest.mark.parametrize("op", ["layer_norm_autograd", "layer_norm"])
+def test_zero_rows_with_residual_backward_without_store_pre(op):
+    # No pre is written for zero rows: the backward got a (0,) placeholder for the normalized
+    # input and refused it ("dy must match x").
+    x = torch.randn(0, 8, requires_grad=True)
+    args = (x, None, None, torch.randn(0, 8))
+    if op == "layer_norm_autograd":
+        out = torch.ops.fastformer.layer_norm_autograd(*args, rng.NO_SEED, 1e-5, 0.0, False, False)
+    else:
+        out = torch.ops.fastformer.layer_norm(*args, 1e-5, 0.0, False, False)
+    (grad,) = torch.autograd.grad(out[0].sum(), x)
+    assert grad.shape == x.shape

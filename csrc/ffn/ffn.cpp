@@ -18,6 +18,7 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/accumulate.h>
 #include <c10/util/bit_cast.h>
 #include <torch/library.h>
 
@@ -677,7 +678,13 @@ Backward ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, cons
 // hold: a (B, L, D) input then needs no reshape and view around the op (two more autograd nodes
 // in an eager call, host time). The implementations above work on (tokens, features) matrices.
 
-at::Tensor as_rows(const at::Tensor& t) { return t.dim() == 2 ? t : t.reshape({-1, t.size(-1)}); }
+// (tokens, n): the leading dims' product, not -1, which a last dim of 0 leaves undetermined.
+at::Tensor as_rows(const at::Tensor& t) {
+  if (t.dim() == 2) return t;
+  const auto sizes = t.sizes();
+  const int64_t rows = c10::multiply_integers(sizes.begin(), sizes.end() - 1);
+  return t.reshape({rows, t.size(-1)});
+}
 
 // `rows` (tokens, n) with the leading dims of `like`. Not a view: autograd lets callers change
 // the op's output in place, as any op's.

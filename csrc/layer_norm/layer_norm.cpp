@@ -104,7 +104,7 @@ void check_fwd(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
                 residual->sizes(), " ", residual->scalar_type());
     FF_CHECK_DEVICE(*residual, x.device());
   }
-  TORCH_CHECK(eps > 0, "layer_norm: eps must be > 0, got ", eps);
+  TORCH_CHECK(std::isfinite(eps) && eps > 0, "layer_norm: eps must be finite and > 0, got ", eps);
   TORCH_CHECK(dropout_p >= 0 && dropout_p < 1, "layer_norm: dropout_p must be in [0, 1), got ",
               dropout_p);
   TORCH_CHECK(!rms || (!bias.has_value() && !residual.has_value() && dropout_p == 0 && !store_pre),
@@ -800,10 +800,16 @@ struct BwdInputs {
 
 void check_bwd(const at::Tensor& dy, const c10::optional<at::Tensor>& dpre, const at::Tensor& x,
                const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
-               const at::Tensor& mean, const at::Tensor& rstd, bool rms, bool fused,
-               bool need_dweight, bool need_dbias) {
+               const at::Tensor& mean, const at::Tensor& rstd, double dropout_p, bool rms,
+               bool fused, bool has_residual, bool need_dweight, bool need_dbias) {
   check_x(x, "x");
-  TORCH_CHECK(!rms || !fused, "layer_norm: rms=True is never fused");
+  TORCH_CHECK(!rms || (!fused && !bias.has_value()), "layer_norm: rms=True is never fused and "
+              "takes no bias");
+  TORCH_CHECK(dropout_p >= 0 && dropout_p < 1, "layer_norm: dropout_p must be in [0, 1), got ",
+              dropout_p);
+  // Only the fused kernels read dpre, drop, and write dres (an unfused dres stayed unwritten).
+  TORCH_CHECK(fused || (dropout_p == 0 && !has_residual && !dpre.has_value()),
+              "layer_norm: dropout_p > 0, has_residual and dpre need fused=True");
   TORCH_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type(),
               "layer_norm: dy must match x ", x.sizes(), " ", x.scalar_type(), ", got ",
               dy.sizes(), " ", dy.scalar_type());
@@ -846,8 +852,8 @@ Tensors4 layer_norm_bwd_cpu(const at::Tensor& dy_in, const c10::optional<at::Ten
                             const at::Tensor& rstd_in, const at::Tensor& seed, double dropout_p,
                             bool rms, bool fused, bool has_residual, bool need_dweight,
                             bool need_dbias) {
-  check_bwd(dy_in, dpre_in, x_in, weight, bias, mean_in, rstd_in, rms, fused, need_dweight,
-            need_dbias);
+  check_bwd(dy_in, dpre_in, x_in, weight, bias, mean_in, rstd_in, dropout_p, rms, fused,
+            has_residual, need_dweight, need_dbias);
   const at::Tensor x = x_in.contiguous(), dy = dy_in.contiguous();
   const at::Tensor dpre = dpre_in.has_value() ? dpre_in->contiguous() : at::Tensor();
   const at::Tensor mean = mean_in.contiguous(), rstd = rstd_in.contiguous();
@@ -904,8 +910,8 @@ Tensors4 layer_norm_bwd_cuda(const at::Tensor& dy_in, const c10::optional<at::Te
                              const at::Tensor& rstd_in, const at::Tensor& seed, double dropout_p,
                              bool rms, bool fused, bool has_residual, bool need_dweight,
                              bool need_dbias) {
-  check_bwd(dy_in, dpre_in, x_in, weight_in, bias, mean_in, rstd_in, rms, fused, need_dweight,
-            need_dbias);
+  check_bwd(dy_in, dpre_in, x_in, weight_in, bias, mean_in, rstd_in, dropout_p, rms, fused,
+            has_residual, need_dweight, need_dbias);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous(), dy = dy_in.contiguous();
   const at::Tensor dpre = dpre_in.has_value() ? dpre_in->contiguous() : at::Tensor();

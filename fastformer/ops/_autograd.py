@@ -103,3 +103,12 @@ def under_transform() -> bool:
     reference's PyTorch operations and the same dropout mask, which every transform handles.
     """
     return _TRANSFORMS() is not None or _forward_ad._current_level >= 0
+
+
+def check_devices(op: str, like: Tensor, **tensors: Tensor | None) -> None:
+    """ValueError unless every given tensor is on `like`'s device. For the ops' fake kernels:
+    one meta tensor among CPU ones sends a call to them, and they would return empty CPU
+    tensors where the kernels raise."""
+    for name, t in tensors.items():
+        if t is not None and t.device != like.device:
+            raise ValueError(f"{op}: {name} is on {t.device}, the input on {like.device}")

@@ -766,6 +766,9 @@ def _attention_op(
     dropout_p > 0 (inside CUDA graph capture a device scalar, see rng.draw_call_seed); stat the
     Triton forward's row statistics for its backward (`_row_stat`), else empty."""
     args = (query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale)
+    # Callers of torch.ops.fastformer.attention skip the public checks; torch's CPU flash
+    # kernel read past a key of fewer batches than the query (a segfault).
+    _check_inputs(*args[:3], attn_mask, dropout_p, is_causal, scale, True, key_padding_mask)
     out, lse, seed, stat = _forward(*args)
     # Contiguous like the fake: inductor trusts its strides. The torch backend's tensors may
     # be (B, L, H, D) views, kept in eager calls, where that layout is what a caller with
@@ -804,6 +807,8 @@ def _row_stat(query: Tensor, key: Tensor, attn_mask: Tensor | None) -> Tensor | 
 
 @_attention_op.register_fake
 def _attention_fake(query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale):
+    _check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, True,
+                  key_padding_mask)  # fmt: skip
     b, h, lq, _ = query.shape
     out = query.new_empty(b, h, lq, value.shape[-1])
     lse = query.new_empty(b, h, lq, dtype=lse_dtype(query.dtype))
@@ -837,11 +842,43 @@ def _attention_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dmask); dmask is empty unless mask_grad (float attn_mask needing grad).
     stat: the forward op's."""
+    _check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, True,
+                  key_padding_mask)  # fmt: skip
+    _check_saved(grad_out, grad_lse, query, value, out, lse, stat, seed, attn_mask, mask_grad)
     grads = _backward_kernels(
         grad_out, grad_lse, query, key, value, out, lse, stat, attn_mask, key_padding_mask, seed,
         dropout_p, is_causal, scale, mask_grad,
     )  # fmt: skip
     return tuple(g.contiguous() for g in grads)  # as the fake (see _attention_op)
+
+
+def _check_saved(grad_out, grad_lse, query, value, out, lse, stat, seed, attn_mask, mask_grad):
+    """attention_backward's tensors against the forward's geometry (torch's CPU flash backward
+    indexes them with q's sizes: smaller ones were read out of bounds)."""
+    b, h, lq, _ = query.shape
+    float_mask = attn_mask is not None and attn_mask.is_floating_point()
+    expected = {
+        "grad_out": (grad_out, (b, h, lq, value.shape[-1]), query.dtype),
+        "out": (out, (b, h, lq, value.shape[-1]), query.dtype),
+        "lse": (lse, (b, h, lq), lse_dtype(query.dtype)),
+        "grad_lse": (grad_lse, (b, h, lq), lse_dtype(query.dtype)),
+        "stat": (stat, (b, h, lq, 2) if float_mask else None, torch.float32),
+        "seed": (seed, (), torch.int64),
+    }
+    for name, (t, shape, dtype) in expected.items():
+        if t is None or (name == "stat" and t.numel() == 0):
+            continue
+        if (shape is not None and tuple(t.shape) != shape) or t.dtype != dtype:
+            raise ValueError(
+                f"attention_backward: {name} must be {shape} {dtype}, got "
+                f"{tuple(t.shape)} {t.dtype}"
+            )
+        if name != "seed" and t.device != query.device:
+            raise ValueError(
+                f"attention_backward: {name} is on {t.device}, query on {query.device}"
+            )
+    if mask_grad and not float_mask:
+        raise ValueError("attention_backward: mask_grad needs a float attn_mask")
 
 
 def _backward_kernels(

@@ -43,7 +43,7 @@ from torch import Tensor
 from fastformer import reference
 from fastformer._ext import cuda_kernels_compiled, extension_error
 from fastformer.ops import rng
-from fastformer.ops._autograd import autocast_off, first_order, under_transform
+from fastformer.ops._autograd import autocast_off, check_devices, first_order, under_transform
 from fastformer.ops._dispatch import Backend, register, select_by_key
 
 __all__ = [
@@ -292,8 +292,9 @@ def _transformed(x, w1, b1, w2, b2, activation: str, dropout_p: float) -> Tensor
 
 
 def _rows(t: Tensor) -> Tensor:
-    """`t` as a (tokens, features) matrix."""
-    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+    """`t` as a (tokens, features) matrix (the leading dims' product: with 0 features, -1
+    would be undetermined)."""
+    return t if t.dim() == 2 else t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 def _saved_shape(x: Tensor, w1: Tensor) -> tuple[int, int]:
@@ -385,9 +386,10 @@ def _forward(
 
 @_ffn_op.register_fake
 def _ffn_op_fake(x, w1, b1, w2, b2, activation, dropout_p, needs_grad):
+    check_devices("ffn", x, w1=w1, b1=b1, w2=w2, b2=b2)
     saved_shape = _saved_shape(x, w1) if needs_grad else (0,)
     seed = torch.empty((), dtype=torch.int64)
-    return x.new_empty(x.shape[0], w2.shape[0]), x.new_empty(saved_shape), seed
+    return x.new_empty(*x.shape[:-1], w2.shape[0]), x.new_empty(saved_shape), seed
 
 
 @torch.library.custom_op("fastformer::ffn_grad", mutates_args=())
@@ -421,6 +423,7 @@ def _grad(
 
 @_ffn_grad_op.register_fake
 def _ffn_grad_op_fake(grad_out, x, w1, w2, saved, seed, activation, dropout_p):
+    check_devices("ffn_grad", x, grad_out=grad_out, w1=w1, w2=w2, saved=saved)
     return (
         x.new_empty(x.shape),
         w1.new_empty(w1.shape),
@@ -568,6 +571,7 @@ def _register_kernel_fakes() -> None:
 
     @torch.library.register_fake("fastformer::ffn_forward")
     def _(x, w1, b1, w2, b2, activation, dropout_p, seed, fused_epilogue=False, device_seed=None):
+        check_devices("ffn_forward", x, w1=w1, b1=b1, w2=w2, b2=b2)
         epilogue_only = fused_epilogue and x.device.type == "cuda" and activation == "gelu_tanh"
         saved_shape = (0,) if epilogue_only else _saved_shape(x, w1)
         return x.new_empty(*x.shape[:-1], w2.shape[0]), x.new_empty(saved_shape)

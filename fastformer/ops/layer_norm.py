@@ -41,7 +41,7 @@ from torch import Tensor
 from fastformer import reference
 from fastformer._ext import cuda_kernels_compiled, extension_error
 from fastformer.ops import rng
-from fastformer.ops._autograd import under_transform
+from fastformer.ops._autograd import check_devices, under_transform
 from fastformer.ops._dispatch import Backend, register, select_by_key
 
 __all__ = [
@@ -236,6 +236,7 @@ def _stats_dtype(x: Tensor) -> torch.dtype:
 
 
 def _fwd_fake(x, weight, bias, residual, eps, dropout_p, rms, store_pre):
+    check_devices("layer_norm", x, weight=weight, bias=bias, residual=residual)
     rows = math.prod(x.shape[:-1])
     pre_shape = x.shape if store_pre else (0,)
     mean = x.new_empty((0,) if rms else (rows,), dtype=_stats_dtype(x))
@@ -257,7 +258,9 @@ def _save(ctx, inputs, output) -> None:
     ctx.fused = _fused(residual, dropout_p, store_pre)
     if ctx.fused and pre.numel() == 0 and x.numel() > 0:
         raise RuntimeError("fastformer::layer_norm: the backward needs pre; call with store_pre")
-    ctx.save_for_backward(pre if ctx.fused else x, weight, bias, mean, rstd, seed)
+    # (Zero rows: no pre is written; x, as empty, stands for it.)
+    use_pre = ctx.fused and pre.numel() != 0
+    ctx.save_for_backward(pre if use_pre else x, weight, bias, mean, rstd, seed)
     ctx.dropout_p, ctx.rms, ctx.has_residual = dropout_p, rms, residual is not None
     ctx.set_materialize_grads(False)  # an unused pre gets no zero gradient tensor
 
@@ -314,6 +317,7 @@ _layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
 def _keep_mask_op(x: Tensor, dropout_p: float) -> Tensor:
     """Torch backend: draws a seed (at run time, also under torch.compile) and returns the bool
     keep-mask of x's shape that the compiled kernels would use with that seed."""
+    rng.check_dropout_p("layer_norm_keep_mask", dropout_p)
     seed = rng.draw_seed(x.device)
     return dropout_add_layer_norm_keep_mask(seed, x.shape, dropout_p, device=x.device)
 
@@ -332,6 +336,8 @@ def _register_compiled_fakes() -> None:
 
     @torch.library.register_fake("fastformer::layer_norm_bwd")
     def _(dy, dpre, x, weight, bias, mean, rstd, seed, p, rms, fused, has_res, need_w, need_b):
+        tensors = dict(dy=dy, dpre=dpre, weight=weight, bias=bias, mean=mean, rstd=rstd)
+        check_devices("layer_norm_bwd", x, **tensors)
         none = x.new_empty((0,))
         cols = x.shape[-1]
         return (

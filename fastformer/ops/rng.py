@@ -211,6 +211,8 @@ def seed_tensor(seed: int | torch.Tensor) -> torch.Tensor:
 def saved_seed(seed: int | torch.Tensor) -> int | torch.Tensor:
     """What a backward passes its kernels for a saved seed: the int of a CPU seed, the tensor
     itself of a device one (read from memory: no host synchronisation, capture-safe)."""
+    if isinstance(seed, torch.Tensor) and (seed.dtype != torch.int64 or seed.dim() != 0):
+        raise TypeError(f"seed must be a 0-dim int64 tensor, got {seed.dtype} {tuple(seed.shape)}")
     if isinstance(seed, torch.Tensor) and seed.device.type == "cpu":
         return int(seed)
     return seed
