@@ -86,6 +86,8 @@ Problem check_problem(const at::Tensor& x, const at::Tensor& w1, const at::Tenso
   Problem pr{};
   pr.act = parse_activation(activation);
   TORCH_CHECK(x.dim() == 2, "ffn: x must be (tokens, d_model) here, got ", x.sizes());
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "ffn: x must be a floating dtype, got ",
+              x.scalar_type());
   TORCH_CHECK(w1.dim() == 2 && w1.size(1) == x.size(1), "ffn: w1 must be (width, ", x.size(1),
               "), got ", w1.sizes());
   TORCH_CHECK(!ffn_is_gated(pr.act) || w1.size(0) % 2 == 0, "ffn: gated activation ",

@@ -77,8 +77,9 @@ void check_param(const c10::optional<at::Tensor>& p, const char* name, const at:
   TORCH_CHECK(p->dim() == 1 && p->size(0) == cols_of(x), "layer_norm: ", name,
               " must have shape (", cols_of(x), ",), got ", p->sizes());
   TORCH_CHECK(p->scalar_type() == x.scalar_type() || p->scalar_type() == at::kFloat,
-              "layer_norm: ", name, " must be ", x.scalar_type(), " or float32, got ",
-              p->scalar_type());
+              "layer_norm: ", name, " must be ",
+              x.scalar_type() == at::kFloat ? "float32" : "x's dtype or float32", " (x is ",
+              x.scalar_type(), "), got ", p->scalar_type());
   FF_CHECK_DEVICE(*p, x.device());
 }
 

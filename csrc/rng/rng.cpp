@@ -163,9 +163,13 @@ FF_PHILOX_CLONES void uniform_run(uint64_t seed, const int64_t* offsets, int64_t
   }
 }
 
+constexpr const char* uniform_name(bool element) {
+  return element ? "element_uniform" : "philox_uniform";
+}
+
 template <bool kElement>
 at::Tensor uniform_cpu(int64_t seed, const at::Tensor& offsets) {
-  check_offsets(offsets);
+  check_offsets(offsets, uniform_name(kElement));
   const at::Tensor off = offsets.contiguous();
   at::Tensor out = at::empty(off.sizes(), off.options().dtype(at::kFloat));
   const int64_t* src = off.data_ptr<int64_t>();
@@ -180,7 +184,7 @@ at::Tensor uniform_cpu(int64_t seed, const at::Tensor& offsets) {
 #ifdef FASTFORMER_WITH_CUDA
 template <bool kElement>
 at::Tensor uniform_cuda(int64_t seed, const at::Tensor& offsets) {
-  check_offsets(offsets);
+  check_offsets(offsets, uniform_name(kElement));
   const c10::cuda::CUDAGuard guard(offsets.device());
   const at::Tensor off = offsets.contiguous();
   at::Tensor out = at::empty(off.sizes(), off.options().dtype(at::kFloat));
