@@ -524,3 +524,10 @@ def test_raw_grad_op_refuses_a_seed_that_is_not_int64():
     # One meta argument among CPU ones reached the fake kernel, which returned CPU tensors.
     with pytest.raises(ValueError, match="w1 is on meta"):
         torch.ops.fastformer.ffn(x, w1.to("meta"), None, w2, None, "relu", 0.0, False)
+
+
+def test_raw_forward_op_refuses_integer_inputs_before_its_gemm():
+    # It raised NotImplementedError from inside a kernel ("ffn_cpu" not implemented for 'Long').
+    x, w1, w2 = (torch.ones(*s, dtype=torch.long) for s in ((4, 8), (16, 8), (8, 16)))
+    with pytest.raises(RuntimeError, match="ffn: x must be a floating dtype, got Long"):
+        torch.ops.fastformer.ffn_forward(x, w1, None, w2, None, "relu", 0.0, 0)
