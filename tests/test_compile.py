@@ -161,3 +161,51 @@ def test_dropout_seeds_are_drawn_at_run_time(norm_first):
 def test_feed_forward_fused_and_unfused(activation):
     ff = fnn.FeedForward(E, FF, dropout=0.0, activation=activation)
     _assert_same_as_eager(ff, (torch.randn(B, S, E, requires_grad=True),))
+
+
+def test_layer_norm_of_a_transposed_input_under_inductor():
+    # The fake kernels gave their outputs x's strides, where the kernels return contiguous
+    # ones: inductor's stride check failed at run time ("expected ... stride 24==8").
+    class Transposed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = fnn.LayerNorm(E)
+
+        def forward(self, x):
+            return self.norm(x.transpose(0, 1)).view(-1, E)  # a view of a contiguous output
+
+    _assert_same_as_eager(
+        Transposed(), (torch.randn(B, S, E, requires_grad=True),), backend="inductor"
+    )
+
+
+def test_dynamic_shapes_compile_one_graph():
+    # dynamic=True made eps a SymFloat, and math.isfinite on it broke the graph (an error
+    # under fullgraph) in every module with a LayerNorm.
+    from torch._dynamo.utils import counters
+
+    layer = fnn.TransformerEncoderLayer(E, H, FF, 0.0, batch_first=True)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend="aot_eager")
+    counters.clear()
+    for length in (S, S + 4):
+        x = torch.randn(B, length, E)
+        torch.testing.assert_close(compiled(x), layer(x), **TOL)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_backend_choices_are_no_guard_of_a_compiled_graph():
+    # The traced backend choice read the op's choice cache: dynamo guarded on the cache, and
+    # each change to it (its first fill, a reset past its limit) compiled the graph again.
+    from torch._dynamo.utils import counters
+
+    from fastformer.ops import _dispatch
+
+    norm = fnn.LayerNorm(E)
+    compiled = torch.compile(norm, fullgraph=True, backend="aot_eager")
+    x = torch.randn(B, S, E)
+    counters.clear()
+    for _ in range(2):
+        compiled(x)
+    _dispatch._CHOICES.clear()
+    compiled(x)
+    assert counters["stats"]["unique_graphs"] == 1

@@ -17,7 +17,8 @@ def _nested_reason(input: Tensor) -> list[str]:
 def eps_reasons(eps: float | None) -> list[str]:
     """Why the ops cannot take a norm's `eps` ([] = they can): torch.nn accepts 0, the ops take
     a finite eps > 0 (None: RMSNorm's default)."""
-    if eps is None or (math.isfinite(eps) and eps > 0):
+    # (Comparisons, not math.isfinite: under torch.compile(dynamic=True) eps is a SymFloat.)
+    if eps is None or 0 < eps < math.inf:
         return []
     return [f"eps={eps}: the op takes a finite eps > 0"]
 

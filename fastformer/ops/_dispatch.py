@@ -14,6 +14,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 Reasons = Callable[[Any], list[str]]
 
 
@@ -46,6 +48,10 @@ def select_by_key(op: str, key: Hashable, make_inputs: Callable[[], Any]) -> str
     backends' reasons depend on nothing but `key` (say, device type and dtype). An eager call
     then pays ~1 us for its backend instead of ~6 us (CI VM), host time a small GPU kernel
     would otherwise wait for."""
+    if torch.compiler.is_compiling():
+        # Traced, the cache would become a guard of the graph: it recompiled on each change
+        # of the cache (its first fill; its reset at _CHOICES_LIMIT by run-time calls).
+        return select(op, make_inputs())
     forced = forced_backend(op)
     name = _CHOICES.get((op, key, forced))
     if name is None:

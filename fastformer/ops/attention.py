@@ -361,7 +361,7 @@ def _resolve_scale(scale, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    if not (math.isfinite(scale) and scale > 0):
+    if not 0 < scale < math.inf:  # (not math.isfinite: dynamo cannot trace it on a SymFloat)
         raise ValueError(f"scale must be a positive finite float, got {scale}")
     return float(scale)
 

@@ -154,7 +154,7 @@ def _check_eps(fn: str, eps: object) -> float:
         return eps
     if not isinstance(eps, numbers.Real) or isinstance(eps, bool):
         raise TypeError(f"{fn}: eps must be a float, got {type(eps).__name__}")
-    if not (math.isfinite(eps) and eps > 0):
+    if not 0 < eps < math.inf:  # (not math.isfinite: dynamo cannot trace it on a SymFloat)
         raise ValueError(f"{fn}: eps must be a finite number > 0, got {eps}")
     return float(eps)
 
@@ -241,7 +241,8 @@ def _fwd_fake(x, weight, bias, residual, eps, dropout_p, rms, store_pre):
     pre_shape = x.shape if store_pre else (0,)
     mean = x.new_empty((0,) if rms else (rows,), dtype=_stats_dtype(x))
     rstd = x.new_empty((rows,), dtype=_stats_dtype(x))
-    return torch.empty_like(x), x.new_empty(pre_shape), mean, rstd
+    # Contiguous, as the kernels' (they read x contiguous): inductor checks the strides.
+    return x.new_empty(x.shape), x.new_empty(pre_shape), mean, rstd
 
 
 @_layer_norm_op.register_fake
@@ -341,8 +342,8 @@ def _register_compiled_fakes() -> None:
         none = x.new_empty((0,))
         cols = x.shape[-1]
         return (
-            torch.empty_like(x),
-            torch.empty_like(x) if has_res else none,
+            x.new_empty(x.shape),  # contiguous, as the kernel's
+            x.new_empty(x.shape) if has_res else none,
             weight.new_empty((cols,)) if need_w else none,
             bias.new_empty((cols,)) if need_b else none,
         )
