@@ -9,8 +9,9 @@
 //     issues all its loads of a row (x, and the residual when fused) before it uses any.
 //   * ln_fwd_any_kernel: any cols and alignment, scalar loads, the row re-read from L1/L2 for
 //     each of its passes.
-// Statistics are fp32 and two-pass (mean, then the mean of squared deviations), which is exact
-// enough for rows of any length; mean and rstd are saved for the backward.
+// Statistics are fp32 and two-pass (mean, then the mean of squared deviations); mean and rstd
+// are saved for the backward. The mean is a plain fp32 sum: long rows with a large common offset
+// and constant rows lose precision there (benchmarks/NOTES.md, sixteenth session).
 //
 // Backward: one pass over x and dy gives dx and, per block, fp32 partial sums of dweight and
 // dbias; ln_bwd_finalize_kernel sums those partials in a fixed order. No atomics anywhere, so
