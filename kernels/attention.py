@@ -1448,7 +1448,7 @@ def _seed_args(seed: int | torch.Tensor, device: torch.device) -> tuple[torch.Te
     return dummy, seed
 
 
-def _row_stat(mask: _Mask, stat: torch.Tensor | None, lse: torch.Tensor) -> torch.Tensor:
+def _stat_arg(mask: _Mask, stat: torch.Tensor | None, lse: torch.Tensor) -> torch.Tensor:
     """The Stat argument of a launch: `stat` (float masks; a scratch buffer when the caller
     keeps none), else lse (never read)."""
     if mask.kind != MASK_FLOAT:
@@ -1633,7 +1633,7 @@ def attention_forward(
     mask = _attn_mask(attn_mask, (b, h, lq, lk), q)
     pad = _padding(key_padding_mask, q, kv_range)
     meta = _meta(q, k, v, mask, key_padding_mask, dropout_p, is_causal)
-    stat = _row_stat(mask, stat, lse)
+    stat = _stat_arg(mask, stat, lse)
     args = (
         q, k, v, out, lse, stat, mask.tensor, pad.tensor, pad.kv_range,
         *_seed_args(seed, q.device),
@@ -1751,7 +1751,7 @@ def _backward_kernels(
     if mask.kind == MASK_FLOAT and stat is None:  # from lse: (lse, 0) (_row_lse)
         hi = torch.where(lse == float("-inf"), float("inf"), lse)
         stat = torch.stack((hi, torch.zeros_like(hi)), -1)
-    stat = _row_stat(mask, stat, lse)
+    stat = _stat_arg(mask, stat, lse)
     common = (
         seed, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p), scale * LOG2E, scale,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],

@@ -25,6 +25,8 @@ def eps_reasons(eps: float | None) -> list[str]:
 
 def _fallback(module: nn.Module, op: str, input: Tensor) -> bool:
     """Whether `module` runs torch.nn's forward for `input` (the reason recorded)."""
+    if not input.is_nested and not eps_reasons(module.eps):  # every call: no lists built
+        return False
     reasons = _nested_reason(input) + module.fallback_reasons
     if reasons:
         _record.note(module, op, "torch.nn", [("fastformer", reasons)])

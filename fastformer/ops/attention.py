@@ -774,7 +774,7 @@ def _attention_op(
     # be (B, L, H, D) views, kept in eager calls, where that layout is what a caller with
     # (B, L, H * D) projections reshapes for free.
     if stat is None:  # the fake's shape (it cannot know the backend); never read
-        stat = _stat_fake(query, attn_mask).zero_()
+        stat = _new_stat(query, attn_mask).zero_()
     return out.contiguous(), lse.contiguous(), rng.seed_scalar(seed), stat
 
 
@@ -802,7 +802,7 @@ def _row_stat(query: Tensor, key: Tensor, attn_mask: Tensor | None) -> Tensor | 
     for the backward, with a float mask (kernels.attention.attention_forward's `stat`)."""
     if attn_mask is None or not attn_mask.is_floating_point() or key.shape[2] == 0:
         return None
-    return torch.empty(*query.shape[:3], 2, dtype=torch.float32, device=query.device)
+    return _new_stat(query, attn_mask)
 
 
 @_attention_op.register_fake
@@ -812,10 +812,10 @@ def _attention_fake(query, key, value, attn_mask, key_padding_mask, dropout_p, i
     b, h, lq, _ = query.shape
     out = query.new_empty(b, h, lq, value.shape[-1])
     lse = query.new_empty(b, h, lq, dtype=lse_dtype(query.dtype))
-    return out, lse, torch.empty((), dtype=torch.int64), _stat_fake(query, attn_mask)
+    return out, lse, torch.empty((), dtype=torch.int64), _new_stat(query, attn_mask)
 
 
-def _stat_fake(query: Tensor, attn_mask: Tensor | None) -> Tensor:
+def _new_stat(query: Tensor, attn_mask: Tensor | None) -> Tensor:
     # The op's stat output: (B, H, Lq, 2) float32 with a float mask (`_row_stat`), else empty.
     if attn_mask is not None and attn_mask.is_floating_point():
         return query.new_empty(*query.shape[:3], 2, dtype=torch.float32)
