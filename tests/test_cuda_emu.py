@@ -604,6 +604,86 @@ def test_layer_norm_bit_identical_twice_in_any_order():
     assert all(_same_bits(a, c) for a, c in zip(first[:4], other[:4]))
 
 
+# One case of each forward kernel kind: a warp a row; a block a row with 2 rows a block; 16
+# warps a row; the generic kernel with 2 rows a block and with one row of 8 warps.
+STAT_PATHS = [
+    (F32, 64, (VEC, 1, (32, 4, 1))),
+    (F32, 1024, (VEC, 4, (64, 2, 1))),
+    (F32, 8192, (VEC, 4, (512, 1, 1))),
+    (F32, 201, (ANY, 0, (64, 2, 1))),
+    (BF16, 1024, (VEC, 4, (32, 4, 1))),
+    (F16, 1023, (ANY, 0, (256, 1, 1))),
+]
+STAT_IDS = [f"{str(c[0])[6:]}-{c[1]}" for c in STAT_PATHS]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize(("dtype", "cols", "path"), STAT_PATHS, ids=STAT_IDS)
+def test_layer_norm_of_constant_rows_is_the_bias(dtype, cols, path, fused):
+    # The mean sums x - x[0]: exactly 0 here, so x - mean is 0 and the output the bias even with
+    # eps = 1e-12, where a mean off by an ulp is multiplied by 1e6.
+    x = torch.tensor([7.3, -1e3, 0.1, 3e4, 1.0], dtype=dtype)[:, None].expand(5, cols)
+    x = x.contiguous()
+    w, b = _make((cols,), seed=1, grad=False), _make((cols,), seed=2, grad=False)
+    residual = torch.zeros_like(x) if fused else None
+    for order in ORDERS:
+        ce.clear_launches()
+        with ce.device(order=order):
+            out = ce.layer_norm(x, w, b, residual, eps=1e-12, dropout_p=0.0)
+        assert torch.equal(out, b.to(dtype).expand(5, cols))
+        assert _path(ce.launches()[0]) == path
+
+
+@pytest.mark.parametrize(("dtype", "cols", "path"), STAT_PATHS, ids=STAT_IDS)
+def test_layer_norm_rows_with_a_large_offset(dtype, cols, path):
+    shift = 1e5 if dtype == F32 else 100.0
+    x = _make((5, cols), dtype, shift=shift)
+    w, b = _make((cols,), seed=1), _make((cols,), seed=2)
+    launches = _parity_in_orders(
+        _ln_fast, _ln_ref, [x, w, b], ["x", "weight", "bias"], ATOL_FLOOR[dtype]
+    )
+    assert _path(launches[0]) == path
+
+
+def _relative_error(fast: torch.Tensor, ref64: torch.Tensor) -> float:
+    return float((fast.detach().double() - ref64.detach()).abs().max() / ref64.detach().abs().max())
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize(("dtype", "cols", "path"), STAT_PATHS[:4], ids=STAT_IDS[:4])
+def test_rows_whose_squares_overflow_share_blocks_with_plain_rows(dtype, cols, path, rms):
+    # Row 0's squares overflow float32 (row 2's sum too): those rows are summed again scaled by
+    # 2^-96, a branch every thread of a block takes when any of its rows needs it. Unscaled,
+    # rstd was 0 and the output the bias; the plain rows in the same blocks must not change.
+    scales = torch.tensor([1e30, 1.0, 5e37 if not rms else 1e37, 1e-3, 1.0])[:, None]
+    x = (_make((5, cols), grad=False) * scales).requires_grad_()
+    w, b = _make((cols,), seed=1), None if rms else _make((cols,), seed=2)
+    dy = _make((5, cols), seed=3, grad=False)
+    results = {}
+    for order in ORDERS:
+        ce.clear_launches()
+        with ce.device(order=order):
+            out = ce.layer_norm(x, w, b, rms=rms)
+            grads = torch.autograd.grad(out, [t for t in (x, w, b) if t is not None], dy)
+        assert _path(ce.launches()[0]) == path
+        results[order] = (out, *grads)
+    assert all(_same_bits(a, c) for a, c in zip(*results.values()))
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    if rms:
+        out64 = ref.rms_norm(x64, cols, w64, 1e-5)
+        grads64 = torch.autograd.grad(out64, (x64, w64), dy.double())
+    else:
+        b64 = b.detach().double().requires_grad_()
+        out64 = ref.layer_norm(x64, cols, w64, b64, 1e-5)
+        grads64 = torch.autograd.grad(out64, (x64, w64, b64), dy.double())
+    out, dx = results["forward"][:2]
+    for row in range(5):  # each row on its own scale
+        assert _relative_error(out[row], out64[row]) < 1e-5, row
+        assert _relative_error(dx[row], grads64[0][row]) < 1e-4, row
+    for got, want in zip(results["forward"][2:], grads64[1:]):
+        assert _relative_error(got, want) < 1e-4
+
+
 def test_layer_norm_empty_batch_gives_zero_parameter_gradients(emulator):
     x = torch.empty(0, 8)
     w, b = torch.ones(8), torch.zeros(8)

@@ -128,6 +128,59 @@ def test_layer_norm_matches_torch_and_eps():
             torch.testing.assert_close(ln.layer_norm(x, 33, w, b, eps), expected)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "rows", "hidden", "shift"),
+    [
+        (torch.float32, 2, 100003, 1e6),
+        (torch.float32, 3, 65536, 1e3),
+        (torch.bfloat16, 2, 65536, 64.0),
+    ],
+)
+def test_layer_norm_long_rows_with_a_large_offset(dtype, rows, hidden, shift):
+    # The row mean sums x - x[0]: a plain fp32 sum of the 100003 columns at offset 1e6 was off
+    # by ~20 and the output by up to 10, where the reference's error is 0.02.
+    x = _make((rows, hidden), dtype, shift=shift)
+    _ln_parity(x, hidden, *_params(hidden, "both"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [7, 1000, 4096])
+def test_layer_norm_of_constant_rows_is_the_bias(dtype, hidden):
+    # x - mean must be exactly 0: with eps = 1e-12 an ulp of error in the mean is multiplied by
+    # 1e6 (the output was O(1) where it is the bias).
+    x = torch.tensor([7.3, -1e3, 0.1, 3e4], dtype=dtype)[:, None].expand(4, hidden).contiguous()
+    w, b = _params(hidden, "both", dtype)
+    expected = b.detach().expand(4, hidden)
+    assert torch.equal(ln.layer_norm(x, hidden, w, b, 1e-12).detach(), expected)
+    out, pre = ln.dropout_add_layer_norm(x, torch.zeros_like(x), w, b, 1e-12, prenorm=True)
+    assert torch.equal(out.detach(), expected) and torch.equal(pre, x)
+
+
+def _relative_error(fast: torch.Tensor, ref64: torch.Tensor) -> float:
+    return float((fast.detach().double() - ref64.detach()).abs().max() / ref64.detach().abs().max())
+
+
+@pytest.mark.parametrize(
+    ("norm", "scale"), [("layer_norm", 1e30), ("layer_norm", 5e37), ("rms_norm", 1e25)]
+)
+def test_norms_of_rows_whose_squares_overflow(norm, scale):
+    # (x - mean)^2 overflows float32 (and at 5e37 the sum of x does too): the statistics are
+    # then taken on x scaled by a power of two. Unscaled, rstd was 0 and the output silently the
+    # bias (torch's own float32 LayerNorm gives NaN); the float64 reference is finite.
+    x = _make((3, 4096), scale=scale)
+    w, b = _params(4096, "both")
+    fast = ln.layer_norm if norm == "layer_norm" else ln.rms_norm
+    reference = ref.layer_norm if norm == "layer_norm" else ref.rms_norm
+    extra = (b,) if norm == "layer_norm" else ()
+    dy = _make((3, 4096), seed=9, grad=False)
+    out = fast(x, 4096, w, *extra, 1e-5)
+    out64 = reference(x.double(), 4096, w.double(), *(t.double() for t in extra), 1e-5)
+    grads = torch.autograd.grad(out, (x, w, *extra), dy)
+    grads64 = torch.autograd.grad(out64, (x, w, *extra), dy.double())
+    for got, want in zip((out, *grads), (out64, *grads64)):
+        assert _relative_error(got, want) < 1e-5
+
+
 # --------------------------------------------------------------------------- rms_norm
 
 

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -227,9 +228,11 @@ FF_INLINE A sum_map(const A* p, int64_t n, const F& f) {
       n, [p](int64_t j) { return vload(p + j); }, [p](int64_t j) { return p[j]; }, f);
 }
 
+// sum(p[j] - shift): the mean's sum, taken from a value of the row (rms_and_mean).
 template <typename A>
-FF_INLINE A sum_impl(const A* p, int64_t n) {
-  return sum_map(p, n, [](const Vec<A>& v) { return v; });
+FF_INLINE A sum_impl(const A* p, int64_t n, A shift) {
+  const Vec<A> s = vsplat(shift);
+  return sum_map(p, n, [s](const Vec<A>& v) { return v - s; });
 }
 
 template <typename A>
@@ -390,14 +393,15 @@ FF_INLINE void convert_impl(const float* src, c10::BFloat16* dst, int64_t n) {
 // conversion passes took 30% of it). The same operations in the same order as convert_impl
 // then sum_impl (sum_loaded), and normalize_impl then convert_impl: the same bits, in 3 passes,
 // not 5.
-FF_INLINE float convert_sum_impl(const c10::BFloat16* src, float* dst, int64_t n) {
+FF_INLINE float convert_sum_impl(const c10::BFloat16* src, float* dst, int64_t n, float shift) {
   const auto load = [src, dst](int64_t j) {
     const Vec<float> v = load_bf16x8(src + j);
     vstore(dst + j, v);
     return v;
   };
   const auto load_one = [src, dst](int64_t j) { return dst[j] = static_cast<float>(src[j]); };
-  return sum_loaded<float>(n, load, load_one, [](const Vec<float>& v) { return v; });
+  const Vec<float> s = vsplat(shift);
+  return sum_loaded<float>(n, load, load_one, [s](const Vec<float>& v) { return v - s; });
 }
 
 FF_INLINE void normalize_store_impl(const float* x, c10::BFloat16* out, int64_t n, float mean,
@@ -420,7 +424,7 @@ FF_INLINE void normalize_store_impl(const float* x, c10::BFloat16* out, int64_t 
 
 // The cloned entry points, for A = float and double.
 #define FF_ROW_OPS(A)                                                                         \
-  FF_CPU_CLONES A row_sum(const A* p, int64_t n) { return sum_impl(p, n); }                   \
+  FF_CPU_CLONES A row_sum(const A* p, int64_t n, A shift) { return sum_impl(p, n, shift); }   \
   FF_CPU_CLONES A row_sq_dev(const A* p, int64_t n, A mean) { return sq_dev_impl(p, n, mean); } \
   FF_CPU_CLONES void row_normalize(const A* x, A* out, int64_t n, A mean, A rstd, const A* w,  \
                                    const A* b) {                                              \
@@ -467,8 +471,9 @@ FF_CONVERT_OPS(c10::BFloat16)
 
 #if defined(__GNUC__) || defined(__clang__)
 #define FF_FUSED_BF16 1
-FF_CPU_CLONES float row_convert_sum(const c10::BFloat16* src, float* dst, int64_t n) {
-  return convert_sum_impl(src, dst, n);
+FF_CPU_CLONES float row_convert_sum(const c10::BFloat16* src, float* dst, int64_t n,
+                                    float shift) {
+  return convert_sum_impl(src, dst, n, shift);
 }
 FF_CPU_CLONES void row_normalize(const float* x, c10::BFloat16* out, int64_t n, float mean,
                                  float rstd, const float* w, const float* b) {
@@ -570,6 +575,36 @@ void load_row(const FwdCpu<T>& p, int64_t row, A* v) {
   if (p.pre != nullptr) row_convert(v, p.pre + off, p.cols);
 }
 
+// Mean and rstd of a row whose statistics overflowed (|x - mean| past sqrt(max), or a sum past
+// max): the same two passes on x times 2^-(3/4 max_exponent) (2^-96 for float), exact for a
+// power of two, so that neither the squares nor their sum over 2^63 columns can overflow. The
+// values it flushes are too small to change a variance past max. torch's fp32 LayerNorm gives
+// NaN there; an unscaled rstd was 0 and the output silently the bias. Rows with inf or NaN come
+// out NaN as before.
+template <typename A>
+std::pair<A, A> scaled_stats(const A* v, int64_t n, double eps, bool rms) {
+  const A s = std::ldexp(A(1), -3 * std::numeric_limits<A>::max_exponent / 4);
+  const Vec<A> vs = vsplat(s), shift = vsplat(rms ? A(0) : v[0] * s);
+  const A sum = sum_map(v, n, [&](const Vec<A>& x) { return x * vs - shift; });
+  const A mu = rms ? A(0) : v[0] * s + sum / static_cast<A>(n);  // of the scaled row
+  const Vec<A> m = vsplat(mu);
+  const A var = sum_map(v, n, [&](const Vec<A>& x) { return (x * vs - m) * (x * vs - m); });
+  const A scaled_eps = static_cast<A>(eps) * s * s;
+  return {mu / s, s / std::sqrt(var / static_cast<A>(n) + scaled_eps)};
+}
+
+// Mean (0 for RMSNorm) and rstd of row v. The mean sums x - x[0] (`total`: that sum, taken
+// while converting): exact for a constant row, and its rounding grows with the row's spread,
+// not its offset (a plain fp32 sum of a 100003-column row at offset 1e6 was off by ~20).
+template <typename A>
+std::pair<A, A> row_stats(const A* v, int64_t n, double eps, bool rms, const A* total) {
+  const A shift = rms || n == 0 ? A(0) : v[0];
+  const A mu = rms ? A(0) : shift + (total ? *total : row_sum(v, n, shift)) / static_cast<A>(n);
+  const A var = row_sq_dev(v, n, mu) / static_cast<A>(n);
+  if (!std::isfinite(mu) || !std::isfinite(var)) return scaled_stats(v, n, eps, rms);
+  return {mu, A(1) / std::sqrt(var + static_cast<A>(eps))};
+}
+
 template <typename T>
 void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
                     const c10::optional<at::Tensor>& bias, int64_t rows, at::Tensor& mean,
@@ -588,7 +623,7 @@ void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
     std::vector<A> buf(n);
     for (int64_t row = begin; row < end; ++row) {
       const A* v = buf.data();
-      A total = 0;  // of v, when the conversion summed it
+      A total = 0;  // of v - v[0], when the conversion summed it
       bool summed = false;
       if constexpr (std::is_same_v<T, A>) {
         if (!p.fused) v = p.x + row * n;  // fp32 / fp64: read x in place
@@ -596,15 +631,14 @@ void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
 #ifdef FF_FUSED_BF16
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         if (!p.fused) {
-          total = row_convert_sum(p.x + row * n, buf.data(), n);
+          const float shift = n > 0 ? static_cast<float>(p.x[row * n]) : 0.f;
+          total = row_convert_sum(p.x + row * n, buf.data(), n, shift);
           summed = true;
         }
       }
 #endif
       if (v == buf.data() && !summed) load_row<T, A>(p, row, buf.data());
-      const A mu = p.rms ? A(0) : (summed ? total : row_sum(v, n)) / static_cast<A>(n);
-      const A var = row_sq_dev(v, n, mu) / static_cast<A>(n);
-      const A r = A(1) / std::sqrt(var + static_cast<A>(p.eps));
+      const auto [mu, r] = row_stats(v, n, p.eps, p.rms, summed ? &total : nullptr);
       if (mean_out != nullptr) mean_out[row] = mu;
       rstd_out[row] = r;
       const A* wp = affine ? w.data() : nullptr;

@@ -9,9 +9,9 @@
 //     issues all its loads of a row (x, and the residual when fused) before it uses any.
 //   * ln_fwd_any_kernel: any cols and alignment, scalar loads, the row re-read from L1/L2 for
 //     each of its passes.
-// Statistics are fp32 and two-pass (mean, then the mean of squared deviations); mean and rstd
-// are saved for the backward. The mean is a plain fp32 sum: long rows with a large common offset
-// and constant rows lose precision there (benchmarks/NOTES.md, sixteenth session).
+// Statistics are fp32 and two-pass (mean, then the mean of squared deviations; "row statistics"
+// below says how they stay exact for constant rows and finite for huge ones); mean and rstd are
+// saved for the backward.
 //
 // Backward: one pass over x and dy gives dx and, per block, fp32 partial sums of dweight and
 // dbias; ln_bwd_finalize_kernel sums those partials in a fixed order. No atomics anywhere, so
@@ -185,20 +185,104 @@ __device__ __forceinline__ float2 add(float2 a, float2 b) {
   return make_float2(a.x + b.x, a.y + b.y);
 }
 
+__device__ __forceinline__ bool finite(float v) { return isfinite(v); }
+__device__ __forceinline__ bool finite(float2 v) { return isfinite(v.x) && isfinite(v.y); }
+
+// The sum of one row's warp partials, in a fixed order.
+template <typename V>
+__device__ __forceinline__ V slots_total(const V* slot, int warps) {
+  V total = slot[0];
+  for (int w = 1; w < warps; ++w) total = add(total, slot[w]);
+  return total;
+}
+
 // Sum over the threads of one row (threadIdx.x, for a fixed threadIdx.y); every thread gets the
 // total, in a fixed order. Every thread of the block must call it (it may synchronise).
+// nonfinite (when given): whether the total is inf or NaN for any row of the block (for the
+// caller's row only with a warp a row, which never synchronises): a branch on it that holds
+// barriers is then taken by the whole block.
 template <typename V>
-__device__ __forceinline__ V row_sum(V v, V* red) {
+__device__ __forceinline__ V row_sum(V v, V* red, bool* nonfinite = nullptr) {
   v = warp_sum(v);
   const int warps = blockDim.x / kWarp;
-  if (warps == 1) return v;  // warp per row: no shared memory, no barrier
+  if (warps == 1) {  // warp per row: no shared memory, no barrier
+    if (nonfinite != nullptr) *nonfinite = !finite(v);
+    return v;
+  }
   V* slot = red + threadIdx.y * warps;
   if (threadIdx.x % kWarp == 0) slot[threadIdx.x / kWarp] = v;
   __syncthreads();
-  V total = slot[0];
-  for (int w = 1; w < warps; ++w) total = add(total, slot[w]);
+  const V total = slots_total(slot, warps);
+  if (nonfinite != nullptr) {
+    *nonfinite = false;
+    for (int y = 0; y < blockDim.y; ++y) *nonfinite |= !finite(slots_total(red + y * warps, warps));
+  }
   __syncthreads();  // the slots are reused by the next reduction
   return total;
+}
+
+// v of thread 0 of the caller's row, on every thread of the row. With several warps a row it
+// goes through slot[threadIdx.y] and a barrier; the next write comes after the row's next
+// row_sum barrier, which every thread reaches only after reading it.
+__device__ __forceinline__ float row_first(float v, float* slot) {
+  if (blockDim.x == kWarp) return __shfl_sync(0xffffffffu, v, 0);
+  if (threadIdx.x == 0) slot[threadIdx.y] = v;
+  __syncthreads();
+  return slot[threadIdx.y];
+}
+
+// ------------------------------------------------------------------ row statistics
+//
+// The mean sums x - shift, shift being the row's first value: exact for a constant row (x - mean
+// is then 0, and the output the bias even with eps = 1e-12), and its rounding grows with the
+// row's spread, not its offset (a plain fp32 sum was off by ~20 for a 100003-column row at 1e6
+// on the CPU kernels, which sum the same way). A row whose sums overflow (|x - mean| past
+// ~1.8e19: its rstd came out 0 and the output silently the bias) is summed again with its values
+// scaled by 2^-96, exact for a power of two, where no square or sum can overflow; rstd must
+// still be a normal float (ftz), which holds for a standard deviation up to ~8.5e37.
+constexpr float kOverflowScale = 0x1p-96f;
+
+// One value's term of the first sum: v - shift, or v^2 for RMSNorm (values times scale).
+template <bool kRms>
+__device__ __forceinline__ float stat_term(float v, float shift, float scale) {
+  v *= scale;
+  return kRms ? v * v : v - shift * scale;
+}
+
+// (mean, rstd) of a row from the first sum of this thread's terms (stat_term); each(f) calls f
+// on each of this thread's values of the row, for the second pass. nonfinite: as row_sum's.
+template <bool kRms, typename Each>
+__device__ __forceinline__ float2 scaled_stats(float sum, const Each& each, float shift,
+                                               float cols, float eps, float scale, float* red,
+                                               bool* nonfinite) {
+  if (kRms) {
+    const float var = row_sum(sum, red, nonfinite) / cols;  // the mean square
+    return make_float2(0.f, scale * rsqrtf(var + eps * scale * scale));
+  }
+  const float mean = shift * scale + row_sum(sum, red) / cols;
+  float sq = 0.f;
+  each([&](float v) {
+    const float d = v * scale - mean;
+    sq += d * d;
+  });
+  const float var = row_sum(sq, red, nonfinite) / cols;
+  return make_float2(mean / scale, scale * rsqrtf(var + eps * scale * scale));
+}
+
+// (mean, rstd) of the caller's row, rescaled where its sums overflowed. Uniform over the block.
+template <bool kRms, typename Each>
+__device__ __forceinline__ float2 row_stats(float sum, const Each& each, float shift, float cols,
+                                            float eps, float* red) {
+  bool overflow = false;
+  float2 stats = scaled_stats<kRms>(sum, each, shift, cols, eps, 1.f, red, &overflow);
+  if (overflow) {  // rare: any row of the block, so that its barriers are reached by all
+    float scaled_sum = 0.f;
+    each([&](float v) { scaled_sum += stat_term<kRms>(v, shift, kOverflowScale); });
+    const float2 scaled =
+        scaled_stats<kRms>(scaled_sum, each, shift, cols, eps, kOverflowScale, red, nullptr);
+    if (!(stats.y > 0.f)) stats = scaled;  // this row's own sums overflowed (or hold NaN)
+  }
+  return stats;
 }
 
 
@@ -311,6 +395,7 @@ __global__ void __launch_bounds__(kFwdMaxThreads, kFwdMinBlocks)
     ln_fwd_vec_kernel(const LnFwdArgs a) {
   constexpr int kE = 16 / sizeof(T);
   __shared__ float red[kWarp];
+  __shared__ float first[kWarp];
   const int64_t nvec = a.cols / kE;
   const float cols = static_cast<float>(a.cols);
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
@@ -321,34 +406,23 @@ __global__ void __launch_bounds__(kFwdMaxThreads, kFwdMinBlocks)
     const bool row_ok = row < a.rows;
     uint4 raw[kVecs];
     load_row<T, kVecs, kFused>(a, row, row_ok, nvec, raw);
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      float v[kE];
-      unpack<T>(raw[i], v);
-#pragma unroll
-      for (int e = 0; e < kE; ++e) sum += kRms ? v[e] * v[e] : v[e];
-    }
-    const float mean = kRms ? 0.f : row_sum(sum, red) / cols;
-    float var;
-    if (kRms) {
-      var = row_sum(sum, red) / cols;  // the mean square
-    } else {
-      float sq = 0.f;
+    const auto each = [&](auto&& f) {  // f(v) for this thread's values of the row
 #pragma unroll
       for (int i = 0; i < kVecs; ++i) {
-        const bool valid = threadIdx.x + static_cast<int64_t>(i) * blockDim.x < nvec;
+        if (threadIdx.x + static_cast<int64_t>(i) * blockDim.x >= nvec) continue;
         float v[kE];
         unpack<T>(raw[i], v);
 #pragma unroll
-        for (int e = 0; e < kE; ++e) {
-          const float d = v[e] - mean;
-          sq += valid ? d * d : 0.f;
-        }
+        for (int e = 0; e < kE; ++e) f(v[e]);
       }
-      var = row_sum(sq, red) / cols;
-    }
-    const float rstd = rsqrtf(var + a.eps);
+    };
+    float v0[kE];
+    unpack<T>(raw[0], v0);
+    const float shift = kRms ? 0.f : row_first(v0[0], first);
+    float sum = 0.f;
+    each([&](float v) { sum += stat_term<kRms>(v, shift, 1.f); });
+    const float2 stats = row_stats<kRms>(sum, each, shift, cols, a.eps, red);
+    const float mean = stats.x, rstd = stats.y;
     if (row_ok && threadIdx.x == 0) {
       if (a.mean != nullptr) a.mean[row] = mean;
       a.rstd[row] = rstd;
@@ -369,6 +443,7 @@ __global__ void __launch_bounds__(kFwdMaxThreads, kFwdMinBlocks)
 template <typename T, typename W, bool kRms, bool kFused>
 __global__ void __launch_bounds__(kFwdMaxThreads, 1) ln_fwd_any_kernel(const LnFwdArgs a) {
   __shared__ float red[kWarp];
+  __shared__ float first[kWarp];
   const float cols = static_cast<float>(a.cols);
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
   T* pre = static_cast<T*>(a.pre);
@@ -377,28 +452,24 @@ __global__ void __launch_bounds__(kFwdMaxThreads, 1) ln_fwd_any_kernel(const LnF
     const int64_t row = base + threadIdx.y;
     const int64_t end = row < a.rows ? (row + 1) * a.cols : 0;  // empty range past the last row
     const int64_t begin = row * a.cols + threadIdx.x;
+    // Thread 0's first element is the row's first (a launched row has a column at least).
+    const bool has_first = threadIdx.x == 0 && begin < end;
+    const float shift =
+        kRms ? 0.f : row_first(has_first ? input_at<T, kFused>(a, begin) : 0.f, first);
     float sum = 0.f;
     for (int64_t idx = begin; idx < end; idx += blockDim.x) {
       const float v = input_at<T, kFused>(a, idx);
       if (kFused && pre != nullptr) pre[idx] = from_float<T>(v);
-      sum += kRms ? v * v : v;
+      sum += stat_term<kRms>(v, shift, 1.f);
     }
     auto value = [&](int64_t idx) {
       return kFused && pre != nullptr ? to_float(pre[idx]) : input_at<T, kFused>(a, idx);
     };
-    const float mean = kRms ? 0.f : row_sum(sum, red) / cols;
-    float var;
-    if (kRms) {
-      var = row_sum(sum, red) / cols;
-    } else {
-      float sq = 0.f;
-      for (int64_t idx = begin; idx < end; idx += blockDim.x) {
-        const float d = value(idx) - mean;
-        sq += d * d;
-      }
-      var = row_sum(sq, red) / cols;
-    }
-    const float rstd = rsqrtf(var + a.eps);
+    const auto each = [&](auto&& f) {
+      for (int64_t idx = begin; idx < end; idx += blockDim.x) f(value(idx));
+    };
+    const float2 stats = row_stats<kRms>(sum, each, shift, cols, a.eps, red);
+    const float mean = stats.x, rstd = stats.y;
     if (row < a.rows && threadIdx.x == 0) {
       if (a.mean != nullptr) a.mean[row] = mean;
       a.rstd[row] = rstd;
