@@ -778,6 +778,21 @@ def _stage_ref_grads(h, dg, act, keep, p):
     return g.detach(), dh, dh.sum(0)
 
 
+def test_ffn_gelu_tanh_keeps_its_digits_in_the_left_tail(emulator):
+    # The stage's gate is 1 / (1 + e^-2u): from tanhf, 1 + tanh(u) cancelled (0 at x = -5).
+    h = torch.linspace(-9, 9, 3600).view(-1, 8)
+    dg = torch.ones_like(h)
+    with ce.device():
+        g = emulator.ops.ffn_forward(h, "gelu_tanh", 0.0, SEED)
+        dh = emulator.ops.ffn_backward(dg, h, "gelu_tanh", 0.0, SEED)[0]
+    h64 = h.double().requires_grad_()
+    u = (2 / torch.pi) ** 0.5 * (h64 + 0.044715 * h64**3)
+    g64 = h64 * torch.sigmoid(2 * u)  # float64's 1 + tanh(u) cancels too
+    (dh64,) = torch.autograd.grad(g64.sum(), h64)
+    assert ((g - g64).abs() <= 2e-5 * g64.abs()).all()
+    assert ((dh - dh64).abs() <= 2e-5 * dh64.abs() + 1e-7).all()
+
+
 def _ffn_inputs(rows, d_ff, act, dtype, seed=0):
     width = 2 * d_ff if act in GATED else d_ff
     h = _make((rows, width), dtype, seed=seed, scale=2.0, grad=False)

@@ -143,6 +143,26 @@ def test_gradcheck_float64(activation):
     assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5)
 
 
+def _exact_gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    # 0.5 x (1 + tanh(u)) as x sigmoid(2u): float64's own 1 + tanh(u) cancels past x = -6.
+    u = (2 / torch.pi) ** 0.5 * (x + 0.044715 * x**3)
+    return x * torch.sigmoid(2 * u)
+
+
+def test_gelu_tanh_keeps_its_digits_in_the_left_tail():
+    # 1 + tanh(u) and 1 - tanh(u)^2 in float32 lose their digits for negative x: the output was
+    # 0 from x = -7.1 to -4.96 and 4x torch's error at x = -3.
+    x = torch.linspace(-9, 9, 3601)[:, None].requires_grad_()
+    one = torch.ones(1, 1)
+    out = ffn(x, one, None, one, None, "gelu_tanh")
+    (dx,) = torch.autograd.grad(out.sum(), x)
+    x64 = x.detach().double().requires_grad_()
+    out64 = _exact_gelu_tanh(x64)
+    (dx64,) = torch.autograd.grad(out64.sum(), x64)
+    assert ((out - out64).abs() <= 2e-5 * out64.abs()).all()
+    assert ((dx - dx64).abs() <= 2e-5 * dx64.abs() + 1e-7).all()  # dx crosses 0 at x = -0.75
+
+
 # --------------------------------------------------------------------------- dropout
 
 

@@ -213,13 +213,11 @@ template <>
 struct Math<float> {
   static FF_ALWAYS_INLINE float exp(float x) { return exp_f32(x); }
   static FF_ALWAYS_INLINE float erf(float x) { return erf_f32(x); }
-  static FF_ALWAYS_INLINE float tanh(float x) { return 1.f - 2.f / (1.f + exp_f32(2.f * x)); }
 };
 template <>
 struct Math<double> {
   static double exp(double x) { return std::exp(x); }
   static double erf(double x) { return std::erf(x); }
-  static double tanh(double x) { return std::tanh(x); }
 };
 
 template <typename acc_t>
@@ -229,6 +227,17 @@ struct Consts {
   static constexpr acc_t kTanhBeta = static_cast<acc_t>(0.79788456080286535588);  // sqrt(2/pi)
   static constexpr acc_t kTanhKappa = static_cast<acc_t>(0.044715);
 };
+
+// The tanh GELU's gate s = (1 + tanh(u)) / 2 = 1 / (1 + e^-2u), u = sqrt(2/pi) (x + k x^3), and
+// 1 - s. From tanh, 1 + tanh(u) and 1 - tanh(u)^2 cancel in the left tail (fp32 at x = -5: 0
+// where torch gives -3e-7; 4x torch's error at x = -3); 1 - s = e^-2u s keeps its digits.
+template <typename acc_t>
+FF_ALWAYS_INLINE std::pair<acc_t, acc_t> gelu_tanh_gate(acc_t x) {
+  using C = Consts<acc_t>;
+  const acc_t e = Math<acc_t>::exp(acc_t(-2) * C::kTanhBeta * (x + C::kTanhKappa * x * x * x));
+  const acc_t s = acc_t(1) / (acc_t(1) + e);
+  return {s, e > acc_t(1) ? acc_t(1) - s : e * s};
+}
 
 constexpr bool is_gated(FfnActivation a) {
   return a == FfnActivation::kSwiglu || a == FfnActivation::kGeglu;
@@ -244,7 +253,7 @@ FF_ALWAYS_INLINE acc_t act(acc_t x) {
   } else if constexpr (A == FfnActivation::kGelu || A == FfnActivation::kGeglu) {
     return acc_t(0.5) * x * (acc_t(1) + M::erf(x * C::kSqrtHalf));
   } else if constexpr (A == FfnActivation::kGeluTanh) {
-    return acc_t(0.5) * x * (acc_t(1) + M::tanh(C::kTanhBeta * (x + C::kTanhKappa * x * x * x)));
+    return x * gelu_tanh_gate(x).first;
   } else if constexpr (A == FfnActivation::kSilu || A == FfnActivation::kSwiglu) {
     return x / (acc_t(1) + M::exp(-x));
   } else {
@@ -261,9 +270,9 @@ FF_ALWAYS_INLINE acc_t act_grad(acc_t x) {
     return acc_t(0.5) * (acc_t(1) + M::erf(x * C::kSqrtHalf)) +
            x * C::kInvSqrt2Pi * M::exp(acc_t(-0.5) * x * x);
   } else if constexpr (A == FfnActivation::kGeluTanh) {
-    const acc_t t = M::tanh(C::kTanhBeta * (x + C::kTanhKappa * x * x * x));
-    return acc_t(0.5) * (acc_t(1) + t) + acc_t(0.5) * x * (acc_t(1) - t * t) * C::kTanhBeta *
-                                             (acc_t(1) + acc_t(3) * C::kTanhKappa * x * x);
+    const auto [s, one_minus_s] = gelu_tanh_gate(x);  // (1 - tanh^2) / 2 = 2 s (1 - s)
+    return s + acc_t(2) * x * s * one_minus_s * C::kTanhBeta *
+                   (acc_t(1) + acc_t(3) * C::kTanhKappa * x * x);
   } else if constexpr (A == FfnActivation::kSilu || A == FfnActivation::kSwiglu) {
     const acc_t s = acc_t(1) / (acc_t(1) + M::exp(-x));
     return s * (acc_t(1) + x * (acc_t(1) - s));

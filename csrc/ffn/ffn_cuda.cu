@@ -60,6 +60,14 @@ constexpr float kInvSqrt2Pi = 0.39894228040143268f;   // 1 / sqrt(2 pi)
 constexpr float kTanhBeta = 0.79788456080286536f;     // sqrt(2 / pi)
 constexpr float kTanhKappa = 0.044715f;
 
+// The tanh GELU's gate s = (1 + tanh(u)) / 2 = 1 / (1 + e^-2u) and 1 - s (ffn.cpp says why not
+// from tanhf: 1 + tanh and 1 - tanh^2 cancel in the left tail).
+__device__ __forceinline__ float2 gelu_tanh_gate(float x) {
+  const float e = expf(-2.f * kTanhBeta * (x + kTanhKappa * x * x * x));
+  const float s = 1.f / (1.f + e);
+  return make_float2(s, e > 1.f ? 1.f - s : e * s);
+}
+
 __host__ __device__ constexpr bool is_gated(FfnActivation a) {
   return a == FfnActivation::kSwiglu || a == FfnActivation::kGeglu;
 }
@@ -72,7 +80,7 @@ __device__ __forceinline__ float act(float x) {
   } else if constexpr (A == FfnActivation::kGelu || A == FfnActivation::kGeglu) {
     return 0.5f * x * (1.f + erff(x * kSqrtHalf));
   } else if constexpr (A == FfnActivation::kGeluTanh) {
-    return 0.5f * x * (1.f + tanhf(kTanhBeta * (x + kTanhKappa * x * x * x)));
+    return x * gelu_tanh_gate(x).x;
   } else if constexpr (A == FfnActivation::kSilu || A == FfnActivation::kSwiglu) {
     return x / (1.f + expf(-x));
   } else {
@@ -86,9 +94,8 @@ __device__ __forceinline__ float act_grad(float x) {
   if constexpr (A == FfnActivation::kGelu || A == FfnActivation::kGeglu) {
     return 0.5f * (1.f + erff(x * kSqrtHalf)) + x * kInvSqrt2Pi * expf(-0.5f * x * x);
   } else if constexpr (A == FfnActivation::kGeluTanh) {
-    const float t = tanhf(kTanhBeta * (x + kTanhKappa * x * x * x));
-    return 0.5f * (1.f + t) +
-           0.5f * x * (1.f - t * t) * kTanhBeta * (1.f + 3.f * kTanhKappa * x * x);
+    const float2 s = gelu_tanh_gate(x);  // (1 - tanh^2) / 2 = 2 s (1 - s)
+    return s.x + 2.f * x * s.x * s.y * kTanhBeta * (1.f + 3.f * kTanhKappa * x * x);
   } else if constexpr (A == FfnActivation::kSilu || A == FfnActivation::kSwiglu) {
     const float s = 1.f / (1.f + expf(-x));
     return s * (1.f + x * (1.f - s));
