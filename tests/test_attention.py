@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -815,6 +816,20 @@ def test_raw_ops_check_their_inputs(case):
         backward(grad_out, None, q, k, v, out, lse, stat, None, None, seed, 0.0, False, 0.25, False)
 
 
+@pytest.mark.parametrize("name", ["grad_out", "out", "lse", "seed"])
+def test_raw_backward_refuses_one_meta_argument(name):
+    # One meta tensor among CPU ones sends the call to the fake kernel, which checked nothing
+    # and returned uninitialized CPU gradients.
+    q = _randn((1, 2, 5, 8))
+    out, lse, seed, stat = torch.ops.fastformer.attention(q, q, q, None, None, 0.0, False, 0.25)
+    args = dict(grad_out=torch.ones_like(out), out=out, lse=lse, seed=seed)
+    args[name] = args[name].to("meta")
+    with pytest.raises(ValueError, match=f"attention_backward: {name} is on meta"):
+        torch.ops.fastformer.attention_backward(args["grad_out"], None, q, q, q, args["out"],
+                                                args["lse"], stat, None, None, args["seed"], 0.0,
+                                                False, 0.25, False)  # fmt: skip
+
+
 def test_torch_compile_fullgraph_matches_eager():
     c = Case(lq=33, lk=47, d=16, mask="float", kpm="random")
     kpm = _key_padding(c)
@@ -1334,10 +1349,25 @@ ERRORS = {
         ValueError,
         r"seq_q \* 4 \* ceil\(seq_k / 32\) < 2\*\*32",
     ),
-    "scale_zero": (_bad(scale=0.0), ValueError, "scale must be a positive finite float, got 0.0"),
-    "scale_nan": (_bad(scale=float("nan")), ValueError, "scale must be a positive finite"),
+    "scale_zero": (_bad(scale=0.0), ValueError, "scale must be a finite number > 0, got 0.0"),
+    "scale_nan": (_bad(scale=float("nan")), ValueError, "scale must be a finite number > 0"),
     "scale_str": (_bad(scale="1"), TypeError, "scale must be a float or None"),
+    # an int past float's range: OverflowError from float() once checked
+    "scale_huge_int": (_bad(scale=10**400), ValueError, "scale must be a finite number > 0"),
     "causal_int": (_bad(is_causal=1), TypeError, "is_causal must be a bool"),
+    "causal_numpy": (_bad(is_causal=np.bool_(True)), TypeError, "must be a bool, got numpy.bool"),
+    # just below 1 as a numpy.longdouble, 1.0 as the float the kernels take
+    "dropout_rounds_to_one": (
+        _bad(dropout_p=np.longdouble(1) - np.longdouble(2) ** -60),
+        ValueError,
+        r"dropout_p must be in \[0, 1\)",
+    ),
+    "query_sparse": (_bad(query=_z(2, 4, 5, 8).to_sparse()), ValueError, "query must be a dense"),
+    "mask_sparse": (
+        _bad(attn_mask=_z(5, 6).to_sparse()),
+        ValueError,
+        "attn_mask must be a dense strided tensor, got layout torch.sparse_coo",
+    ),
 }
 
 

@@ -4,6 +4,7 @@ saved for backward, the CUDA epilogue heuristic, and (GPU only) the CUDA kernels
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -257,6 +258,9 @@ def test_inference_saves_nothing_large():
 # --------------------------------------------------------------------------- bad inputs
 
 
+_LONG_ONE = np.longdouble(1)
+
+
 def _bad_cases():
     x, w1, b1, w2, b2 = (t.detach() for t in make_inputs((3,), 8, 6, "relu"))
     ok = dict(x=x, w1=w1, b1=b1, w2=w2, b2=b2, activation="relu", dropout_p=0.1)
@@ -277,6 +281,12 @@ def _bad_cases():
         ("x_scalar", dict(x=torch.tensor(1.0)), ValueError, r"at least 1 dimension"),
         ("x_int", dict(x=torch.ones(3, 8, dtype=torch.int64)), TypeError, r"floating dtype"),
         ("b1_type", dict(b1=[0.0] * 6), TypeError, r"b1 must be a Tensor or None, got list"),
+        # sparse and nested tensors failed inside torch without naming the argument
+        ("x_sparse", dict(x=x.to_sparse()), ValueError, r"x must be a dense .*sparse_coo"),
+        ("w1_sparse", dict(w1=w1.to_sparse()), ValueError, r"w1 must be a dense"),
+        ("x_nested", dict(x=torch.nested.as_nested_tensor([x, x[:2]])), ValueError, r"nested"),
+        # below 1 as a numpy.longdouble, 1.0 as a float: refused by C++, ZeroDivisionError in torch
+        ("p_rounds_to_one", dict(dropout_p=_LONG_ONE - _LONG_ONE / 2**60), ValueError, r"\[0, 1\)"),
     ], ok
 
 
@@ -544,6 +554,16 @@ def test_raw_grad_op_refuses_a_seed_that_is_not_int64():
     # One meta argument among CPU ones reached the fake kernel, which returned CPU tensors.
     with pytest.raises(ValueError, match="w1 is on meta"):
         torch.ops.fastformer.ffn(x, w1.to("meta"), None, w2, None, "relu", 0.0, False)
+    # And a seed: neither the saved seed nor the compiled kernels' device_seed was checked.
+    with pytest.raises(ValueError, match="ffn_grad: seed is on meta"):
+        torch.ops.fastformer.ffn_grad(torch.ones_like(out), x, w1, w2, saved, seed.to("meta"),
+                                      "relu", 0.1)  # fmt: skip
+    meta_seed = seed.to("meta")
+    with pytest.raises(ValueError, match="ffn_forward: device_seed is on meta"):
+        torch.ops.fastformer.ffn_forward(x, w1, None, w2, None, "relu", 0.0, 1, False, meta_seed)
+    with pytest.raises(ValueError, match="ffn_backward: device_seed is on meta"):
+        torch.ops.fastformer.ffn_backward(torch.ones_like(out), x, w1, w2, saved, "relu", 0.1, 1,
+                                          meta_seed)  # fmt: skip
 
 
 def test_raw_forward_op_refuses_integer_inputs_before_its_gemm():

@@ -9,6 +9,7 @@ keep-mask regenerated from the seed the op drew (`torch.manual_seed` predicts it
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -416,6 +417,24 @@ def _bad_cases():
         "eps negative": (lambda: ln.layer_norm(x, 8, eps=-1e-5), ValueError, "eps"),
         "eps nan": (lambda: ln.layer_norm(x, 8, eps=math.nan), ValueError, "eps"),
         "eps type": (lambda: ln.layer_norm(x, 8, eps="1e-5"), TypeError, "eps"),
+        # past float's range: float() raised OverflowError; 0.0 as a float: the kernel refused it
+        "eps huge int": (lambda: ln.layer_norm(x, 8, eps=10**400), ValueError, "eps must be"),
+        "eps tiny": (lambda: ln.rms_norm(x, 8, eps=np.longdouble("1e-4000")), ValueError, "> 0"),
+        "input sparse": (
+            lambda: ln.layer_norm(x.to_sparse(), 8),
+            ValueError,
+            "input must be a dense",
+        ),
+        "weight sparse": (
+            lambda: ln.layer_norm(x, 8, w.to_sparse()),
+            ValueError,
+            "weight must be a",
+        ),
+        "residual nested": (
+            lambda: ln.dropout_add_layer_norm(x, torch.nested.as_nested_tensor([x]), w, w),
+            ValueError,
+            "residual must be a dense strided tensor, got a nested tensor",
+        ),
         "rms eps": (lambda: ln.rms_norm(x, 8, eps=0), ValueError, "eps"),
         "rms shape": (lambda: ln.rms_norm(x, 9), ValueError, "normalized_shape"),
         "p one": (
@@ -858,6 +877,14 @@ def test_raw_ops_refuse_an_infinite_eps_and_mixed_meta_arguments():
                                             rng.NO_SEED, 1e-5, 0.0, False, False)  # fmt: skip
     with pytest.raises(ValueError, match="dropout_p must be in"):
         torch.ops.fastformer.layer_norm_keep_mask(x, -0.5)
+    # The seed too: it was not checked, and the fake's output came back as the result (also
+    # through layer_norm_autograd, with a grad_fn).
+    meta_seed = rng.NO_SEED.to("meta")
+    for op in (torch.ops.fastformer.layer_norm_fwd, torch.ops.fastformer.layer_norm_autograd):
+        with pytest.raises(ValueError, match="seed is on meta"):
+            op(x, None, None, None, meta_seed, 1e-5, 0.0, False, False)
+    with pytest.raises(ValueError, match="layer_norm_bwd: seed is on meta"):
+        torch.ops.fastformer.layer_norm_bwd(*_ln_bwd_args(seed=meta_seed))
 
 
 @pytest.mark.skipif(extension_error() is not None, reason="fastformer._C not built")

@@ -12,6 +12,8 @@ autograd nodes of the LayerNorm and FFN kernels, csrc/autograd.cpp, do the same 
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -105,10 +107,45 @@ def under_transform() -> bool:
     return _TRANSFORMS() is not None or _forward_ad._current_level >= 0
 
 
-def check_devices(op: str, like: Tensor, **tensors: Tensor | None) -> None:
-    """ValueError unless every given tensor is on `like`'s device. For the ops' fake kernels:
-    one meta tensor among CPU ones sends a call to them, and they would return empty CPU
-    tensors where the kernels raise."""
+def check_devices(op: str, like: Tensor, **tensors: object) -> None:
+    """ValueError unless every given tensor is on `like`'s device; a seed (`seed`,
+    `device_seed`) may also be on the CPU, and a seed that is an int is not checked. For the
+    ops' fake kernels: one meta tensor among CPU ones sends a call to them, and they would
+    return uninitialized CPU tensors where the kernels raise."""
     for name, t in tensors.items():
-        if t is not None and t.device != like.device:
-            raise ValueError(f"{op}: {name} is on {t.device}, the input on {like.device}")
+        if not isinstance(t, Tensor) or t.device == like.device:
+            continue
+        if name in ("seed", "device_seed") and t.device.type == "cpu":
+            continue
+        raise ValueError(f"{op}: {name} is on {t.device}, the input on {like.device}")
+
+
+def check_dense(op: str, name: str, t: Tensor) -> None:
+    """ValueError for a sparse, mkldnn or nested tensor: the kernels read dense strided memory
+    (torch.nn.functional takes nested tensors; the fastformer.nn modules fall back to it)."""
+    if t.layout != torch.strided or t.is_nested:
+        kind = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+        raise ValueError(f"{op}: {name} must be a dense strided tensor, got {kind}")
+
+
+def type_name(value: object) -> str:
+    """The name of value's type for messages: numpy.float32 rather than float32 (and numpy.bool
+    rather than a puzzling bool)."""
+    cls = type(value)
+    return cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__name__}"
+
+
+def positive_float(op: str, name: str, value: object) -> float:
+    """`value` (a real number of any type but bool, numpy scalars too) as a float in (0, inf);
+    TypeError or ValueError naming `op` and `name` otherwise. Checked again once converted: a
+    huge int overflows float(), a tiny numpy.longdouble rounds to 0."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(f"{op}: {name} must be a float, got {type_name(value)}")
+    if 0 < value < math.inf:  # (not math.isfinite: dynamo cannot trace it on a SymFloat)
+        try:
+            converted = float(value)
+        except OverflowError:
+            converted = math.inf
+        if 0 < converted < math.inf:
+            return converted
+    raise ValueError(f"{op}: {name} must be a finite number > 0, got {value}")

@@ -38,6 +38,7 @@ regenerates it too, so nothing of size Lq x Lk is stored.
 """
 
 import math
+import numbers
 from dataclasses import dataclass
 from importlib.util import find_spec
 from typing import Optional
@@ -47,7 +48,14 @@ from torch import Tensor
 
 from fastformer import reference
 from fastformer.ops import rng
-from fastformer.ops._autograd import autocast_off, first_order, under_transform
+from fastformer.ops._autograd import (
+    autocast_off,
+    check_dense,
+    first_order,
+    positive_float,
+    type_name,
+    under_transform,
+)
 from fastformer.ops._dispatch import Backend, explain, register, select_by_key
 
 __all__ = [
@@ -60,6 +68,7 @@ __all__ = [
 ]
 
 OP = "attention"
+_OP_NAME = "scaled_dot_product_attention"  # in messages
 MAX_HEAD_DIM = 256
 MAX_DROPOUT_CALLS = 2**32  # Lq * dropout_calls(Lk) must stay below: the low 32 bits of the counter
 DROPOUT_BLOCK = 32  # key columns served by 4 Philox calls (8 scores a call, 16 bits each)
@@ -240,11 +249,11 @@ def _check_inputs(
         _check_attn_mask(attn_mask, query, key)
     if key_padding_mask is not None:
         _check_key_padding_mask(key_padding_mask, query, key)
-    _check_dropout_p("scaled_dot_product_attention", dropout_p)
+    _check_dropout_p(_OP_NAME, dropout_p)
     if dropout_p > 0:
-        _check_dropout_size("scaled_dot_product_attention", query.shape[2], key.shape[2])
+        _check_dropout_size(_OP_NAME, query.shape[2], key.shape[2])
     if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+        raise TypeError(f"is_causal must be a bool, got {type_name(is_causal)}")
     return _resolve_scale(scale, query.shape[-1])
 
 
@@ -252,6 +261,7 @@ def _check_qkv(query, key, value, enable_gqa) -> None:
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        check_dense(_OP_NAME, name, t)
         if t.dim() != 4:
             raise ValueError(
                 f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}"
@@ -301,6 +311,7 @@ def _check_heads(h: int, hkv: int, enable_gqa) -> None:
 def _check_attn_mask(mask, query: Tensor, key: Tensor) -> None:
     if not isinstance(mask, Tensor):
         raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    check_dense(_OP_NAME, "attn_mask", mask)
     floats = dict.fromkeys((query.dtype, torch.float32))  # the query's dtype first, no repeat
     if mask.dtype != torch.bool and mask.dtype not in floats:
         allowed = " or ".join(str(d) for d in floats)
@@ -327,6 +338,7 @@ def _check_key_padding_mask(kpm, query: Tensor, key: Tensor) -> None:
         raise TypeError(
             f"key_padding_mask must be a torch.Tensor or None, got {type(kpm).__name__}"
         )
+    check_dense(_OP_NAME, "key_padding_mask", kpm)
     if kpm.dtype != torch.bool:
         raise TypeError(f"key_padding_mask must be bool (True = padding), got {kpm.dtype}")
     expected = (query.shape[0], key.shape[2])
@@ -359,11 +371,9 @@ def _check_dropout_size(fn: str, seq_q: int, seq_k: int) -> None:
 def _resolve_scale(scale, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    if not 0 < scale < math.inf:  # (not math.isfinite: dynamo cannot trace it on a SymFloat)
-        raise ValueError(f"scale must be a positive finite float, got {scale}")
-    return float(scale)
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a float or None, got {type_name(scale)}")
+    return positive_float(_OP_NAME, "scale", scale)
 
 
 # --------------------------------------------------------------------------- backends
@@ -873,7 +883,7 @@ def _check_saved(grad_out, grad_lse, query, value, out, lse, stat, seed, attn_ma
                 f"attention_backward: {name} must be {shape} {dtype}, got "
                 f"{tuple(t.shape)} {t.dtype}"
             )
-        if name != "seed" and t.device != query.device:
+        if t.device != query.device and not (name == "seed" and t.device.type == "cpu"):
             raise ValueError(
                 f"attention_backward: {name} is on {t.device}, query on {query.device}"
             )
@@ -899,7 +909,10 @@ def _backward_kernels(
 
 @_attention_backward_op.register_fake
 def _attention_backward_fake(grad_out, grad_lse, query, key, value, *rest):
-    attn_mask, mask_grad = rest[3], rest[-1]
+    out, lse, stat, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale, mask_grad = rest
+    _check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, True,
+                  key_padding_mask)  # fmt: skip
+    _check_saved(grad_out, grad_lse, query, value, out, lse, stat, seed, attn_mask, mask_grad)
     dmask = attn_mask.new_empty(attn_mask.shape) if mask_grad else query.new_empty(0)
     return (
         query.new_empty(query.shape),

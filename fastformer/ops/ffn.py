@@ -43,7 +43,13 @@ from torch import Tensor
 from fastformer import reference
 from fastformer._ext import cuda_kernels_compiled, extension_error
 from fastformer.ops import rng
-from fastformer.ops._autograd import autocast_off, check_devices, first_order, under_transform
+from fastformer.ops._autograd import (
+    autocast_off,
+    check_dense,
+    check_devices,
+    first_order,
+    under_transform,
+)
 from fastformer.ops._dispatch import Backend, register, select_by_key
 
 __all__ = [
@@ -176,6 +182,7 @@ def _check_tensor(name: str, t: object, x: Tensor, optional: bool = False) -> No
     if not isinstance(t, Tensor):
         expected = "a Tensor or None" if optional else "a Tensor"
         raise TypeError(f"ffn: {name} must be {expected}, got {type(t).__name__}")
+    check_dense("ffn", name, t)
     if t.device != x.device:
         raise ValueError(
             f"ffn: {name} is on {t.device} but x is on {x.device}; expected one device"
@@ -200,6 +207,7 @@ def _check_inputs(x, w1, b1, w2, b2, activation, dropout_p) -> None:
     _check_scalars(activation, dropout_p)
     if not isinstance(x, Tensor):
         raise TypeError(f"ffn: x must be a Tensor, got {type(x).__name__}")
+    check_dense("ffn", "x", x)
     if x.dim() < 1:
         raise ValueError("ffn: x must have at least 1 dimension (..., d_model), got a 0-d tensor")
     if x.dtype not in FLOAT_DTYPES:
@@ -422,8 +430,8 @@ def _grad(
 
 
 @_ffn_grad_op.register_fake
-def _ffn_grad_op_fake(grad_out, x, w1, w2, saved, seed, activation, dropout_p):
-    check_devices("ffn_grad", x, grad_out=grad_out, w1=w1, w2=w2, saved=saved)
+def _ffn_grad_op_fake(grad_out, x, w1, w2, saved, seed, activation, dropout_p, op="ffn_grad"):
+    check_devices(op, x, grad_out=grad_out, w1=w1, w2=w2, saved=saved, seed=seed)
     return (
         x.new_empty(x.shape),
         w1.new_empty(w1.shape),
@@ -571,14 +579,16 @@ def _register_kernel_fakes() -> None:
 
     @torch.library.register_fake("fastformer::ffn_forward")
     def _(x, w1, b1, w2, b2, activation, dropout_p, seed, fused_epilogue=False, device_seed=None):
-        check_devices("ffn_forward", x, w1=w1, b1=b1, w2=w2, b2=b2)
+        check_devices("ffn_forward", x, w1=w1, b1=b1, w2=w2, b2=b2, device_seed=device_seed)
         epilogue_only = fused_epilogue and x.device.type == "cuda" and activation == "gelu_tanh"
         saved_shape = (0,) if epilogue_only else _saved_shape(x, w1)
         return x.new_empty(*x.shape[:-1], w2.shape[0]), x.new_empty(saved_shape)
 
     @torch.library.register_fake("fastformer::ffn_backward")
     def _(grad_out, x, w1, w2, saved, activation, dropout_p, seed, device_seed=None):
-        return _ffn_grad_op_fake(grad_out, x, w1, w2, saved, seed, activation, dropout_p)
+        check_devices("ffn_backward", x, device_seed=device_seed)
+        args = (grad_out, x, w1, w2, saved, seed, activation, dropout_p)
+        return _ffn_grad_op_fake(*args, op="ffn_backward")
 
 
 _register_kernel_fakes()

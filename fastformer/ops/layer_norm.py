@@ -41,7 +41,7 @@ from torch import Tensor
 from fastformer import reference
 from fastformer._ext import cuda_kernels_compiled, extension_error
 from fastformer.ops import rng
-from fastformer.ops._autograd import check_devices, under_transform
+from fastformer.ops._autograd import check_dense, check_devices, positive_float, under_transform
 from fastformer.ops._dispatch import Backend, register, select_by_key
 
 __all__ = [
@@ -91,6 +91,7 @@ register(OP, [Backend("cpp", _cpp_reasons), Backend("torch", _torch_reasons)])
 def _check_input(fn: str, name: str, x: object) -> Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    check_dense(fn, name, x)
     if x.dtype not in _DTYPES:
         raise TypeError(
             f"{fn}: {name} must be float32, float16, bfloat16 or float64, got {x.dtype}"
@@ -131,6 +132,7 @@ def _check_param(fn: str, name: str, p: object, x: Tensor, shape: tuple[int, ...
         return
     if not isinstance(p, Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor or None, got {type(p).__name__}")
+    check_dense(fn, name, p)
     if p.shape != shape:  # torch.Size is a tuple: no copy to compare
         raise ValueError(f"{fn}: {name} must have shape {shape}, got {tuple(p.shape)}")
     if p.dtype not in (x.dtype, torch.float32):
@@ -152,11 +154,7 @@ def _check_params(fn: str, x: Tensor, shape: tuple[int, ...], weight: object, bi
 def _check_eps(fn: str, eps: object) -> float:
     if type(eps) is float and 0.0 < eps < math.inf:  # the usual case, without the ABC checks
         return eps
-    if not isinstance(eps, numbers.Real) or isinstance(eps, bool):
-        raise TypeError(f"{fn}: eps must be a float, got {type(eps).__name__}")
-    if not 0 < eps < math.inf:  # (not math.isfinite: dynamo cannot trace it on a SymFloat)
-        raise ValueError(f"{fn}: eps must be a finite number > 0, got {eps}")
-    return float(eps)
+    return positive_float(fn, "eps", eps)
 
 
 def _check_residual(fn: str, residual: object, x: Tensor) -> None:
@@ -166,6 +164,7 @@ def _check_residual(fn: str, residual: object, x: Tensor) -> None:
         raise TypeError(
             f"{fn}: residual must be a torch.Tensor or None, got {type(residual).__name__}"
         )
+    check_dense(fn, "residual", residual)
     if residual.shape != x.shape:
         raise ValueError(
             f"{fn}: residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}"
@@ -235,8 +234,8 @@ def _stats_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _fwd_fake(x, weight, bias, residual, eps, dropout_p, rms, store_pre):
-    check_devices("layer_norm", x, weight=weight, bias=bias, residual=residual)
+def _fwd_fake(x, weight, bias, residual, eps, dropout_p, rms, store_pre, seed=None):
+    check_devices("layer_norm", x, weight=weight, bias=bias, residual=residual, seed=seed)
     rows = math.prod(x.shape[:-1])
     pre_shape = x.shape if store_pre else (0,)
     mean = x.new_empty((0,) if rms else (rows,), dtype=_stats_dtype(x))
@@ -333,11 +332,11 @@ def _register_compiled_fakes() -> None:
 
     @torch.library.register_fake("fastformer::layer_norm_fwd")
     def _(x, weight, bias, residual, seed, eps, dropout_p, rms, store_pre):
-        return _fwd_fake(x, weight, bias, residual, eps, dropout_p, rms, store_pre)
+        return _fwd_fake(x, weight, bias, residual, eps, dropout_p, rms, store_pre, seed)
 
     @torch.library.register_fake("fastformer::layer_norm_bwd")
     def _(dy, dpre, x, weight, bias, mean, rstd, seed, p, rms, fused, has_res, need_w, need_b):
-        tensors = dict(dy=dy, dpre=dpre, weight=weight, bias=bias, mean=mean, rstd=rstd)
+        tensors = dict(dy=dy, dpre=dpre, weight=weight, bias=bias, mean=mean, rstd=rstd, seed=seed)
         check_devices("layer_norm_bwd", x, **tensors)
         none = x.new_empty((0,))
         cols = x.shape[-1]

@@ -33,7 +33,8 @@ def check_dropout_p(fn: str, dropout_p: object) -> float:
         return dropout_p
     if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool):
         raise TypeError(f"{fn}: dropout_p must be a float, got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p < 1.0:
+    # Checked again once converted: just below 1 in a wider type (numpy.longdouble) is 1.0.
+    if not 0.0 <= dropout_p < 1.0 or not float(dropout_p) < 1.0:
         raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p}")
     return float(dropout_p)
 
