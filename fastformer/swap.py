@@ -13,6 +13,7 @@ keeps working, and the state_dict keys cannot change (checked; a failed check un
 from __future__ import annotations
 
 import fnmatch
+import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -198,10 +199,22 @@ def _convert_reference(module: nn.Module, journal: _Journal) -> str | None:
     return None
 
 
+def _override_reason(module: nn.Module) -> str | None:
+    """Why a module with instance attributes over its class's methods (a patched _sa_block or
+    _ff_block) is left alone: the fastformer forward does not call torch.nn's helper methods."""
+    names = sorted(k for k in module.__dict__ if inspect.isfunction(getattr(type(module), k, None)))
+    if not names:
+        return None
+    return f"instance attributes {names} replace methods the fastformer forward does not call"
+
+
 def _swap_one(module: nn.Module, journal: _Journal) -> tuple[type | None, str | None]:
     """(new class, None) if replaced, (None, reason) if left, (None, None) if not a kind."""
     kind = type(module)
     if kind in _FROM_TORCH:
+        reason = _override_reason(module)
+        if reason is not None:
+            return None, reason
         journal.set_class(module, _FROM_TORCH[kind])
         return _FROM_TORCH[kind], None
     if kind in _FROM_REFERENCE:

@@ -788,6 +788,34 @@ def test_torch_encoder_nested_path_falls_back_to_torch():
     assert "layers.1 (TransformerEncoderLayer)" in text and "nested-tensor input" in text, text
 
 
+def test_nested_input_with_fastformers_own_activation_is_a_clear_error():
+    # torch.nn's path, which nested input takes, called the string: "'str' object is not
+    # callable".
+    layer = fnn.TransformerEncoderLayer(E, H, FF, dropout=0.0, batch_first=True, activation="silu")
+    nested = torch.nested.nested_tensor([torch.randn(5, E), torch.randn(3, E)])
+    with torch.no_grad(), pytest.raises(ValueError, match="no activation 'silu'.*F.silu"):
+        layer.eval()(nested)
+
+
+def test_head_dims_past_the_kernels_take_torch_nns_path():
+    # head_dim 512: the op refuses it, so the module ran into its ValueError where torch.nn works.
+    torch.manual_seed(0)
+    theirs = nn.MultiheadAttention(1024, 2, batch_first=True)
+    ours = fnn.MultiheadAttention(1024, 2, batch_first=True)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(2, 5, 1024)
+    assert ours.fallback_reasons == ["head_dim 512: the fused op takes up to 256"]
+    want = theirs(x, x, x, need_weights=False)[0]
+    torch.testing.assert_close(ours(x, x, x, need_weights=False)[0], want)
+
+
+def test_rms_norm_takes_its_input_by_torchs_keyword():
+    torch.manual_seed(0)
+    x = torch.randn(2, E)
+    theirs, ours = nn.RMSNorm(E), fnn.RMSNorm(E)
+    torch.testing.assert_close(ours(x=x), theirs(x=x))
+
+
 def test_explain_reports_backends_and_unswapped_modules():
     model = nn.Sequential(
         fnn.TransformerEncoderLayer(E, H, FF, batch_first=True, activation=torch.tanh),

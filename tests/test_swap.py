@@ -185,6 +185,22 @@ def test_subclasses_are_left_with_a_reason():
     assert type(model[0]) is MyNorm
 
 
+def test_modules_whose_instance_replaces_a_method_are_left_with_a_reason():
+    # torch.nn's forward calls self._ff_block; the fastformer forward does not, so a patched
+    # instance lost its patch (silently different outputs).
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(E, H, FF, dropout=0.0)
+    original = layer._ff_block
+    layer._ff_block = lambda x: 0.0 * original(x)
+    x = torch.randn(S, B, E)
+    want = layer(x)
+    report = swap(nn.Sequential(layer))
+    ((name, kind, reason),) = report.left
+    assert kind is nn.TransformerEncoderLayer and "['_ff_block']" in reason, reason
+    assert type(layer) is nn.TransformerEncoderLayer
+    torch.testing.assert_close(layer(x), want)
+
+
 def test_swap_twice_is_a_no_op_and_report_prints():
     model = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, FF), 2, nn.LayerNorm(E))
     report = swap(model)
@@ -287,6 +303,20 @@ def test_hooks_of_sub_modules_run_as_in_torch_nn(register):
             h.remove()
     assert "ffn -> eager" in hooked and "without hooks" in hooked, hooked
     assert "ffn -> eager" not in explain(fast, x)  # hooks removed: fused again
+
+
+@pytest.mark.parametrize("layer_cls", [nn.TransformerEncoderLayer, nn.TransformerDecoderLayer])
+def test_hooks_of_the_activation_module_run_as_in_torch_nn(layer_cls):
+    # nn.GELU() is the child module `activation`: the fused FFN skipped its hooks.
+    ref, fast = (layer_cls(E, H, FF, dropout=0.0, activation=nn.GELU()) for _ in range(2))
+    fast.load_state_dict(ref.state_dict())  # (deepcopy: torch's decoder layer loses nn.GELU)
+    swap(fast)
+    for layer in (ref, fast):
+        layer.activation.register_forward_hook(lambda module, args, out: out * 0)
+    x, memory = torch.randn(S, B, E), torch.randn(S + 1, B, E)
+    extra = (memory,) if layer_cls is nn.TransformerDecoderLayer else ()
+    torch.testing.assert_close(fast(x, *extra), ref(x, *extra))
+    assert "activation GELU runs hooks" in fast.fallback_reasons[0]
 
 
 def test_inference_mode_and_torch_export():

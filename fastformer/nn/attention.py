@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from fastformer.nn import _ops, _record
 from fastformer.nn._lookup import child, param
 from fastformer.ops._autograd import under_transform
+from fastformer.ops.attention import MAX_HEAD_DIM
 
 
 def _check_mask_dtype(name: str, mask: Tensor) -> None:
@@ -194,6 +195,8 @@ class MultiheadAttention(nn.MultiheadAttention):
             reasons.append("add_zero_attn=True: the fused kernel has no zero attention slot")
         if self.dropout >= 1.0:
             reasons.append("dropout=1 drops everything; the fused op takes p < 1")
+        if self.head_dim > MAX_HEAD_DIM:
+            reasons.append(f"head_dim {self.head_dim}: the fused op takes up to {MAX_HEAD_DIM}")
         return reasons
 
     def _call_reasons(self, query: Tensor, key: Tensor, value: Tensor, need_weights: bool):
@@ -225,6 +228,7 @@ class MultiheadAttention(nn.MultiheadAttention):
             and self.bias_k is None
             and not self.add_zero_attn
             and self.dropout < 1.0
+            and self.head_dim <= MAX_HEAD_DIM
             and not (query.is_nested or key.is_nested or value.is_nested)
         )
         if not plain:

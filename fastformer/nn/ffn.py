@@ -99,6 +99,8 @@ def _reasons(
             f"activation {owner.activation!r} is a custom callable; the fused FFN runs "
             f"{', '.join(ACTIVATIONS)} (or F.relu/F.gelu/F.silu, nn.ReLU/GELU/SiLU)"
         )
+    elif isinstance(owner.activation, nn.Module) and _runs_hooks(owner.activation):
+        reasons.append(f"activation {type(owner.activation).__name__} runs hooks")
     for name, linear in (("linear1", linear1), ("linear2", linear2)):
         if not is_plain(linear, _LINEAR_TYPES):
             reasons.append(f"{name} is not a plain nn.Linear without hooks")

@@ -68,9 +68,9 @@ class RMSNorm(nn.RMSNorm):
         """Configuration reasons for torch.nn's path ([] = fused): an eps the op refuses."""
         return eps_reasons(self.eps)
 
-    def forward(self, input: Tensor) -> Tensor:
-        """input (..., *normalized_shape) -> normalized, same shape."""
-        if _fallback(self, "RMSNorm", input):
-            return super().forward(input)
+    def forward(self, x: Tensor) -> Tensor:  # torch.nn.RMSNorm names it x (LayerNorm: input)
+        """x (..., *normalized_shape) -> normalized, same shape."""
+        if _fallback(self, "RMSNorm", x):
+            return super().forward(x)
         weight = param(self, "weight")
-        return _ops.rms_norm(self, input, tuple(self.normalized_shape), weight, self.eps)
+        return _ops.rms_norm(self, x, tuple(self.normalized_shape), weight, self.eps)

@@ -135,6 +135,12 @@ def _fused_pairs(layer: nn.Module, count: int) -> list[tuple[str, str]]:
 def _nested_fallback(owner: nn.Module, *tensors: Tensor) -> bool:
     if not any(t.is_nested for t in tensors):
         return False
+    if isinstance(owner.activation, str) and owner.activation not in _TORCH_ACTIVATIONS:
+        raise ValueError(
+            f"nested-tensor input runs torch.nn's layer, which has no activation "
+            f"{owner.activation!r} (fastformer's own); pass a padded tensor with a key padding "
+            "mask, or F.silu / nn.GELU('tanh') for 'silu' / 'gelu_tanh'"
+        )
     reason = "nested-tensor input (torch.nn's sparsity fast path): the ops take dense tensors"
     _record.note(owner, type(owner).__name__, "torch.nn", [("fastformer", [reason])])
     return True
