@@ -154,6 +154,10 @@ def compare_with_reference(
         parity(f"d{label}", f, r, lp, atol_floor)
         for label, f, r, lp in zip(labels, fast_grads, grads64, grads_lp)
     ]
+    # zip stops at the shorter: an output or gradient the fast op left out would go unchecked
+    for what, fast, ref in (("outputs", fast_outs, outs64), ("gradients", fast_grads, grads64)):
+        if len(fast) != len(ref):
+            results.append(ParityResult(f"{what}: {len(fast)} vs {len(ref)}", math.inf, 0.0))
     return results
 
 

@@ -11,6 +11,7 @@ import os
 import sys
 
 from fastformer.cli.cases import MODELS, OPS
+from fastformer.cli.errors import UsageError
 
 __all__ = ["build_parser", "main"]
 
@@ -108,7 +109,8 @@ def _bench_parser(sub) -> None:
         "--fail-if-slower",
         type=float,
         metavar="PCT",
-        help="with --compare: exit 1 if a fastformer figure is more than PCT%% slower",
+        help="with --compare: exit 1 if a fastformer figure takes more than PCT%% more time "
+        "(a time's printed change; for a rate, the time per unit)",
     )
     p.add_argument(
         "--results",
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         from fastformer.cli import bench
 
         return bench.run(args, argv)
-    except ValueError as exc:  # bad option values: say which and exit like argparse does
+    except UsageError as exc:  # bad option values: say which and exit like argparse does
         print(f"python -m fastformer {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as shell tools do

@@ -29,6 +29,7 @@ import torch
 
 from fastformer.cli import cases as C
 from fastformer.cli import env, report, timing
+from fastformer.cli.errors import UsageError, check_forced_backends
 from fastformer.cli.impls import BUILDERS, FAST, runner
 from fastformer.cli.progress import Progress
 
@@ -47,7 +48,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
+        raise UsageError(
             "--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)"
         )
     return torch.device(name)
@@ -66,7 +67,7 @@ def parse_ops(text: str) -> list[str]:
     ops = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
     unknown = [op for op in ops if op not in C.OPS]
     if unknown:
-        raise ValueError(f"--ops: unknown op(s) {unknown}; expected a comma list of {list(C.OPS)}")
+        raise UsageError(f"--ops: unknown op(s) {unknown}; expected a comma list of {list(C.OPS)}")
     return ops
 
 
@@ -79,7 +80,7 @@ def parse_cases(text: str | None, ops: list[str], device: torch.device, quick: b
     names = [c.name for op in ops for c in C.OP_CASES[op](device.type, quick, full=full)]
     unmatched = [t for t in only if not any(t in name for name in names)]
     if not only or unmatched:
-        raise ValueError(
+        raise UsageError(
             f"--cases: {unmatched or 'nothing'} matches no case of {ops} in this grid; its "
             f"cases: {', '.join(names)}"
         )
@@ -426,7 +427,11 @@ def bench_model(
         "variants": {},
     }
     if fast is not None:
-        out["parity"] = model_parity(eager, fast, src, tgt)
+        try:
+            out["parity"] = model_parity(eager, fast, src, tgt)
+        except Exception as exc:  # fastformer raised: a failure to report, not a crash
+            error = f"{type(exc).__name__}: {exc}"
+            out["parity"] = {"passed": False, "failed": [error], "error": error}
     else:
         out["parity"] = {"passed": None, "skipped": swap_info["error"]}
     bar.step("parity")
@@ -637,7 +642,7 @@ def measure(
     full = args.full
     only = parse_cases(args.cases, ops, device, args.quick, full)
     case, reduced = C.model_case(args.model, device.type)
-    notes = [reduced] if reduced else []
+    notes = [reduced] if reduced and not args.no_model else []
     if device.type == "cpu":
         notes.append(
             "CPU-only machine: reduced per-op grid (see cases.py); no torch.compile, SDPA backend or FlexAttention peers"
@@ -646,7 +651,7 @@ def measure(
         "schema": report.SCHEMA,
         "manifest": env.manifest(),
         "config": {
-            "model": args.model,
+            "model": None if args.no_model else args.model,
             "ops": ops,
             "dtype": str(dtype).replace("torch.", ""),
             "device": str(device),
@@ -698,20 +703,20 @@ def measure(
 def _check_args(args: argparse.Namespace) -> None:
     """The option values `bench` can check without measuring (ValueError: exit 2)."""
     if args.fail_if_slower is not None and not args.compare:
-        raise ValueError("--fail-if-slower needs --compare OLD/results.json")
+        raise UsageError("--fail-if-slower needs --compare OLD/results.json")
     pct = args.fail_if_slower
     if pct is not None and not (math.isfinite(pct) and pct >= 0):
-        raise ValueError(f"--fail-if-slower must be a finite percentage >= 0, got {pct}")
+        raise UsageError(f"--fail-if-slower must be a finite percentage >= 0, got {pct}")
     if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if args.max_seconds is not None and not args.max_seconds > 0:
-        raise ValueError(f"--max-seconds must be > 0, got {args.max_seconds}")
+        raise UsageError(f"--max-seconds must be > 0, got {args.max_seconds}")
     if not parse_ops(args.ops) and args.no_model:
-        raise ValueError("--no-model with no --ops: nothing to measure")
+        raise UsageError("--no-model with no --ops: nothing to measure")
     if args.results:
         given = [f"--{name.replace('_', '-')}" for name in _MEASURING if _given(args, name)]
         if given:
-            raise ValueError(f"--results re-renders a run without measuring: {given} do nothing")
+            raise UsageError(f"--results re-renders a run without measuring: {given} do nothing")
 
 
 # The options that only shape a measurement, with their defaults (False / None otherwise).
@@ -726,15 +731,37 @@ def _given(args: argparse.Namespace, name: str) -> bool:
     return getattr(args, name) not in (_MEASURING_DEFAULTS.get(name), None, False)
 
 
-def _out_dir(text: str | None) -> Path:
-    """--out (default bench-results/<timestamp>), created now: a path that cannot be a folder
-    fails before anything is measured."""
+def _out_dir(text: str | None) -> tuple[Path, bool]:
+    """--out (default bench-results/<timestamp>) and whether it was created now: a path that
+    cannot be a folder, or one that cannot be written, fails before anything is measured."""
     out = Path(text) if text else default_out_dir()
+    created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".bench-write-test"
+        probe.write_text("")
+        probe.unlink()
     except OSError as exc:
-        raise ValueError(f"--out {str(out)!r}: cannot create the folder ({exc})") from exc
-    return out
+        raise UsageError(f"--out {str(out)!r}: cannot write there ({exc})") from exc
+    if (out / "results.json").is_dir():
+        raise UsageError(f"--out {str(out)!r}: results.json there is a folder")
+    return out, created
+
+
+def _results(args: argparse.Namespace, out_dir: Path, argv: list[str] | None) -> dict | None:
+    """--results loaded, or a new measurement (None when interrupted)."""
+    if args.results:
+        return report.load(Path(args.results), "--results", complete=True)
+    threads = torch.get_num_threads()
+    try:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        return measure(args, out_dir, argv)
+    except KeyboardInterrupt:
+        print(f"\nbench: interrupted; partial results in {out_dir}", file=sys.stderr)
+        return None
+    finally:  # main() may run in-process (tests): leave torch as it was
+        torch.set_num_threads(threads)
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
@@ -742,22 +769,26 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     compare with --compare. Exit 1 when fastformer raised, on a model parity failure or on a
     --fail-if-slower regression (results are written in every case)."""
     _check_args(args)
+    check_forced_backends()
     # Every file argument is checked before anything is measured (minutes on a GPU).
     old = report.load(Path(args.compare), "--compare") if args.compare else None
-    out_dir = _out_dir(args.out)
-    if args.results:
-        results = report.load(Path(args.results), "--results", complete=True)
-    else:
-        threads = torch.get_num_threads()
-        try:
-            if args.threads:
-                torch.set_num_threads(args.threads)
-            results = measure(args, out_dir, argv)
-        except KeyboardInterrupt:
-            print(f"\nbench: interrupted; partial results in {out_dir}", file=sys.stderr)
-            return 130
-        finally:  # main() may run in-process (tests): leave torch as it was
-            torch.set_num_threads(threads)
+    if old is not None and not args.results:  # what is known before measuring
+        model = None if args.no_model else args.model
+        planned = {"config": {"model": model, "quick": args.quick, "full": args.full}}
+        diffs = report.incomparable(old, {**planned, "manifest": old.get("manifest")})
+        if diffs:
+            raise UsageError(
+                f"--compare {args.compare!r} ran with other settings ({'; '.join(diffs)})"
+            )
+    out_dir, created = _out_dir(args.out)
+    try:
+        results = _results(args, out_dir, argv)
+    except UsageError:  # found while measuring (a case filter that matches nothing, ...)
+        if created and not any(out_dir.iterdir()):
+            out_dir.rmdir()  # leave no empty folder behind
+        raise
+    if results is None:
+        return 130
     paths = report.write_all(out_dir, results)
     print(report.terminal_table(results))
     print(f"\nwrote {', '.join(str(p) for p in paths)}")
@@ -770,6 +801,14 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if parity.get("passed") is False:
         print("bench: model parity FAILED:\n  " + "\n  ".join(parity["failed"]), file=sys.stderr)
         code = 1
+    if old is not None and report.incomparable(old, results):
+        diffs = "; ".join(report.incomparable(old, results))
+        print(
+            f"python -m fastformer bench: error: --compare {args.compare!r} ran with other "
+            f"settings ({diffs}): its figures measure something else; nothing compared",
+            file=sys.stderr,
+        )
+        return 2
     if old is not None:
         changes = report.compare(old, results)
         print("\n" + report.format_changes(changes, args.fail_if_slower))

@@ -34,6 +34,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from fastformer.cli.errors import UsageError
+
 MODES = ("fwd", "fwd+bwd")  # measured; attention also reports "bwd" = fwd+bwd - fwd
 DERIVED_BWD_OPS = ("attention",)
 
@@ -78,7 +80,7 @@ CPU_REDUCTION = {
 def model_case(name: str, device_type: str) -> tuple[ModelCase, str | None]:
     """The model to benchmark and, when it was reduced for a CPU-only machine, why and how."""
     if name not in MODELS:
-        raise ValueError(f"model must be one of {sorted(MODELS)}, got {name!r}")
+        raise UsageError(f"model must be one of {sorted(MODELS)}, got {name!r}")
     case = MODELS[name]
     change = CPU_REDUCTION[name] if device_type == "cpu" else {}
     if not change:

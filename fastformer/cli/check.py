@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -22,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from fastformer.cli.errors import UsageError, check_forced_backends
 
 BREAK_ENV = "FASTFORMER_CHECK_BREAK"
 SEED = 20240607
@@ -157,7 +160,10 @@ def _attention_case(shape, mask: str, p: float, strided: bool, kv_heads: int = 0
         attn_mask, causal, kpm = _attention_masks(mask, b, lq, lk, device, dtype, gen)
         keep = None
         if p:
-            keep = module.dropout_keep_mask(_predicted_seed(device), b, h, lq, lk, p, device=device)
+            seed = _predicted_seed(device)
+            keep = _keep_rate_checked(
+                module.dropout_keep_mask(seed, b, h, lq, lk, p, device=device), p
+            )
 
         def fast(q, k, v):
             return module.scaled_dot_product_attention(
@@ -271,11 +277,21 @@ def _dropout_add_case(shape, residual: bool, p: float, prenorm: bool) -> Case:
     return Case("dropout_add_layer_norm", name, build, dropout=bool(p))
 
 
+def _keep_rate_checked(keep: torch.Tensor, p: float) -> torch.Tensor:
+    """`keep` after a check of its kept fraction (6 standard deviations of a binomial): the
+    reference takes the op's own mask, so a mask keeping p instead of 1 - p passed parity on
+    the backends that use that mask helper themselves (attention's torch backend)."""
+    n, kept = keep.numel(), int(keep.sum())
+    if abs(kept - n * (1 - p)) > 6 * (n * p * (1 - p)) ** 0.5 + 1:
+        raise ValueError(f"the dropout keep-mask keeps {kept} of {n} elements at p={p:g}")
+    return keep
+
+
 def _layer_norm_keep(module, seed: int, shape, p: float, device) -> torch.Tensor:
     """The op's own mask helper when it has one, else offset i = row-major element index."""
     helper = getattr(module, "dropout_add_layer_norm_keep_mask", None)
     if helper is not None:
-        return helper(seed, tuple(shape), p, device=device)
+        return _keep_rate_checked(helper(seed, tuple(shape), p, device=device), p)
     return _offsets_keep(seed, tuple(shape), p, device)
 
 
@@ -343,7 +359,7 @@ def _ffn_keep(module, seed: int, shape, p: float, device) -> torch.Tensor:
     tokens = 1
     for s in shape[:-1]:
         tokens *= s
-    return helper(seed, tokens, shape[-1], p, device=device).view(shape)
+    return _keep_rate_checked(helper(seed, tokens, shape[-1], p, device=device).view(shape), p)
 
 
 def ffn_cases(quick: bool) -> list[Case]:
@@ -438,7 +454,7 @@ def run_case(case: Case, module, device, dtype, backend: str | None) -> Row:
 def devices(choice: str) -> list[torch.device]:
     """The devices to check: `all` = CPU plus CUDA when visible."""
     if choice == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
+        raise UsageError(
             "--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)"
         )
     if choice in ("cpu", "cuda"):
@@ -489,7 +505,7 @@ def parse_shard(text: str | None) -> tuple[int, int]:
     except ValueError:
         k = n = 0
     if not 1 <= k <= n:
-        raise ValueError(f"--shard must be K/N with 1 <= K <= N, got {text!r}")
+        raise UsageError(f"--shard must be K/N with 1 <= K <= N, got {text!r}")
     return k - 1, n
 
 
@@ -525,6 +541,18 @@ def iter_rows(
                             yield Row(op, backend or "-", str(device), name, case.name, "not run")
                         else:
                             yield run_case(case, module, device, dtype, backend)
+
+
+def _finite(value: Any) -> Any:
+    """`value` with its NaN and infinite floats as None: strict JSON (a failed case's error is
+    inf, which json.dumps wrote as Infinity: not JSON, and jq or JSON.parse refuse the file)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _fmt(row: Row) -> str:
@@ -569,9 +597,9 @@ def parse_ops(text: str) -> list[str]:
             ops.append(name)
         else:
             choices = sorted(set(OP_GROUPS) | set(CHECK_OPS))
-            raise ValueError(f"--ops: unknown op {name!r}; expected a comma list of {choices}")
+            raise UsageError(f"--ops: unknown op {name!r}; expected a comma list of {choices}")
     if not ops:
-        raise ValueError(f"--ops: no op given; expected a comma list of {sorted(OP_GROUPS)}")
+        raise UsageError(f"--ops: no op given; expected a comma list of {sorted(OP_GROUPS)}")
     return list(dict.fromkeys(ops))
 
 
@@ -579,12 +607,13 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Run the grid, print one row per case (or JSON); 1 if any case fails or errors."""
     ops = parse_ops(args.ops)
     shard = parse_shard(args.shard)
+    check_forced_backends()
     if args.max_seconds is not None and not args.max_seconds > 0:
-        raise ValueError(f"--max-seconds must be > 0, got {args.max_seconds}")
+        raise UsageError(f"--max-seconds must be > 0, got {args.max_seconds}")
     device = args.device
     if args.interpret:
         if device == "cuda":
-            raise ValueError(
+            raise UsageError(
                 "--interpret runs Triton on CPU tensors; it cannot go with --device cuda"
             )
         device = "cpu"  # the interpreter would also take over the GPU kernels
@@ -616,7 +645,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         from fastformer.cli.env import manifest
 
         out = {"environment": manifest(), "summary": summary, "rows": [r.__dict__ for r in rows]}
-        print(json.dumps(out, indent=2))
+        print(json.dumps(_finite(out), indent=2, allow_nan=False))
     else:
         print(
             f"{summary['passed']}/{summary['cases']} cases passed, {summary['failed']} failed, "

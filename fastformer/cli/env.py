@@ -24,7 +24,11 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
 
 
 def git_sha() -> str | None:
-    """Commit of the source tree fastformer runs from (None outside a git checkout)."""
+    """Commit of the source tree fastformer runs from (None outside a git checkout of it: a
+    package copied or installed into another project's repository is not that project's)."""
+    tracked = _run(["git", "ls-files", "--full-name", "fastformer/cli/env.py"], cwd=REPO_ROOT)
+    if tracked != "fastformer/cli/env.py":
+        return None
     sha = _run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT)
     if sha is None:
         return None

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fastformer.cli.errors import UsageError
+
 SCHEMA = 1
 FAST = "fastformer"
 # What a results.json must hold (checked by the tests and by `load`).
@@ -82,24 +84,27 @@ def load(path: Path, option: str = "results file", complete: bool = False) -> di
     (re-rendering a report needs them; a comparison may take an older run's file)."""
     where = f"{option} {str(path)!r}"
     if not path.exists():
-        raise ValueError(f"{where} does not exist")
+        raise UsageError(f"{where} does not exist")
     if not path.is_file():
-        raise ValueError(f"{where} is not a file")
+        raise UsageError(f"{where} is not a file")
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{where} is not valid JSON: {exc}") from exc
+        raise UsageError(f"{where} is not valid JSON: {exc}") from exc
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        raise ValueError(f"{where} is not a fastformer bench results.json (schema {SCHEMA})")
+        raise UsageError(f"{where} is not a fastformer bench results.json (schema {SCHEMA})")
     try:
         missing = missing_fields(data)
         figures(data)
-    except (AttributeError, KeyError, TypeError) as exc:
-        raise ValueError(f"{where} is malformed ({type(exc).__name__}: {exc})") from exc
+        if complete and not missing:  # everything the report reads (config, rooflines, ...)
+            markdown(data, [])
+            terminal_table(data)
+    except (AttributeError, KeyError, TypeError, ValueError, OverflowError) as exc:
+        raise UsageError(f"{where} is malformed ({type(exc).__name__}: {exc})") from exc
     if not complete:
         missing = [m for m in missing if m.split(".")[0] in ("ops", "model")]
     if missing:
-        raise ValueError(f"{where} lacks {', '.join(missing[:8])}")
+        raise UsageError(f"{where} lacks {', '.join(missing[:8])}")
     return data
 
 
@@ -199,6 +204,8 @@ def model_lines(model: dict[str, Any]) -> list[str]:
     par = model["parity"]
     if par.get("passed") is None:
         lines += ["", f"Parity: not checked ({par.get('skipped')})."]
+    elif "error" in par:
+        lines += ["", f"Parity at dropout 0: **FAIL**: fastformer raised {par['error']}."]
     else:
         verdict = "pass" if par["passed"] else "FAIL"
         worst = par["worst"]
@@ -324,14 +331,16 @@ def markdown(results: dict[str, Any], images: list[str]) -> str:
         + f" - torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}, python {m['python']}",
         "",
         f"Command: `python -m fastformer {' '.join(cfg.get('argv', ['bench']))}` "
-        f"(model {cfg['model']}, ops {', '.join(cfg['ops'])}, {cfg['dtype']} on {cfg['device']}"
+        f"(model {cfg['model'] or 'none'}, ops {', '.join(cfg['ops']) or 'none'}, "
+        f"{cfg['dtype']} on {cfg['device']}"
         + (f", {grid_label(results)}" if cfg["ops"] else "")
         + ").",
         "",
     ]
     lines += settings_lines(m)
-    if cfg["reduced"]:
-        lines += ["> **Reduced size.** " + " ".join(n + "." for n in cfg["notes"]), ""]
+    if cfg.get("notes"):  # a time limit or an interrupt notes a full-size run too
+        title = "Reduced size." if cfg["reduced"] else "Note."
+        lines += [f"> **{title}** " + " ".join(n + "." for n in cfg["notes"]), ""]
     roof = results["rooflines"]
     lines += [
         f"Measured in this run: device copy {roof['copy_gbps']:.0f} GB/s, "
@@ -383,8 +392,7 @@ def terminal_table(results: dict[str, Any]) -> str:
     """The summary printed at the end of `bench`."""
     lines = []
     cfg = results["config"]
-    if cfg["reduced"]:
-        lines += ["NOTE: " + n for n in cfg["notes"]]
+    lines += ["NOTE: " + n for n in cfg.get("notes", [])]
     model = results.get("model")
     if model:
         lines.append(f"\nmodel {model['config']['name']} ({model['dtype']})")
@@ -577,7 +585,8 @@ def figures(results: dict[str, Any]) -> dict[str, Figure]:
 
 @dataclass(frozen=True)
 class Change:
-    """A figure present in both runs; `slower_pct` > 0 when the new run is worse."""
+    """A figure present in both runs; `slower_pct` > 0 when the new run is worse: the time it
+    takes more, in percent (for a time, `change_pct`; for a rate, the time per unit)."""
 
     key: str
     old: float
@@ -600,10 +609,30 @@ def compare(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
         fa, fb = a[key], b[key]
         if not (0 < fa.value < math.inf and 0 < fb.value < math.inf):  # NaN too: no change
             continue
-        # Slowdown as a percentage of the old performance, whichever way "better" points.
-        speed_ratio = fb.value / fa.value if fa.higher else fa.value / fb.value
-        changes.append(Change(key, fa.value, fb.value, fa.unit, fa.own, (1 - speed_ratio) * 100))
+        # new time / old time, whichever way "better" points (a rate's time is per unit).
+        time_ratio = fa.value / fb.value if fa.higher else fb.value / fa.value
+        changes.append(Change(key, fa.value, fb.value, fa.unit, fa.own, (time_ratio - 1) * 100))
     return changes
+
+
+# The settings two runs must share for --compare to pair their figures: the figure keys name
+# the op, case and implementation only.
+_SHARED_SETTINGS = ("model", "dtype", "device", "quick", "full")
+
+
+def incomparable(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """How two runs' settings differ (those both record), and their GPUs: their figures then
+    measure different things ([] = comparable)."""
+    a, b = old.get("config") or {}, new.get("config") or {}
+    diffs = [
+        f"{k} {a[k]!r} vs {b[k]!r}"
+        for k in _SHARED_SETTINGS
+        if a.get(k) is not None and b.get(k) is not None and a[k] != b[k]  # None: no model run
+    ]
+    gpus = [(run.get("manifest") or {}).get("gpu") for run in (old, new)]
+    if gpus[0] != gpus[1]:
+        diffs.append(f"gpu {gpus[0]!r} vs {gpus[1]!r}")
+    return diffs
 
 
 def regressions(changes: list[Change], pct: float) -> list[Change]:

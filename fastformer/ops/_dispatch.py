@@ -61,6 +61,18 @@ def select_by_key(op: str, key: Hashable, make_inputs: Callable[[], Any]) -> str
     return name
 
 
+def bad_forced_backends() -> list[str]:
+    """FASTFORMER_BACKEND_<OP> settings that name no backend of their op (each call of the op
+    would raise), as messages; checked by the commands before they run anything."""
+    bad = []
+    for op, backends in REGISTRY.items():
+        forced = forced_backend(op)
+        names = [b.name for b in backends]
+        if forced is not None and forced not in names:
+            bad.append(f"FASTFORMER_BACKEND_{op.upper()}={forced!r} is not one of {names}")
+    return bad
+
+
 def explain(op: str, inputs: Any = None) -> list[tuple[str, list[str]]]:
     """(backend name, reasons it cannot run) for each backend of `op`, in preference order."""
     return [(b.name, b.reasons(inputs)) for b in REGISTRY[op]]
