@@ -793,6 +793,15 @@ def test_ffn_gelu_tanh_keeps_its_digits_in_the_left_tail(emulator):
     assert ((dh - dh64).abs() <= 2e-5 * dh64.abs() + 1e-7).all()
 
 
+def test_ffn_relu_passes_the_gradient_at_nan_as_torch_does(emulator):
+    h = torch.tensor([[torch.nan, 1.0, -1.0, 0.0, torch.nan, 2.0, -3.0, 4.0]])
+    dg = torch.arange(1.0, 9.0)[None]
+    with ce.device():
+        g = emulator.ops.ffn_forward(h, "relu", 0.0, SEED)
+        dh = emulator.ops.ffn_backward(dg, g, "relu", 0.0, SEED)[0]
+    assert dh.tolist() == [[1.0, 2.0, 0.0, 0.0, 5.0, 6.0, 0.0, 8.0]]  # torch.relu's backward
+
+
 def _ffn_inputs(rows, d_ff, act, dtype, seed=0):
     width = 2 * d_ff if act in GATED else d_ff
     h = _make((rows, width), dtype, seed=seed, scale=2.0, grad=False)

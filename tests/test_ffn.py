@@ -144,6 +144,19 @@ def test_gradcheck_float64(activation):
     assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_relu_passes_the_gradient_at_nan_as_torch_does(backend, monkeypatch):
+    # torch's relu backward zeroes where x <= 0, so a NaN passes its gradient; the kernels
+    # tested g > 0 and gave 0 there.
+    monkeypatch.setenv("FASTFORMER_BACKEND_FFN", backend)
+    x = torch.tensor([[torch.nan], [1.0], [-1.0]], requires_grad=True)
+    one = torch.ones(1, 1)
+    (dx,) = torch.autograd.grad(ffn(x, one, None, one, None, "relu").sum(), x)
+    x_ref = x.detach().clone().requires_grad_()
+    (dx_ref,) = torch.autograd.grad(torch.relu(x_ref @ one.t()).sum(), x_ref)
+    assert dx_ref.tolist() == [[1.0], [1.0], [0.0]] and torch.equal(dx, dx_ref)
+
+
 def _exact_gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     # 0.5 x (1 + tanh(u)) as x sigmoid(2u): float64's own 1 + tanh(u) cancels past x = -6.
     u = (2 / torch.pi) ** 0.5 * (x + 0.044715 * x**3)

@@ -44,6 +44,22 @@ def test_element_scheme_python_matches_cpp():
         assert torch.equal(rng.element_uniform_cpp(seed, offsets), expected), seed
 
 
+def test_negative_offsets_are_unsigned_counters_in_python_and_cpp():
+    # The C++ ops read an int64 offset as uint64; Python's arithmetic >> 2 carried the sign into
+    # the element scheme's top counter bits, so the two disagreed for negative offsets.
+    offsets = torch.tensor([-1, -2, -4, -5, -(2**62), -(2**63), 2**63 - 1, 0, 7])
+    for seed in (0, 12345, 2**63 - 5):
+        assert torch.equal(
+            rng.element_uniform_cpp(seed, offsets), rng.element_uniform(seed, offsets)
+        )
+        assert torch.equal(rng.philox_uniform_cpp(seed, offsets), rng.philox_uniform(seed, offsets))
+    # -4 .. -1 share the call of counter 2**62 - 1 (2**64 - 4 .. 2**64 - 1, divided by 4)
+    top = torch.tensor([2**62 - 1])
+    words = torch.stack(rng.philox4x32(7, top), dim=-1)[0]
+    lanes = [rng._uint_to_uniform(words[i : i + 1]) for i in range(4)]
+    assert torch.equal(rng.element_uniform(7, torch.tensor([-4, -3, -2, -1])), torch.cat(lanes))
+
+
 @pytest.mark.parametrize(("seq_k", "dropout_p"), [(1, 0.5), (45, 0.1), (64, 0.9), (97, 0.0)])
 def test_attention_keep_mask_cpp_matches_python(monkeypatch, seq_k, dropout_p):
     # attention's dropout_keep_mask on CPU runs the compiled kernel; the PyTorch spelling of the

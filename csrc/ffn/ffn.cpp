@@ -300,15 +300,15 @@ FF_ALWAYS_INLINE void forward_loop(Chunk<acc_t>& c, int64_t n) {
   }
 }
 
-// Backward. relu: d = (a > 0) * d * scale, with a the saved g (positive exactly where relu
-// passed and dropout kept). Others: the results replace their inputs --
+// Backward. relu: d = !(a <= 0) * d * scale, with a the saved g (positive, or NaN, exactly where
+// relu passed and dropout kept: torch's relu passes the gradient at NaN). Others: the results replace their inputs --
 //   plain: d = dg m act'(h), a = g = act(h) m;
 //   gated: d = d gate = dg m up act'(gate), up = d up = dg m act(gate), m = g = act(gate) up m.
 template <FfnActivation A, typename acc_t>
 FF_ALWAYS_INLINE void backward_loop(Chunk<acc_t>& c, acc_t scale, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     if constexpr (A == FfnActivation::kRelu) {
-      c.d[i] = c.a[i] > acc_t(0) ? c.d[i] * scale : acc_t(0);
+      c.d[i] = c.a[i] <= acc_t(0) ? acc_t(0) : c.d[i] * scale;
     } else if constexpr (is_gated(A)) {
       const acc_t gate = c.a[i], up = c.up[i], m = c.m[i];
       const acc_t dm = c.d[i] * m, y = act<A>(gate);

@@ -170,12 +170,13 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dg, const T* 
   float d[VEC];
   load<T, VEC>(dg + row * d_ff + col, d);
   if constexpr (A == FfnActivation::kRelu) {
-    // saved = dropout(relu(h)): positive exactly where relu passed and dropout kept.
+    // saved = dropout(relu(h)): positive (or NaN, where torch's relu passes the gradient too)
+    // exactly where relu passed and dropout kept.
     float gv[VEC];
     load<T, VEC>(saved + row * d_ff + col, gv);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
-      d[k] = gv[k] > 0.f ? d[k] * scale : 0.f;
+      d[k] = gv[k] <= 0.f ? 0.f : d[k] * scale;
       acc[k] += d[k];
     }
     store<T, VEC>(dh + row * d_ff + col, d);

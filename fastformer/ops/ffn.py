@@ -554,7 +554,7 @@ def _torch_backward(grad_out, x, w1, w2, saved, seed, activation, dropout_p):
     scale = 1.0 / (1.0 - dropout_p)
     if activation == "relu":
         g = saved
-        dh = torch.where(g > 0, dg * scale, torch.zeros_like(dg))
+        dh = torch.where(g <= 0, torch.zeros_like(dg), dg * scale)  # NaN passes, as in torch
     else:
         keep = ffn_keep_mask(seed, x.shape[0], dg.shape[1], dropout_p, x.device).to(dg.dtype)
         dm = dg * keep * scale

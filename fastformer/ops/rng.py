@@ -24,6 +24,7 @@ SEED_BITS = 63
 # The seed tensor of eager calls without dropout, shared (never written): saves the host time of
 # a new CPU tensor per call.
 NO_SEED = torch.zeros((), dtype=torch.int64)
+_LOW62 = (1 << 62) - 1
 
 
 def check_dropout_p(fn: str, dropout_p: object) -> float:
@@ -57,8 +58,8 @@ def philox4x32(seed: int, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
     Args:
         seed: integer in [0, 2**64); its low and high 32 bits are the two Philox key words.
-        offsets: int64 tensor of any shape (values >= 0); low and high 32 bits are the first two
-            counter words, the other two are 0.
+        offsets: int64 tensor of any shape, read as unsigned 64-bit counters (-1 is 2**64 - 1);
+            low and high 32 bits are the first two counter words, the other two are 0.
 
     Returns:
         four int64 tensors of the shape of `offsets` holding uint32 values.
@@ -84,8 +85,8 @@ def philox_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
 
     Args:
         seed: integer in [0, 2**64); its low and high 32 bits are the two Philox key words.
-        offsets: int64 tensor of any shape (values >= 0); low and high 32 bits are the first two
-            counter words.
+        offsets: int64 tensor of any shape, read as unsigned 64-bit counters (-1 is 2**64 - 1);
+            low and high 32 bits are the first two counter words.
 
     Returns:
         float32 tensor of the shape and device of `offsets`.
@@ -100,7 +101,9 @@ def element_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
     consecutive elements (a full call per element would make dropout compute-bound on a GPU).
     Same arguments and result as `philox_uniform`; `csrc/common/philox.h` has the C++ twin.
     """
-    words = torch.stack(philox4x32(seed, offsets >> 2), dim=-1)
+    # i // 4 of i as an unsigned 64-bit counter, as the C++ ops read it (>> of a negative int64
+    # would carry its sign into the top bits)
+    words = torch.stack(philox4x32(seed, (offsets >> 2) & _LOW62), dim=-1)
     lane = (offsets & 3).unsqueeze(-1)
     return _uint_to_uniform(torch.gather(words, -1, lane).squeeze(-1))
 
