@@ -466,7 +466,10 @@ def _speedup_plot(plt, path: Path, op: str, rows: list[dict[str, Any]]) -> Path:
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
     ax.set_xticklabels(labels, rotation=90, fontsize=6)
     ax.set_ylabel("speedup (peer ms / fastformer ms)")
-    ax.set_title(f"{op}: speedup of fastformer over each peer (>1: fastformer faster)")
+    # two lines: one was cut at the figure's width
+    ax.set_title(
+        f"{op}: speedup of fastformer over each peer\n(>1: fastformer faster)", fontsize=10
+    )
     if others:
         ax.legend(fontsize=7)
     fig.tight_layout()
