@@ -498,6 +498,18 @@ def test_compare_directions():
     assert slower == {"ffn.c.fwd.fastformer.ms", "model.fastformer.train_tokens_per_s"}
 
 
+def test_derived_backward_times_are_printed_but_not_judged():
+    # bwd = (fwd+bwd) - fwd carries both terms' noise: +23% between two runs whose fwd+bwd moved
+    # 7%; the measured terms are judged instead.
+    def run(bwd_ms):
+        row = _row(bwd_ms, 4.0)
+        row["impls"]["fastformer"]["derived"] = "fwd+bwd - fwd"
+        return {"ops": {"attention": {"cases": [{**row, "mode": "bwd"}]}}}
+
+    (change,) = [c for c in R.compare(run(1.0), run(2.0)) if c.key.endswith("fastformer.ms")]
+    assert change.slower_pct == pytest.approx(100.0) and not R.regressions([change], 10)
+
+
 def test_compare_skips_figures_that_are_not_finite():
     # json.dumps writes NaN: such a figure is no change (a NaN change passed --fail-if-slower).
     old = {"ops": {"ffn": {"cases": [_row(math.nan, 4.0)]}}, "model": _model(math.inf)}
