@@ -228,9 +228,14 @@ FF_INLINE A sum_map(const A* p, int64_t n, const F& f) {
       n, [p](int64_t j) { return vload(p + j); }, [p](int64_t j) { return p[j]; }, f);
 }
 
-// sum(p[j] - shift): the mean's sum, taken from a value of the row (rms_and_mean).
 template <typename A>
-FF_INLINE A sum_impl(const A* p, int64_t n, A shift) {
+FF_INLINE A sum_impl(const A* p, int64_t n) {
+  return sum_map(p, n, [](const Vec<A>& v) { return v; });
+}
+
+// sum(p[j] - shift): the mean's sum for rows far from 0 (row_stats).
+template <typename A>
+FF_INLINE A shifted_sum_impl(const A* p, int64_t n, A shift) {
   const Vec<A> s = vsplat(shift);
   return sum_map(p, n, [s](const Vec<A>& v) { return v - s; });
 }
@@ -393,15 +398,14 @@ FF_INLINE void convert_impl(const float* src, c10::BFloat16* dst, int64_t n) {
 // conversion passes took 30% of it). The same operations in the same order as convert_impl
 // then sum_impl (sum_loaded), and normalize_impl then convert_impl: the same bits, in 3 passes,
 // not 5.
-FF_INLINE float convert_sum_impl(const c10::BFloat16* src, float* dst, int64_t n, float shift) {
+FF_INLINE float convert_sum_impl(const c10::BFloat16* src, float* dst, int64_t n) {
   const auto load = [src, dst](int64_t j) {
     const Vec<float> v = load_bf16x8(src + j);
     vstore(dst + j, v);
     return v;
   };
   const auto load_one = [src, dst](int64_t j) { return dst[j] = static_cast<float>(src[j]); };
-  const Vec<float> s = vsplat(shift);
-  return sum_loaded<float>(n, load, load_one, [s](const Vec<float>& v) { return v - s; });
+  return sum_loaded<float>(n, load, load_one, [](const Vec<float>& v) { return v; });
 }
 
 FF_INLINE void normalize_store_impl(const float* x, c10::BFloat16* out, int64_t n, float mean,
@@ -424,7 +428,10 @@ FF_INLINE void normalize_store_impl(const float* x, c10::BFloat16* out, int64_t 
 
 // The cloned entry points, for A = float and double.
 #define FF_ROW_OPS(A)                                                                         \
-  FF_CPU_CLONES A row_sum(const A* p, int64_t n, A shift) { return sum_impl(p, n, shift); }   \
+  FF_CPU_CLONES A row_sum(const A* p, int64_t n) { return sum_impl(p, n); }                   \
+  FF_CPU_CLONES A row_shifted_sum(const A* p, int64_t n, A shift) {                           \
+    return shifted_sum_impl(p, n, shift);                                                     \
+  }                                                                                           \
   FF_CPU_CLONES A row_sq_dev(const A* p, int64_t n, A mean) { return sq_dev_impl(p, n, mean); } \
   FF_CPU_CLONES void row_normalize(const A* x, A* out, int64_t n, A mean, A rstd, const A* w,  \
                                    const A* b) {                                              \
@@ -471,9 +478,8 @@ FF_CONVERT_OPS(c10::BFloat16)
 
 #if defined(__GNUC__) || defined(__clang__)
 #define FF_FUSED_BF16 1
-FF_CPU_CLONES float row_convert_sum(const c10::BFloat16* src, float* dst, int64_t n,
-                                    float shift) {
-  return convert_sum_impl(src, dst, n, shift);
+FF_CPU_CLONES float row_convert_sum(const c10::BFloat16* src, float* dst, int64_t n) {
+  return convert_sum_impl(src, dst, n);
 }
 FF_CPU_CLONES void row_normalize(const float* x, c10::BFloat16* out, int64_t n, float mean,
                                  float rstd, const float* w, const float* b) {
@@ -593,14 +599,20 @@ std::pair<A, A> scaled_stats(const A* v, int64_t n, double eps, bool rms) {
   return {mu / s, s / std::sqrt(var / static_cast<A>(n) + scaled_eps)};
 }
 
-// Mean (0 for RMSNorm) and rstd of row v. The mean sums x - x[0] (`total`: that sum, taken
-// while converting): exact for a constant row, and its rounding grows with the row's spread,
-// not its offset (a plain fp32 sum of a 100003-column row at offset 1e6 was off by ~20).
+// Mean (0 for RMSNorm) and rstd of row v (`total`: its sum, taken while converting). A row whose
+// mean dominates its spread (|mean| > 16 std; a constant row) takes its mean again from the sum
+// of x - x[0]: exact for a constant row (x - mean is then 0, and the output the bias even with
+// eps = 1e-12), its rounding growing with the spread, not the offset (the plain fp32 sum of a
+// 100003-column row at offset 1e6 was off by ~20). Only those rows pay for the subtraction: in
+// every row it slowed the fp32 forward by 10-30% on the CI VM (rows in cache, one thread).
 template <typename A>
 std::pair<A, A> row_stats(const A* v, int64_t n, double eps, bool rms, const A* total) {
-  const A shift = rms || n == 0 ? A(0) : v[0];
-  const A mu = rms ? A(0) : shift + (total ? *total : row_sum(v, n, shift)) / static_cast<A>(n);
-  const A var = row_sq_dev(v, n, mu) / static_cast<A>(n);
+  A mu = rms ? A(0) : (total ? *total : row_sum(v, n)) / static_cast<A>(n);
+  A var = row_sq_dev(v, n, mu) / static_cast<A>(n);
+  if (!rms && n > 0 && !(mu * mu <= A(256) * var)) {  // NaN and inf too: scaled_stats' turn
+    mu = v[0] + row_shifted_sum(v, n, v[0]) / static_cast<A>(n);
+    var = row_sq_dev(v, n, mu) / static_cast<A>(n);
+  }
   if (!std::isfinite(mu) || !std::isfinite(var)) return scaled_stats(v, n, eps, rms);
   return {mu, A(1) / std::sqrt(var + static_cast<A>(eps))};
 }
@@ -623,7 +635,7 @@ void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
     std::vector<A> buf(n);
     for (int64_t row = begin; row < end; ++row) {
       const A* v = buf.data();
-      A total = 0;  // of v - v[0], when the conversion summed it
+      A total = 0;  // of v, when the conversion summed it
       bool summed = false;
       if constexpr (std::is_same_v<T, A>) {
         if (!p.fused) v = p.x + row * n;  // fp32 / fp64: read x in place
@@ -631,8 +643,7 @@ void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
 #ifdef FF_FUSED_BF16
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         if (!p.fused) {
-          const float shift = n > 0 ? static_cast<float>(p.x[row * n]) : 0.f;
-          total = row_convert_sum(p.x + row * n, buf.data(), n, shift);
+          total = row_convert_sum(p.x + row * n, buf.data(), n);
           summed = true;
         }
       }

@@ -236,10 +236,13 @@ __device__ __forceinline__ float row_first(float v, float* slot) {
 // The mean sums x - shift, shift being the row's first value: exact for a constant row (x - mean
 // is then 0, and the output the bias even with eps = 1e-12), and its rounding grows with the
 // row's spread, not its offset (a plain fp32 sum was off by ~20 for a 100003-column row at 1e6
-// on the CPU kernels, which sum the same way). A row whose sums overflow (|x - mean| past
-// ~1.8e19: its rstd came out 0 and the output silently the bias) is summed again with its values
-// scaled by 2^-96, exact for a power of two, where no square or sum can overflow; rstd must
-// still be a normal float (ftz), which holds for a standard deviation up to ~8.5e37.
+// in the CPU kernels). Every row pays one subtraction an element and, with several warps a row,
+// one barrier (row_first): cheap in a memory-bound kernel, a prediction for the next GPU run
+// (the CPU kernels, compute-bound on rows in cache, shift only rows far from 0). A row whose
+// sums overflow (|x - mean| past ~1.8e19: its rstd came out 0 and the output silently the bias)
+// is summed again with its values scaled by 2^-96, exact for a power of two, where no square or
+// sum can overflow; rstd must still be a normal float (ftz), which holds for a standard
+// deviation up to ~8.5e37.
 constexpr float kOverflowScale = 0x1p-96f;
 
 // One value's term of the first sum: v - shift, or v^2 for RMSNorm (values times scale).
