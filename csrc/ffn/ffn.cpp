@@ -301,7 +301,8 @@ FF_ALWAYS_INLINE void forward_loop(Chunk<acc_t>& c, int64_t n) {
 }
 
 // Backward. relu: d = !(a <= 0) * d * scale, with a the saved g (positive, or NaN, exactly where
-// relu passed and dropout kept: torch's relu passes the gradient at NaN). Others: the results replace their inputs --
+// relu passed and dropout kept: torch's relu passes the gradient at NaN). Others: the results
+// replace their inputs --
 //   plain: d = dg m act'(h), a = g = act(h) m;
 //   gated: d = d gate = dg m up act'(gate), up = d up = dg m act(gate), m = g = act(gate) up m.
 template <FfnActivation A, typename acc_t>
