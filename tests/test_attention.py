@@ -354,6 +354,23 @@ def test_rows_under_one_large_negative_bias_average_their_values(
     torch.testing.assert_close(out[:, :, 1], average, atol=1e-5, rtol=1e-5)
 
 
+def test_float_mask_of_1e3_dominant_probabilities_stay_at_most_1():
+    # A bias of ~1e3 makes one key take a row (P = 1). The dK/dV tiles compute k @ q^T where
+    # the forward computed q @ k^T: a score one float32 ulp (1.2e-4 at 1934) above the saved
+    # row max gave P = 1.00012 and dv 5.4x the parity bound (found by a float-mask hunt). The
+    # other sign of that rounding (P = 1 - 1.2e-4) is not caught by the cap (NOTES.md).
+    q = _randn((1, 1, 65, 64))
+    k, v = _randn((1, 1, 33, 64), seed=1), _randn((1, 1, 33, 64), seed=2)
+    mask = _randn((1, 1, 65, 33), seed=3) * 2 + _randn((1, 1, 65, 33), seed=4) * 1e3
+    results = compare_with_reference(
+        lambda q, k, v: attn.scaled_dot_product_attention(q, k, v, mask),
+        lambda q, k, v: ref.scaled_dot_product_attention(q, k, v, mask),
+        [t.requires_grad_() for t in (q, k, v)],
+        names=["q", "k", "v"],
+    )
+    assert_parity(results)
+
+
 @pytest.mark.parametrize("bias", [2000.0, -2000.0])
 def test_torch_backend_float_mask_of_large_values(monkeypatch, bias):
     # torch's CPU flash backward recomputes P from a float32 LSE, which at |LSE| ~ 2000 has

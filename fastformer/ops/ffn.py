@@ -491,7 +491,9 @@ class _FfnFunction(torch.autograd.Function):
     def forward(ctx, x, w1, b1, w2, b2, activation, dropout_p):
         inputs = (x, w1, b1, w2, b2, activation, dropout_p)
         out, saved, ctx.seed = _forward(*inputs, needs_grad=True, backend="torch")
-        ctx.save_for_backward(x, w1, w2, saved)
+        # b1 and b2 only so that first_order ties the gradients to them: with everything else
+        # frozen, a create_graph=True db1 came back as a constant (a silently dropped penalty)
+        ctx.save_for_backward(x, w1, w2, saved, b1, b2)
         _keep_options(ctx, activation, dropout_p, b1, b2)
         return out
 
@@ -500,7 +502,7 @@ class _FfnFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         if grad_out is None:
             return (None,) * 7
-        x, w1, w2, saved = ctx.saved_tensors
+        x, w1, w2, saved, _b1, _b2 = ctx.saved_tensors
         _check_saved(saved)
         args = (grad_out, x, w1, w2, saved, ctx.seed, ctx.activation, ctx.dropout_p)
         return _input_grads(ctx, _grad(*args, backend="torch"))

@@ -41,7 +41,13 @@ from torch import Tensor
 from fastformer import reference
 from fastformer._ext import cuda_kernels_compiled, extension_error
 from fastformer.ops import rng
-from fastformer.ops._autograd import check_dense, check_devices, positive_float, under_transform
+from fastformer.ops._autograd import (
+    check_dense,
+    check_devices,
+    first_order,
+    positive_float,
+    under_transform,
+)
 from fastformer.ops._dispatch import Backend, register, select_by_key
 
 __all__ = [
@@ -270,6 +276,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(*output[2:])  # mean, rstd, seed
 
 
+@first_order("LayerNorm")  # layer_norm_bwd has no autograd: a second backward gave zeros
 def _backward(ctx, dout, dpre, _dmean, _drstd, _dseed):
     return _grads(ctx, dout, dpre)
 
