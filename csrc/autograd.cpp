@@ -132,8 +132,11 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
       const int64_t i = ctx->saved_data[edge].toInt();
       return i >= 0 && ctx->needs_input_grad(i);
     };
-    const bool need_x = ctx->needs_input_grad(0), need_w = needs("weight_edge");
-    const bool need_b = needs("bias_edge"), need_res = needs("residual_edge");
+    // Only pre used (out's gradient undefined): weight and bias did not shape it, so no
+    // gradient (None, as torch gives; a zero tensor would count for weight decay and momentum).
+    const bool out_used = grads[0].defined();
+    const bool need_x = ctx->needs_input_grad(0), need_w = out_used && needs("weight_edge");
+    const bool need_b = out_used && needs("bias_edge"), need_res = needs("residual_edge");
     const at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(xin);
     const OptTensor dpre = grads[1].defined() && grads[1].sym_numel() != 0 ? OptTensor(grads[1])
                                                                         : c10::nullopt;

@@ -87,6 +87,35 @@ def test_second_derivative_raises(monkeypatch, op, square, backend):
         torch.autograd.grad(second, inputs)
 
 
+@pytest.mark.parametrize("backend", ["default", "torch"])
+@pytest.mark.parametrize("biases", [("b1",), ("b1", "b2")])
+def test_ffn_second_derivative_raises_when_only_biases_train(monkeypatch, backend, biases):
+    # Nothing the backward saved required grad and the cotangent was a constant: db1 came back
+    # as a constant, and a gradient penalty on it was silently dropped (a found fault).
+    monkeypatch.delenv("FASTFORMER_BACKEND_FFN", raising=False)
+    if backend == "torch":
+        monkeypatch.setenv("FASTFORMER_BACKEND_FFN", "torch")
+    x, w1, w2 = (_randn(*s, seed=i).detach() for i, s in enumerate([(4, 8), (16, 8), (8, 16)]))
+    b = {"b1": torch.zeros(16, device=DEVICE), "b2": torch.zeros(8, device=DEVICE)}
+    for name in biases:
+        b[name].requires_grad_()
+    out = ffn.ffn(x, w1, b["b1"], w2, b["b2"], "gelu")
+    grads = torch.autograd.grad(out.sum(), [b[n] for n in biases], create_graph=True)
+    with pytest.raises(RuntimeError, match="first-order gradients only"):
+        (out.sum() + sum(g.pow(2).sum() for g in grads)).backward()
+
+
+def test_raw_layer_norm_op_second_derivative_raises():
+    # fastformer::layer_norm's backward calls layer_norm_bwd, which has no autograd: torch
+    # warned and a second derivative came back as zeros.
+    x = _randn(3, 8, seed=0).detach().double().requires_grad_()
+    w, b = torch.randn(8, dtype=torch.double, device=DEVICE), torch.zeros(8, device=DEVICE)
+    out = torch.ops.fastformer.layer_norm(x, w, b.double(), None, 1e-5, 0.0, False, False)[0]
+    (g,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="LayerNorm kernels compute first-order gradients"):
+        torch.autograd.grad(g.pow(2).sum(), x)
+
+
 # --------------------------------------------------------------------------- torch.func, forward AD
 # Under a torch.func transform or a forward-AD level the ops compute with the reference's torch
 # operations and the kernels' dropout mask (`_autograd.under_transform`): forward AD through the
@@ -134,3 +163,61 @@ def test_torch_func_grad_matches_autograd(op):
     got = torch.func.grad(loss, argnums=tuple(range(len(inputs))))(*inputs)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("op", ["dropout_add_layer_norm", "ffn", "attention"])  # the dropouts
+def test_vmap_randomness_modes_with_dropout(op):
+    # The ops draw one seed a call. "same": every sample gets that mask (dropout_add_layer_norm
+    # drew its mask inside a custom op, which vmap's fallback ran once a sample: a new mask
+    # each); "error": vmap's own error (it did not raise for that op); "different": a clear
+    # error (an .item() on a batched tensor deep in torch before).
+    fn, shapes = OPS[op]
+    one = [_randn(*shape, seed=i).detach() for i, shape in enumerate(shapes)]
+    batch = [t.expand(3, *t.shape).contiguous() for t in one]  # three identical samples
+    out = torch.func.vmap(fn, randomness="same")(*batch)
+    assert all(torch.equal(out[0], out[i]) for i in (1, 2))
+    with pytest.raises(RuntimeError, match="randomness error mode"):
+        torch.func.vmap(fn, randomness="error")(*batch)
+    with pytest.raises(RuntimeError, match=r"vmap\(randomness='different'\) is not supported"):
+        torch.func.vmap(fn, randomness="different")(*batch)
+
+
+@pytest.mark.parametrize("case", ["mask", "dropout", "lse"])
+def test_attention_gradients_batched_over_cotangents(monkeypatch, case):
+    # is_grads_batched (and vectorized jacobians) run the backward under vmap, which has no
+    # rule for the reference backward's out= and in-place ops, nor for bool(grad_lse.any()).
+    monkeypatch.setenv("FASTFORMER_BACKEND_ATTENTION", "torch")
+    q, k, v = (_randn(1, 2, 3, 4, seed=i).detach().double().requires_grad_() for i in range(3))
+    mask = _randn(3, 3, seed=3).detach().double().requires_grad_()
+    torch.manual_seed(1)
+    if case == "lse":
+        out = attention.scaled_dot_product_attention_with_lse(q, k, v)[1]
+    else:
+        out = attention.scaled_dot_product_attention(
+            q, k, v, mask if case == "mask" else None, dropout_p=0.3 if case == "dropout" else 0.0
+        )
+    inputs = {"mask": (q, k, v, mask), "dropout": (q, k, v), "lse": (q, k)}[case]  # lse: no v
+    cotangents = torch.randn(2, *out.shape, dtype=torch.double, device=DEVICE)
+    batched = torch.autograd.grad(out, inputs, cotangents, is_grads_batched=True, retain_graph=True)
+    for i, cotangent in enumerate(cotangents):
+        one = torch.autograd.grad(out, inputs, cotangent, retain_graph=True)
+        for got, want in zip(batched, one):
+            torch.testing.assert_close(got[i], want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["default", "torch"])
+def test_inputs_an_output_does_not_depend_on_get_no_gradient(monkeypatch, backend):
+    # Only pre of a prenorm call used: weight and bias did not shape it. Only attention's lse
+    # used: value did not. torch gives None there; the kernels' nodes gave zero tensors, which
+    # optimizers count as gradients (weight decay, momentum).
+    for name in ("LAYER_NORM", "ATTENTION"):
+        monkeypatch.delenv(f"FASTFORMER_BACKEND_{name}", raising=False)
+        if backend == "torch":
+            monkeypatch.setenv(f"FASTFORMER_BACKEND_{name}", "torch")
+    x, r, w, b = (_randn(*s, seed=i) for i, s in enumerate([(3, 8), (3, 8), (8,), (8,)]))
+    _, pre = layer_norm.dropout_add_layer_norm(x, r, w, b, prenorm=True)
+    pre.sum().backward()
+    assert w.grad is None and b.grad is None and x.grad is not None and r.grad is not None
+    q, k, v = (_randn(1, 1, 3, 4, seed=i) for i in range(3))
+    attention.scaled_dot_product_attention_with_lse(q, k, v)[1].sum().backward()
+    assert v.grad is None and q.grad is not None and k.grad is not None

@@ -671,12 +671,14 @@ def _softmax(scores: Tensor, with_lse: bool = False):
     return probs, (row_max - probs.amax(-1).log()).masked_fill_(empty, float("-inf"))
 
 
-def _kept_scale(seed, probs: Tensor, dropout_p: float, out: Tensor) -> Tensor:
-    """`out` (probs's shape and dtype; a buffer the caller is done with) set to the keep-mask K
-    of `seed` times 1 / (1 - p): dropout is then one multiply (two `where`s took 4x as long,
-    and a fresh buffer's page faults cost more than the multiply)."""
+def _kept_scale(seed, probs: Tensor, dropout_p: float, out: Tensor | None = None) -> Tensor:
+    """`out` (probs's shape and dtype; a buffer the caller is done with; else a new tensor) set
+    to the keep-mask K of `seed` times 1 / (1 - p): dropout is then one multiply (two `where`s
+    took 4x as long, and a fresh buffer's page faults cost more than the multiply)."""
     b, h, lq, lk = probs.shape
     keep = dropout_keep_mask(seed, b, h, lq, lk, dropout_p, device=probs.device)
+    if out is None:
+        return keep.to(probs.dtype) * (1.0 / (1.0 - dropout_p))
     return out.copy_(keep).mul_(1.0 / (1.0 - dropout_p))
 
 
@@ -691,13 +693,22 @@ def _torch_backward(
     # CPU only: .any() and amax never sync with a GPU
     flash = _cpu_flash_ok(q, k, v, attn_mask, dropout_p) and not mask_grad
     flash = flash and _lse_keeps_its_sum(lse, attn_mask)
-    if flash and (grad_lse is None or not bool(grad_lse.any())):
+    if flash and (grad_lse is None or (not _batched(grad_lse) and not bool(grad_lse.any()))):
         dq, dk, dv = _cpu_flash_backward(
             grad_out, q, k, v, out, lse, attn_mask, kpm, is_causal, scale
         )
         return dq, dk, dv, None
     return _reference_backward(
         grad_out, grad_lse, q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scale, mask_grad
+    )
+
+
+def _batched(*tensors: Tensor | None) -> bool:
+    """Whether vmap batches any of `tensors` (a backward under is_grads_batched or a jacobian:
+    torch.autograd's legacy vmap, or torch.func's)."""
+    ft = torch._C._functorch
+    return any(
+        t is not None and (ft.is_batchedtensor(t) or ft.is_legacy_batchedtensor(t)) for t in tensors
     )
 
 
@@ -730,16 +741,25 @@ def _reference_backward(
     scores = reference._attention_scores(q, kh, attn_mask, is_causal, scale, kpm)
     probs = _softmax(scores)
     grad_probs = grad_out.to(probs.dtype) @ vh.transpose(-2, -1)
+    # In place into the (B, H, Lq, Lk) buffers, except where vmap batches the gradients
+    # (is_grads_batched, jacobians): it has no rule for out= and in-place ops on them.
+    functional = _batched(grad_out, grad_lse)
     dropped = probs
-    if dropout_p > 0:  # scores's buffer is free: it takes K * c, then P * K * c
+    if dropout_p > 0 and functional:
+        kept = _kept_scale(seed, probs, dropout_p)
+        dropped, grad_probs = probs * kept, grad_probs * kept
+    elif dropout_p > 0:  # scores's buffer is free: it takes K * c, then P * K * c
         dropped = _kept_scale(seed, probs, dropout_p, out=scores)
         grad_probs.mul_(dropped)
         dropped.mul_(probs)
     grad_v = dropped.transpose(-2, -1) @ grad_out.to(probs.dtype)
-    row = torch.mul(probs, grad_probs, out=scores).sum(-1, keepdim=True)  # scores free again
+    if functional:
+        row = (probs * grad_probs).sum(-1, keepdim=True)
+    else:
+        row = torch.mul(probs, grad_probs, out=scores).sum(-1, keepdim=True)  # scores free again
     if grad_lse is not None:
         row = row - grad_lse.to(probs.dtype)[..., None]
-    grad_scores = grad_probs.sub_(row).mul_(probs)
+    grad_scores = (grad_probs - row) * probs if functional else grad_probs.sub_(row).mul_(probs)
     grad_q = (grad_scores @ kh) * scale
     grad_k = (grad_scores.transpose(-2, -1) @ q) * scale
     grad_k, grad_v = _sum_kv_groups(grad_k, hkv), _sum_kv_groups(grad_v, hkv)
@@ -939,7 +959,8 @@ def _grads(ctx, grad_out, grad_lse, backward_fn) -> tuple:
     """Gradients of the 8 inputs of the op (None for masks without grad and non-tensors)."""
     query, key, value, out, lse, stat, attn_mask, key_padding_mask, seed = ctx.saved_tensors
     mask_grad = ctx.float_mask and ctx.needs_input_grad[3]
-    if grad_out is None:  # only lse was used
+    out_used = grad_out is not None
+    if not out_used:  # only lse was used
         grad_out = torch.zeros_like(out)
     dq, dk, dv, dmask = backward_fn(
         grad_out,
@@ -958,7 +979,9 @@ def _grads(ctx, grad_out, grad_lse, backward_fn) -> tuple:
         ctx.scale,
         mask_grad,
     )
-    return dq, dk, dv, dmask if mask_grad else None, None, None, None, None
+    # lse does not depend on value: no gradient (None, as torch gives; a zero tensor would count
+    # as one for optimizers, weight decay and momentum included)
+    return dq, dk, dv if out_used else None, dmask if mask_grad else None, None, None, None, None
 
 
 torch.library.register_autograd("fastformer::attention", _backward, setup_context=_setup_context)

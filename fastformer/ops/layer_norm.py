@@ -285,8 +285,8 @@ def _grads(ctx, dout: Tensor | None, dpre: Tensor | None) -> tuple:
     """Gradients of (x, weight, bias, residual, and None for the 4 non-tensor arguments)."""
     xin, weight, bias, mean, rstd, seed = ctx.saved_tensors
     need_x, need_w, need_b, need_res = ctx.needs_input_grad[:4]
-    if dout is None:
-        dout = torch.zeros_like(xin)
+    if dout is None:  # only pre was used: weight and bias did not shape it (None, as torch)
+        dout, need_w, need_b = torch.zeros_like(xin), False, False
     if dpre is not None and dpre.numel() == 0:
         dpre = None
     dx, dres, dweight, dbias = torch.ops.fastformer.layer_norm_bwd(
@@ -427,6 +427,18 @@ def _run_cpp(
     return (out, pre) if prenorm else out
 
 
+def _keep_mask(x: Tensor, dropout_p: float) -> Tensor:
+    """The keep-mask of the torch backend's dropout: through the custom op, which draws its
+    seed when it runs (also under torch.compile); under a torch.func transform the seed is drawn
+    here, where vmap sees the draw and applies its `randomness` (the custom op ran once a sample
+    through vmap's fallback, a new mask each, whatever randomness said)."""
+    if torch.compiler.is_compiling() or not under_transform():
+        return _keep_mask_op(x.detach(), dropout_p)
+    seed = rng.call_seed(x.device, dropout_p)
+    rng.check_host_seed(seed, "dropout_add_layer_norm")
+    return dropout_add_layer_norm_keep_mask(seed, x.shape, dropout_p, device=x.device)
+
+
 def _run_torch(
     x: Tensor,
     shape: tuple[int, ...],
@@ -443,7 +455,7 @@ def _run_torch(
         return reference.rms_norm(x, shape, weight, eps).to(x.dtype)
     if residual is None and dropout_p == 0 and not prenorm:
         return reference.layer_norm(x, shape, weight, bias, eps).to(x.dtype)
-    keep = _keep_mask_op(x.detach(), dropout_p) if dropout_p > 0 else None
+    keep = _keep_mask(x, dropout_p) if dropout_p > 0 else None
     result = reference.dropout_add_layer_norm(
         x, residual, weight, bias, eps, dropout_p, prenorm, keep_mask=keep
     )

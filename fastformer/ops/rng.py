@@ -194,6 +194,12 @@ def _host_seed(device: torch.device) -> int:
         gen.set_offset(offset + 4)
         return _mix64(_mix64(base) ^ offset) >> (64 - SEED_BITS)
     draw = torch.randint(-(2**63), 2**63 - 1, (), generator=torch.default_generator)
+    if torch._C._functorch.is_batchedtensor(draw):
+        raise RuntimeError(
+            "fastformer's dropout under torch.vmap(randomness='different') is not supported: "
+            "its mask comes from one seed a call; use randomness='same' (one mask for every "
+            "sample) or dropout 0"
+        )
     return draw.item() & (2**SEED_BITS - 1)
 
 
