@@ -149,6 +149,13 @@ def _attention_scores(
     return scores
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """float32 for 16-bit dtypes, else the dtype: where the reference sums squares or
+    exponentials, as torch's own reductions accumulate (in float16 those sums overflow, and a
+    reference whose error is the overflow's makes the parity bound too loose to fail)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def _safe_softmax(scores: Tensor) -> tuple[Tensor, Tensor]:
     """Softmax over the last dim and its log-sum-exp; rows with every score -inf give 0 / -inf.
 
@@ -161,10 +168,11 @@ def _safe_softmax(scores: Tensor) -> tuple[Tensor, Tensor]:
         row_max = scores.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)
     exp = torch.exp(scores - row_max)
-    total = exp.sum(dim=-1, keepdim=True)
+    # Summed in float32 at least: a float16 sum passes 65504 (inf) from 65505 near-equal keys.
+    total = exp.sum(dim=-1, keepdim=True, dtype=_wide(exp.dtype))
     empty = total == 0
     safe_total = torch.where(empty, torch.ones_like(total), total)
-    probs = exp / safe_total
+    probs = (exp / safe_total).to(exp.dtype)
     lse = torch.where(empty, torch.full_like(total, float("-inf")), row_max + safe_total.log())
     return probs, lse.squeeze(-1)
 
@@ -267,14 +275,17 @@ def layer_norm(
 ) -> Tensor:
     """``(x - mean) / sqrt(var + eps) * weight + bias`` over the trailing ``normalized_shape``.
 
-    Biased variance, computed in the input dtype. ``weight``/``bias`` have shape
-    ``normalized_shape`` (or are None). Output: same shape and dtype as ``input``.
+    Biased variance, computed in the input dtype but for the sum of squares (float32 for 16-bit
+    inputs, as torch accumulates: in float16 it overflows past |x - mean| = 256). ``weight`` /
+    ``bias`` have shape ``normalized_shape`` (or are None). Output: same shape and dtype as
+    ``input`` (type promotion with the parameters' dtype aside).
     """
     dims = _norm_dims(input, normalized_shape)
     mean = input.mean(dim=dims, keepdim=True)
     centered = input - mean
-    var = (centered * centered).mean(dim=dims, keepdim=True)
-    out = centered / torch.sqrt(var + eps)
+    wide = centered.to(_wide(centered.dtype))
+    var = (wide * wide).mean(dim=dims, keepdim=True)
+    out = centered / torch.sqrt(var + eps).to(centered.dtype)
     if weight is not None:
         out = out * weight
     if bias is not None:
@@ -299,13 +310,15 @@ def rms_norm(
     """``x / sqrt(mean(x^2) + eps) * weight`` over the trailing ``normalized_shape``.
 
     ``eps=None`` means ``rms_norm_eps(input.dtype)``, as ``F.rms_norm``. Computed in the input
-    dtype; output has the shape and dtype of ``input``.
+    dtype but for the mean square (float32 for 16-bit inputs, as in `layer_norm`); output has the
+    shape and dtype of ``input``.
     """
     dims = _norm_dims(input, normalized_shape)
     if eps is None:
         eps = rms_norm_eps(input.dtype)
-    mean_square = (input * input).mean(dim=dims, keepdim=True)
-    out = input / torch.sqrt(mean_square + eps)
+    wide = input.to(_wide(input.dtype))
+    mean_square = (wide * wide).mean(dim=dims, keepdim=True)
+    out = input / torch.sqrt(mean_square + eps).to(input.dtype)
     if weight is not None:
         out = out * weight
     return out

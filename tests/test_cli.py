@@ -37,7 +37,7 @@ from fastformer.cli.cases import (
     model_case,
 )
 from fastformer.cli.check import BREAK_ENV
-from fastformer.testing import compare_with_reference
+from fastformer.testing import ATOL_FLOOR, compare_with_reference, parity
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -193,6 +193,17 @@ def test_parity_of_an_op_that_leaves_out_an_output_fails():
     x = torch.randn(3, requires_grad=True)
     results = compare_with_reference(lambda x: x * 2, lambda x: (x * 2, x + 1), [x])
     assert [r.name for r in results if not r.passed] == ["outputs: 1 vs 2"]
+
+
+def test_parity_bound_of_a_reference_that_overflowed_is_the_floor():
+    # max|ref_lp - ref64| is inf where the low-precision reference overflowed: the bound, twice
+    # that, passed any result at all.
+    ref64 = torch.ones(4, dtype=torch.float64)
+    ref_lp = torch.tensor([1.0, math.inf, 1.0, 1.0], dtype=torch.float16)
+    wrong = torch.zeros(4, dtype=torch.float16)
+    result = parity("out", wrong, ref64, ref_lp)
+    assert not result.passed and result.bound == pytest.approx(ATOL_FLOOR[torch.float16])
+    assert parity("out", ref64.half(), ref64, ref_lp).passed
 
 
 @pytest.mark.skipif(not _op_available("layer_norm"), reason="fastformer.ops.layer_norm missing")

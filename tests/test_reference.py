@@ -214,6 +214,29 @@ def test_rms_norm_matches_torch(eps, dtype):
     _close(ref_rms(x), torch_rms(x), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+def test_float16_norms_of_large_activations_match_torch(norm):
+    # The squares were summed in float16: past |x| ~ 256 they overflowed, every output was 0
+    # (3.2-4.2 from float64 where torch's float16 is within 1e-3), and the parity bound, twice
+    # that error, let a kernel returning zeros pass.
+    x = (torch.randn(4, 512, generator=torch.Generator().manual_seed(0)) * 300).half()
+    if norm == "layer_norm":
+        got, want = ref.layer_norm(x, 512), F.layer_norm(x, (512,))
+    else:
+        got, want = ref.rms_norm(x, 512), F.rms_norm(x, (512,))
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+def test_float16_softmax_of_many_keys_does_not_overflow():
+    # 70000 equal scores: the float16 sum of their exponentials (1 each) was inf: out 0, lse inf.
+    q = torch.zeros(1, 1, 1, 4, dtype=torch.float16)
+    k = torch.zeros(1, 1, 70000, 4, dtype=torch.float16)
+    out, lse = ref.scaled_dot_product_attention(q, k, torch.ones_like(k), return_lse=True)
+    assert torch.allclose(out.float(), torch.ones(1, 1, 1, 4), atol=2e-3)
+    assert lse.item() == pytest.approx(math.log(70000), rel=1e-6)
+
+
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("prenorm", [True, False])
 def test_dropout_add_layer_norm_matches_manual(with_residual, prenorm):
