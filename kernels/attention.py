@@ -989,8 +989,8 @@ def _with_padded(
 
 # Configs that spill with one Triton version only (that version's compile_report): left out
 # while it runs, so that every config in use compiles without spills. (kernel, arch, bucket,
-# feature class, config). The fwd d256 and dkdv d64 entries of 3.6 (4 bytes each) showed only
-# once the check read Triton's own cubins: a separate ptxas run had reported no spill.
+# feature class, config). The dkdv d64 entry of 3.6 (4 bytes) showed only once the check read
+# Triton's own cubins: a separate ptxas run had reported no spill.
 _VERSION_SPILLS = {
     (3, 6): {
         ("dq", 80, 256, "padded", _C(32, 16, 8, 2)),

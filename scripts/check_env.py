@@ -8,7 +8,8 @@ import importlib.util
 import sys
 
 REQUIRED = {"torch": "torch>=2.11", "setuptools": "setuptools", "ninja": "ninja", "numpy": "numpy"}
-FOR_TESTS = {"pytest": "pytest"}
+# `bench` draws its plots with matplotlib; the tests use pytest (xdist for `-n 2`).
+FOR_TESTS = {"pytest": "pytest", "xdist": "pytest-xdist", "matplotlib": "matplotlib"}
 
 
 def main() -> int:
@@ -18,7 +19,7 @@ def main() -> int:
         return 1
     absent = [spec for mod, spec in FOR_TESTS.items() if importlib.util.find_spec(mod) is None]
     if absent:
-        print(f"note: {' '.join(absent)} not installed; `make test` needs it")
+        print(f"note: {' '.join(absent)} not installed; `make test` and `make bench` need them")
     return 0
 
 

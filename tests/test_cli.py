@@ -583,6 +583,17 @@ def test_usage_errors_before_any_measurement(argv, message, tmp_path, monkeypatc
     assert err.count("\n") == 1 and message in err, err
 
 
+def test_bench_without_matplotlib_stops_before_measuring(monkeypatch, tmp_path, capsys):
+    # The plots come after minutes of measuring: a missing matplotlib failed there (exit 1).
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else real(n, *a)
+    )
+    monkeypatch.setattr(B, "measure", lambda *a: pytest.fail("measured before checking"))
+    assert main(["bench", "--quick", "--out", str(tmp_path)]) == 2
+    assert "matplotlib, which is not installed" in capsys.readouterr().err
+
+
 def test_fail_if_slower_fails_when_nothing_of_fastformer_was_compared(bench_run, tmp_path, capsys):
     # A CI regression check against a run with no fastformer figure in common (other ops) must
     # not pass silently.

@@ -18,6 +18,7 @@ import argparse
 import copy
 import datetime as _dt
 import importlib
+import importlib.util
 import math
 import sys
 import time
@@ -770,6 +771,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     --fail-if-slower regression (results are written in every case)."""
     _check_args(args)
     check_forced_backends()
+    if importlib.util.find_spec("matplotlib") is None:  # the plots come after the measuring
+        raise UsageError("bench writes PNG plots with matplotlib, which is not installed")
     # Every file argument is checked before anything is measured (minutes on a GPU).
     old = report.load(Path(args.compare), "--compare") if args.compare else None
     if old is not None and not args.results:  # what is known before measuring

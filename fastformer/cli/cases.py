@@ -17,7 +17,8 @@ default run's model stage took 134 s (the whole model under torch.compile 91 s; 
 first step 26 s, in which Triton compiles and times 20 attention candidates one by one) and
 left the ops 36 s: 2 attention cases. Since, the default compiles the eager model's layers
 instead of the whole model (--full keeps that) and attention compiles a key's candidates at once
-(bench.py, kernels/attention.py); not yet timed on a GPU. The default keeps one case of each
+(bench.py, kernels/attention.py); the H200 run of 2026-11-30 (s8) took 150 s for the whole
+default bench. The default keeps one case of each
 kind that the model runs or that tells the kernels apart (12 cases):
 - attention (5): d64 s2048 and s8192 non-causal, d64 s2048 causal, d64 s2048 causal + padding
   25% + dropout 0.1 (the decoder's self-attention in training), d128 s2048 non-causal;
