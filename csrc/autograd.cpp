@@ -201,10 +201,11 @@ struct FfnFunction : public torch::autograd::Function<FfnFunction> {
                                bool fused_epilogue, const OptTensor& device_seed) {
     auto [out, saved] = handle<FfnFwd>().call(x.contiguous(), w1, b1, w2, b2, activation,
                                               dropout_p, seed, fused_epilogue, device_seed);
-    // b1 and b2 only for first_order to tie the gradients to: with x, w1 and w2 frozen, a
+    // b1 only for first_order to tie the gradients to: with x, w1 and w2 frozen, a
     // create_graph=True db1 came back as a constant (a gradient penalty silently dropped).
+    // db2 is grad_out summed: a constant then, correctly.
     ctx->save_for_backward({x, w1, w2, saved, device_seed.value_or(at::Tensor()),
-                            b1.value_or(at::Tensor()), b2.value_or(at::Tensor())});
+                            b1.value_or(at::Tensor())});
     ctx->saved_data["activation"] = std::string(activation);
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["seed"] = seed;

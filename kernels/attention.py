@@ -499,7 +499,7 @@ def _dkdv_tile_t(
         # row max, and a dominant P came out 1 + 1.2e-4 (dV 5x the parity bound; the
         # reference's P is 1). Here only: the dq kernel has the forward's orientation, and
         # the cap cost its sm_90 fp16 d64 config a spill.
-        p_t = tl.minimum(p_t, 1.0)
+        p_t = tl.where(p_t > 1.0, 1.0, p_t)  # (tl.minimum would turn a NaN into 1)
     if HAS_DROPOUT:
         keep_t = tl.trans(_dropout_keep(seed, drop_base, rows, col0, offs_n, Lk, drop_t))
     pd_t = p_t  # dV = (P * keep / (1 - p))^T dO

@@ -640,7 +640,7 @@ def test_notes_of_a_full_size_run_reach_the_report(bench_run):
     assert "Reduced size" not in R.markdown(results, [])
 
 
-def test_compare_refuses_a_run_with_other_settings(bench_run, tmp_path, capsys):
+def test_compare_refuses_a_run_with_other_settings(bench_run, tmp_path, capsys, monkeypatch):
     # The figure keys name op, case and implementation: a float16 or GPU run's figures were
     # paired with a float32 CPU run's, and a 100x "regression" failed the check.
     _, out = bench_run
@@ -659,6 +659,12 @@ def test_compare_refuses_a_run_with_other_settings(bench_run, tmp_path, capsys):
     argv = ["bench", "--quick", "--model", "tiny", "--compare", str(other_path)]
     assert main([*argv, "--out", str(tmp_path / "r2")]) == 2
     assert "model 'big' vs 'tiny'" in capsys.readouterr().err
+    # and of another dtype (it measured first, then refused)
+    other_path.write_text(json.dumps(new))
+    monkeypatch.setattr(B, "measure", lambda *a: pytest.fail("measured before checking"))
+    argv = ["bench", "--quick", "--model", "tiny", "--device", "cpu", "--dtype", "bfloat16"]
+    assert main([*argv, "--compare", str(other_path), "--out", str(tmp_path / "r3")]) == 2
+    assert "dtype 'float32' vs 'bfloat16'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("error", [ValueError, RuntimeError])

@@ -645,6 +645,36 @@ def test_layer_norm_rows_with_a_large_offset(dtype, cols, path):
     assert _path(launches[0]) == path
 
 
+@pytest.mark.parametrize(("dtype", "cols", "path"), STAT_PATHS[:4], ids=STAT_IDS[:4])
+def test_layer_norm_rows_with_nan_or_inf_stay_nan_beside_overflowing_rows(dtype, cols, path):
+    # The rescaled statistics of an overflowing row must not turn a NaN row's rstd finite (a
+    # clamp by fmaxf did: its output came out 1e32); the plain rows beside them are unchanged.
+    x = _make((4, cols), grad=False)
+    x[1, 3], x[2, 5] = torch.nan, torch.inf
+    x[3] *= 1e30
+    ce.clear_launches()
+    with ce.device():
+        out = ce.layer_norm(x)
+    assert _path(ce.launches()[0]) == path
+    assert out[1:3].isnan().all() and out[[0, 3]].isfinite().all()
+    ref64 = ref.layer_norm(x[[0, 3]].double(), cols)
+    torch.testing.assert_close(out[[0, 3]].double(), ref64, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("cols", "outlier"), [(8192, 1e4), (1024, 1e4), (201, 1e3)])
+def test_layer_norm_row_whose_first_value_is_an_outlier(cols, outlier):
+    # A shift by x[0] = 1e4 made the mean's sum n * 1e4: its rounding put the outputs of the
+    # other columns off by 4.8e-6 (torch's float32: 7e-9), under the parity floor. The plain
+    # sum serves rows whose first value is farther from the mean than 0 is.
+    x = torch.randn(4, cols, generator=torch.Generator().manual_seed(0))
+    x[:, 0] = outlier
+    with ce.device():
+        out = ce.layer_norm(x)
+    ref64 = ref.layer_norm(x.double(), cols)
+    torch_error = float((F.layer_norm(x, (cols,)).double() - ref64)[:, 1:].abs().max())
+    assert float((out.double() - ref64)[:, 1:].abs().max()) <= 4 * max(torch_error, 1e-9)
+
+
 def _relative_error(fast: torch.Tensor, ref64: torch.Tensor) -> float:
     return float((fast.detach().double() - ref64.detach()).abs().max() / ref64.detach().abs().max())
 
@@ -800,6 +830,12 @@ def test_ffn_relu_passes_the_gradient_at_nan_as_torch_does(emulator):
         g = emulator.ops.ffn_forward(h, "relu", 0.0, SEED)
         dh = emulator.ops.ffn_backward(dg, g, "relu", 0.0, SEED)[0]
     assert dh.tolist() == [[1.0, 2.0, 0.0, 0.0, 5.0, 6.0, 0.0, 8.0]]  # torch.relu's backward
+    # with dropout a dropped NaN is saved as NaN too (NaN * 0): it gets no gradient
+    h = torch.full((4, 64), torch.nan)
+    with ce.device():
+        g = emulator.ops.ffn_forward(h, "relu", 0.5, SEED)
+        dh = emulator.ops.ffn_backward(torch.ones_like(h), g, "relu", 0.5, SEED)[0]
+    assert torch.equal(dh, _keep(SEED, (4, 64), 0.5).float() * 2.0)
 
 
 def _ffn_inputs(rows, d_ff, act, dtype, seed=0):

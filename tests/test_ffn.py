@@ -155,6 +155,13 @@ def test_relu_passes_the_gradient_at_nan_as_torch_does(backend, monkeypatch):
     x_ref = x.detach().clone().requires_grad_()
     (dx_ref,) = torch.autograd.grad(torch.relu(x_ref @ one.t()).sum(), x_ref)
     assert dx_ref.tolist() == [[1.0], [1.0], [0.0]] and torch.equal(dx, dx_ref)
+    # With dropout a NaN is saved as NaN where dropped too (NaN * 0): no gradient there.
+    x = torch.full((64, 1), torch.nan, requires_grad=True)
+    torch.manual_seed(3)
+    (dx,) = torch.autograd.grad(ffn(x, one, None, one, None, "relu", 0.5).sum(), x)
+    torch.manual_seed(3)
+    keep = ffn_keep_mask(rng.draw_seed(), 64, 1, 0.5)
+    assert 0 < keep.sum() < 64 and torch.equal(dx, keep.float() * 2.0)
 
 
 def _exact_gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -157,6 +157,15 @@ def test_layer_norm_of_constant_rows_is_the_bias(dtype, hidden):
     assert torch.equal(out.detach(), expected) and torch.equal(pre, x)
 
 
+@pytest.mark.parametrize("value", [-2e37, 1e36])
+def test_layer_norm_of_constant_rows_whose_sum_overflows_is_the_bias(value):
+    # 1000 x 1e36 overflows the plain sum (mean and variance inf): the shifted sum is exact
+    # (the output was NaN, where torch and the CUDA kernels give the bias).
+    x = torch.full((3, 1000), value)
+    w, b = _params(1000, "both")
+    assert torch.equal(ln.layer_norm(x, 1000, w, b).detach(), b.detach().expand(3, 1000))
+
+
 def _relative_error(fast: torch.Tensor, ref64: torch.Tensor) -> float:
     return float((fast.detach().double() - ref64.detach()).abs().max() / ref64.detach().abs().max())
 

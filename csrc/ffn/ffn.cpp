@@ -300,9 +300,9 @@ FF_ALWAYS_INLINE void forward_loop(Chunk<acc_t>& c, int64_t n) {
   }
 }
 
-// Backward. relu: d = !(a <= 0) * d * scale, with a the saved g (positive, or NaN, exactly where
-// relu passed and dropout kept: torch's relu passes the gradient at NaN). Others: the results
-// replace their inputs --
+// Backward. relu: d = !(a <= 0) * d * scale, with a the saved g (positive where relu passed and
+// dropout kept; NaN where h was NaN, whose gradient torch's relu passes: relu_dropped_nans
+// zeroes the dropped ones). Others: the results replace their inputs --
 //   plain: d = dg m act'(h), a = g = act(h) m;
 //   gated: d = d gate = dg m up act'(gate), up = d up = dg m act(gate), m = g = act(gate) up m.
 template <FfnActivation A, typename acc_t>
@@ -464,6 +464,18 @@ void forward_rows(const CpuPass<scalar_t>& s, int64_t row_begin, int64_t row_end
   }
 }
 
+// relu with dropout: a saved NaN is relu's NaN times the dropout multiplier, 0 where dropped,
+// and NaN * 0 is NaN: passed by backward_loop, but torch's dropout passes no gradient there.
+// Its keep decision is drawn again (NaN inputs only: rare, so scalar).
+template <typename acc_t>
+void relu_dropped_nans(Chunk<acc_t>& c, const Problem& pr, int64_t base, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (c.a[i] != c.a[i] && !dropout_keep(pr.seed, static_cast<uint64_t>(base + i), pr.p)) {
+      c.d[i] = acc_t(0);
+    }
+  }
+}
+
 // Columns [c0, c0 + n) of one row: dh, and g recomputed for linear2's weight gradient
 // (relu: dh only, g is what was saved).
 template <typename scalar_t>
@@ -478,6 +490,7 @@ void backward_chunk(const CpuPass<scalar_t>& s, Chunk<at::opmath_type<scalar_t>>
   if (is_gated(pr.act)) load(s.saved + h_base + pr.d_ff, c.up, n);
   if (pr.act != FfnActivation::kRelu) dropout_multipliers(c.m, n, pr, base);
   backward_compute_any(pr.act, c, static_cast<acc_t>(pr.scale), n);
+  if (pr.act == FfnActivation::kRelu && pr.p != 0.f) relu_dropped_nans(c, pr, base, n);
   store(c.d, s.dh + h_base, n);
   if (pr.act == FfnActivation::kRelu) return;
   if (is_gated(pr.act)) {

@@ -170,13 +170,18 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dg, const T* 
   float d[VEC];
   load<T, VEC>(dg + row * d_ff + col, d);
   if constexpr (A == FfnActivation::kRelu) {
-    // saved = dropout(relu(h)): positive (or NaN, where torch's relu passes the gradient too)
-    // exactly where relu passed and dropout kept.
+    // saved = dropout(relu(h)): positive where relu passed and dropout kept; NaN where h was
+    // NaN (torch's relu passes its gradient), kept or not (NaN * 0): a NaN's keep decision is
+    // drawn again (rare: behind a branch).
     float gv[VEC];
     load<T, VEC>(saved + row * d_ff + col, gv);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
       d[k] = gv[k] <= 0.f ? 0.f : d[k] * scale;
+      if (isnan(gv[k]) && p > 0.f) {
+        const uint64_t s = seed_ptr != nullptr ? static_cast<uint64_t>(__ldg(seed_ptr)) : seed;
+        if (!dropout_keep(s, static_cast<uint64_t>(row * d_ff + col + k), p)) d[k] = 0.f;
+      }
       acc[k] += d[k];
     }
     store<T, VEC>(dh + row * d_ff + col, d);

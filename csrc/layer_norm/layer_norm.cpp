@@ -595,8 +595,10 @@ std::pair<A, A> scaled_stats(const A* v, int64_t n, double eps, bool rms) {
   const A mu = rms ? A(0) : v[0] * s + sum / static_cast<A>(n);  // of the scaled row
   const Vec<A> m = vsplat(mu);
   const A var = sum_map(v, n, [&](const Vec<A>& x) { return (x * vs - m) * (x * vs - m); });
-  const A scaled_eps = static_cast<A>(eps) * s * s;
-  return {mu / s, s / std::sqrt(var / static_cast<A>(n) + scaled_eps)};
+  const A scaled_eps = static_cast<A>(eps) * s * s;  // 0 in float: eps * 2^-192 underflows
+  const A root = std::sqrt(var / static_cast<A>(n) + scaled_eps);
+  // (root 0: no spread left after scaling, so eps alone sets rstd; NaN stays NaN)
+  return {mu / s, root == A(0) ? A(1) / std::sqrt(static_cast<A>(eps)) : s / root};
 }
 
 // Mean (0 for RMSNorm) and rstd of row v (`total`: its sum, taken while converting). A row whose
@@ -609,7 +611,9 @@ template <typename A>
 std::pair<A, A> row_stats(const A* v, int64_t n, double eps, bool rms, const A* total) {
   A mu = rms ? A(0) : (total ? *total : row_sum(v, n)) / static_cast<A>(n);
   A var = row_sq_dev(v, n, mu) / static_cast<A>(n);
-  if (!rms && n > 0 && !(mu * mu <= A(256) * var)) {  // NaN and inf too: scaled_stats' turn
+  // (<, not <=: a constant row whose sum overflowed has mu and var inf, and takes the shifted
+  // sum too, exact; NaN rows as well, to no effect)
+  if (!rms && n > 0 && !(mu * mu < A(256) * var)) {
     mu = v[0] + row_shifted_sum(v, n, v[0]) / static_cast<A>(n);
     var = row_sq_dev(v, n, mu) / static_cast<A>(n);
   }

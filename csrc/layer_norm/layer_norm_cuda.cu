@@ -221,68 +221,71 @@ __device__ __forceinline__ V row_sum(V v, V* red, bool* nonfinite = nullptr) {
   return total;
 }
 
-// v of thread 0 of the caller's row, on every thread of the row. With several warps a row it
-// goes through slot[threadIdx.y] and a barrier; the next write comes after the row's next
-// row_sum barrier, which every thread reaches only after reading it.
-__device__ __forceinline__ float row_first(float v, float* slot) {
-  if (blockDim.x == kWarp) return __shfl_sync(0xffffffffu, v, 0);
-  if (threadIdx.x == 0) slot[threadIdx.y] = v;
-  __syncthreads();
-  return slot[threadIdx.y];
-}
-
 // ------------------------------------------------------------------ row statistics
 //
-// The mean sums x - shift, shift being the row's first value: exact for a constant row (x - mean
-// is then 0, and the output the bias even with eps = 1e-12), and its rounding grows with the
-// row's spread, not its offset (a plain fp32 sum was off by ~20 for a 100003-column row at 1e6
-// in the CPU kernels). Every row pays one subtraction an element and, with several warps a row,
-// one barrier (row_first): cheap in a memory-bound kernel, a prediction for the next GPU run
-// (the CPU kernels, compute-bound on rows in cache, shift only rows far from 0). A row whose
-// sums overflow (|x - mean| past ~1.8e19: its rstd came out 0 and the output silently the bias)
-// is summed again with its values scaled by 2^-96, exact for a power of two, where no square or
-// sum can overflow; rstd must still be a normal float (ftz), which holds for a standard
-// deviation up to ~8.5e37.
+// Two passes, the second corrected (Chan, Golub and LeVeque): mean1 = sum(x) / n, then with
+// d = x - mean1, mean = mean1 + sum(d) / n and var = (sum(d^2) - sum(d)^2 / n) / n. The
+// correction takes back what rounding cost the first sum: for a row far from 0 the error then
+// grows with its spread, not its offset (a plain fp32 mean was off by ~20 for a 100003-column
+// row at 1e6 in the CPU kernels), and a constant row comes out exact (x - mean is 0, and the
+// output the bias even with eps = 1e-12). Shifting every row by its first value instead cost
+// the warp-a-row forward up to 19 registers and was worse when that value is an outlier. A
+// row whose sums overflow (|x - mean| past ~1.8e19: its rstd came out 0 and the output silently
+// the bias) is summed again with its values scaled by 2^-96, exact for a power of two, where no
+// square or sum can overflow; rstd must still be a normal float (ftz), which holds for a
+// standard deviation up to ~8.5e37.
 constexpr float kOverflowScale = 0x1p-96f;
 
-// One value's term of the first sum: v - shift, or v^2 for RMSNorm (values times scale).
+// Shared memory of a forward kernel's row reductions: kWarp slots of each kind.
+struct RowSlots {
+  float* one;
+  float2* two;
+};
+
+// One value's term of the first sum: v, or v^2 for RMSNorm (values times scale).
 template <bool kRms>
-__device__ __forceinline__ float stat_term(float v, float shift, float scale) {
+__device__ __forceinline__ float stat_term(float v, float scale) {
   v *= scale;
-  return kRms ? v * v : v - shift * scale;
+  return kRms ? v * v : v;
 }
 
-// (mean, rstd) of a row from the first sum of this thread's terms (stat_term); each(f) calls f
-// on each of this thread's values of the row, for the second pass. nonfinite: as row_sum's.
+// (mean, rstd) of a row from this thread's first sum (stat_term); each(f) calls f on each of
+// this thread's values of the row, for the second pass. nonfinite: as row_sum's.
 template <bool kRms, typename Each>
-__device__ __forceinline__ float2 scaled_stats(float sum, const Each& each, float shift,
-                                               float cols, float eps, float scale, float* red,
-                                               bool* nonfinite) {
+__device__ __forceinline__ float2 scaled_stats(float sum, const Each& each, float cols, float eps,
+                                               float scale, RowSlots slots, bool* nonfinite) {
+  float mean = 0.f, var;
   if (kRms) {
-    const float var = row_sum(sum, red, nonfinite) / cols;  // the mean square
-    return make_float2(0.f, scale * rsqrtf(var + eps * scale * scale));
+    var = row_sum(sum, slots.one, nonfinite) / cols;  // the mean square
+  } else {
+    const float mean1 = row_sum(sum, slots.one) / cols;
+    float2 dev = make_float2(0.f, 0.f);  // sum(d), sum(d^2)
+    each([&](float v) {
+      const float d = v * scale - mean1;
+      dev = add(dev, make_float2(d, d * d));
+    });
+    dev = row_sum(dev, slots.two, nonfinite);
+    mean = mean1 + dev.x / cols;
+    var = (dev.y - dev.x * dev.x / cols) / cols;
+    var = var < 0.f ? 0.f : var;  // rounding may go below 0 (not fmaxf: NaN must stay NaN)
   }
-  const float mean = shift * scale + row_sum(sum, red) / cols;
-  float sq = 0.f;
-  each([&](float v) {
-    const float d = v * scale - mean;
-    sq += d * d;
-  });
-  const float var = row_sum(sq, red, nonfinite) / cols;
-  return make_float2(mean / scale, scale * rsqrtf(var + eps * scale * scale));
+  // eps * scale^2 underflows at scale 2^-96: a row left with no spread takes eps alone (an
+  // overflowed or NaN row keeps rstd 0 or NaN: row_stats' test)
+  const float arg = var + eps * scale * scale;
+  return make_float2(mean / scale, arg == 0.f ? rsqrtf(eps) : scale * rsqrtf(arg));
 }
 
 // (mean, rstd) of the caller's row, rescaled where its sums overflowed. Uniform over the block.
 template <bool kRms, typename Each>
-__device__ __forceinline__ float2 row_stats(float sum, const Each& each, float shift, float cols,
-                                            float eps, float* red) {
+__device__ __forceinline__ float2 row_stats(float sum, const Each& each, float cols, float eps,
+                                            RowSlots slots) {
   bool overflow = false;
-  float2 stats = scaled_stats<kRms>(sum, each, shift, cols, eps, 1.f, red, &overflow);
+  float2 stats = scaled_stats<kRms>(sum, each, cols, eps, 1.f, slots, &overflow);
   if (overflow) {  // rare: any row of the block, so that its barriers are reached by all
     float scaled_sum = 0.f;
-    each([&](float v) { scaled_sum += stat_term<kRms>(v, shift, kOverflowScale); });
+    each([&](float v) { scaled_sum += stat_term<kRms>(v, kOverflowScale); });
     const float2 scaled =
-        scaled_stats<kRms>(scaled_sum, each, shift, cols, eps, kOverflowScale, red, nullptr);
+        scaled_stats<kRms>(scaled_sum, each, cols, eps, kOverflowScale, slots, nullptr);
     if (!(stats.y > 0.f)) stats = scaled;  // this row's own sums overflowed (or hold NaN)
   }
   return stats;
@@ -398,7 +401,7 @@ __global__ void __launch_bounds__(kFwdMaxThreads, kFwdMinBlocks)
     ln_fwd_vec_kernel(const LnFwdArgs a) {
   constexpr int kE = 16 / sizeof(T);
   __shared__ float red[kWarp];
-  __shared__ float first[kWarp];
+  __shared__ float2 red2[kWarp];
   const int64_t nvec = a.cols / kE;
   const float cols = static_cast<float>(a.cols);
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
@@ -419,12 +422,9 @@ __global__ void __launch_bounds__(kFwdMaxThreads, kFwdMinBlocks)
         for (int e = 0; e < kE; ++e) f(v[e]);
       }
     };
-    float v0[kE];
-    unpack<T>(raw[0], v0);
-    const float shift = kRms ? 0.f : row_first(v0[0], first);
     float sum = 0.f;
-    each([&](float v) { sum += stat_term<kRms>(v, shift, 1.f); });
-    const float2 stats = row_stats<kRms>(sum, each, shift, cols, a.eps, red);
+    each([&](float v) { sum += stat_term<kRms>(v, 1.f); });
+    const float2 stats = row_stats<kRms>(sum, each, cols, a.eps, RowSlots{red, red2});
     const float mean = stats.x, rstd = stats.y;
     if (row_ok && threadIdx.x == 0) {
       if (a.mean != nullptr) a.mean[row] = mean;
@@ -446,7 +446,7 @@ __global__ void __launch_bounds__(kFwdMaxThreads, kFwdMinBlocks)
 template <typename T, typename W, bool kRms, bool kFused>
 __global__ void __launch_bounds__(kFwdMaxThreads, 1) ln_fwd_any_kernel(const LnFwdArgs a) {
   __shared__ float red[kWarp];
-  __shared__ float first[kWarp];
+  __shared__ float2 red2[kWarp];
   const float cols = static_cast<float>(a.cols);
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
   T* pre = static_cast<T*>(a.pre);
@@ -455,15 +455,11 @@ __global__ void __launch_bounds__(kFwdMaxThreads, 1) ln_fwd_any_kernel(const LnF
     const int64_t row = base + threadIdx.y;
     const int64_t end = row < a.rows ? (row + 1) * a.cols : 0;  // empty range past the last row
     const int64_t begin = row * a.cols + threadIdx.x;
-    // Thread 0's first element is the row's first (a launched row has a column at least).
-    const bool has_first = threadIdx.x == 0 && begin < end;
-    const float shift =
-        kRms ? 0.f : row_first(has_first ? input_at<T, kFused>(a, begin) : 0.f, first);
     float sum = 0.f;
     for (int64_t idx = begin; idx < end; idx += blockDim.x) {
       const float v = input_at<T, kFused>(a, idx);
       if (kFused && pre != nullptr) pre[idx] = from_float<T>(v);
-      sum += stat_term<kRms>(v, shift, 1.f);
+      sum += stat_term<kRms>(v, 1.f);
     }
     auto value = [&](int64_t idx) {
       return kFused && pre != nullptr ? to_float(pre[idx]) : input_at<T, kFused>(a, idx);
@@ -471,7 +467,7 @@ __global__ void __launch_bounds__(kFwdMaxThreads, 1) ln_fwd_any_kernel(const LnF
     const auto each = [&](auto&& f) {
       for (int64_t idx = begin; idx < end; idx += blockDim.x) f(value(idx));
     };
-    const float2 stats = row_stats<kRms>(sum, each, shift, cols, a.eps, red);
+    const float2 stats = row_stats<kRms>(sum, each, cols, a.eps, RowSlots{red, red2});
     const float mean = stats.x, rstd = stats.y;
     if (row < a.rows && threadIdx.x == 0) {
       if (a.mean != nullptr) a.mean[row] = mean;

@@ -702,7 +702,7 @@ def measure(
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    """The option values `bench` can check without measuring (ValueError: exit 2)."""
+    """The option values `bench` can check without measuring (UsageError: exit 2)."""
     if args.fail_if_slower is not None and not args.compare:
         raise UsageError("--fail-if-slower needs --compare OLD/results.json")
     pct = args.fail_if_slower
@@ -765,6 +765,30 @@ def _results(args: argparse.Namespace, out_dir: Path, argv: list[str] | None) ->
         torch.set_num_threads(threads)
 
 
+def _check_comparable(args: argparse.Namespace, old: dict) -> None:
+    """UsageError, before measuring, when --compare's run had other settings than this one
+    will (or than --results' run): their figures would measure different things."""
+    if args.results:
+        new = report.load(Path(args.results), "--results", complete=True)
+    else:
+        device = resolve_device(args.device)
+        config = {
+            "model": None if args.no_model else args.model,
+            "dtype": str(resolve_dtype(args.dtype, device)).replace("torch.", ""),
+            "device": str(device),
+            "quick": args.quick,
+            "full": args.full,
+        }
+        gpus = env.gpus()
+        new = {"config": config, "manifest": {"gpu": gpus[0]["name"] if gpus else None}}
+    diffs = report.incomparable(old, new)
+    if diffs:
+        raise UsageError(
+            f"--compare {args.compare!r} ran with other settings ({'; '.join(diffs)}): its "
+            "figures measure something else"
+        )
+
+
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Measure (or load --results), write results.json + report.md + plots, print the table,
     compare with --compare. Exit 1 when fastformer raised, on a model parity failure or on a
@@ -775,14 +799,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         raise UsageError("bench writes PNG plots with matplotlib, which is not installed")
     # Every file argument is checked before anything is measured (minutes on a GPU).
     old = report.load(Path(args.compare), "--compare") if args.compare else None
-    if old is not None and not args.results:  # what is known before measuring
-        model = None if args.no_model else args.model
-        planned = {"config": {"model": model, "quick": args.quick, "full": args.full}}
-        diffs = report.incomparable(old, {**planned, "manifest": old.get("manifest")})
-        if diffs:
-            raise UsageError(
-                f"--compare {args.compare!r} ran with other settings ({'; '.join(diffs)})"
-            )
+    if old is not None:
+        _check_comparable(args, old)
     out_dir, created = _out_dir(args.out)
     try:
         results = _results(args, out_dir, argv)
@@ -804,14 +822,6 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if parity.get("passed") is False:
         print("bench: model parity FAILED:\n  " + "\n  ".join(parity["failed"]), file=sys.stderr)
         code = 1
-    if old is not None and report.incomparable(old, results):
-        diffs = "; ".join(report.incomparable(old, results))
-        print(
-            f"python -m fastformer bench: error: --compare {args.compare!r} ran with other "
-            f"settings ({diffs}): its figures measure something else; nothing compared",
-            file=sys.stderr,
-        )
-        return 2
     if old is not None:
         changes = report.compare(old, results)
         print("\n" + report.format_changes(changes, args.fail_if_slower))

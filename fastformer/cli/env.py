@@ -26,7 +26,8 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
 def git_sha() -> str | None:
     """Commit of the source tree fastformer runs from (None outside a git checkout of it: a
     package copied or installed into another project's repository is not that project's)."""
-    tracked = _run(["git", "ls-files", "--full-name", "fastformer/cli/env.py"], cwd=REPO_ROOT)
+    # Tracked where it lies (a subfolder of a larger repository counts); untracked: a copy.
+    tracked = _run(["git", "ls-files", "fastformer/cli/env.py"], cwd=REPO_ROOT)
     if tracked != "fastformer/cli/env.py":
         return None
     sha = _run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT)

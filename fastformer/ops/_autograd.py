@@ -108,14 +108,14 @@ def under_transform() -> bool:
 
 
 def check_devices(op: str, like: Tensor, **tensors: object) -> None:
-    """ValueError unless every given tensor is on `like`'s device; a seed (`seed`,
-    `device_seed`) may also be on the CPU, and a seed that is an int is not checked. For the
-    ops' fake kernels: one meta tensor among CPU ones sends a call to them, and they would
-    return uninitialized CPU tensors where the kernels raise."""
+    """ValueError unless every given tensor is on `like`'s device; `seed` may also be on the CPU
+    (`device_seed`, drawn on the device in CUDA graph capture, may not), and a seed that is an
+    int is not checked. For the ops' fake kernels: one meta tensor among CPU ones sends a call
+    to them, and they would return uninitialized CPU tensors where the kernels raise."""
     for name, t in tensors.items():
         if not isinstance(t, Tensor) or t.device == like.device:
             continue
-        if name in ("seed", "device_seed") and t.device.type == "cpu":
+        if name == "seed" and t.device.type == "cpu":
             continue
         raise ValueError(f"{op}: {name} is on {t.device}, the input on {like.device}")
 

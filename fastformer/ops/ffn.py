@@ -444,7 +444,7 @@ def _ffn_grad_op_fake(grad_out, x, w1, w2, saved, seed, activation, dropout_p, o
 def _setup_context(ctx, inputs, output) -> None:
     x, w1, b1, w2, b2, activation, dropout_p = inputs[:7]
     _, saved, seed = output
-    ctx.save_for_backward(x, w1, w2, saved, seed)
+    ctx.save_for_backward(x, w1, w2, saved, seed, b1)  # b1: for first_order's tie
     _keep_options(ctx, activation, dropout_p, b1, b2)
     # saved and seed are bookkeeping outputs: no gradient flows into them, and autograd should
     # not materialize a zero (tokens, width) tensor for them at every backward.
@@ -470,10 +470,11 @@ def _check_saved(saved: Tensor) -> None:
         )
 
 
+@first_order("FFN")  # _ffn_grad_op has no autograd
 def _backward(ctx, grad_out, _grad_saved, _grad_seed):
     if grad_out is None:  # grads are not materialized: nothing flowed into `out`
         return (None,) * 8
-    x, w1, w2, saved, seed = ctx.saved_tensors
+    x, w1, w2, saved, seed, _b1 = ctx.saved_tensors
     _check_saved(saved)
     grads = _ffn_grad_op(grad_out, x, w1, w2, saved, seed, ctx.activation, ctx.dropout_p)
     return (*_input_grads(ctx, grads), None)  # needs_grad gets None too
@@ -491,9 +492,10 @@ class _FfnFunction(torch.autograd.Function):
     def forward(ctx, x, w1, b1, w2, b2, activation, dropout_p):
         inputs = (x, w1, b1, w2, b2, activation, dropout_p)
         out, saved, ctx.seed = _forward(*inputs, needs_grad=True, backend="torch")
-        # b1 and b2 only so that first_order ties the gradients to them: with everything else
-        # frozen, a create_graph=True db1 came back as a constant (a silently dropped penalty)
-        ctx.save_for_backward(x, w1, w2, saved, b1, b2)
+        # b1 only so that first_order ties the gradients to it: with everything else frozen, a
+        # create_graph=True db1 came back as a constant (a silently dropped penalty). db2 is
+        # grad_out summed: a constant then, correctly.
+        ctx.save_for_backward(x, w1, w2, saved, b1)
         _keep_options(ctx, activation, dropout_p, b1, b2)
         return out
 
@@ -502,7 +504,7 @@ class _FfnFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         if grad_out is None:
             return (None,) * 7
-        x, w1, w2, saved, _b1, _b2 = ctx.saved_tensors
+        x, w1, w2, saved, _b1 = ctx.saved_tensors
         _check_saved(saved)
         args = (grad_out, x, w1, w2, saved, ctx.seed, ctx.activation, ctx.dropout_p)
         return _input_grads(ctx, _grad(*args, backend="torch"))
@@ -556,7 +558,10 @@ def _torch_backward(grad_out, x, w1, w2, saved, seed, activation, dropout_p):
     scale = 1.0 / (1.0 - dropout_p)
     if activation == "relu":
         g = saved
-        dh = torch.where(g <= 0, torch.zeros_like(dg), dg * scale)  # NaN passes, as in torch
+        passes = ~(g <= 0)  # NaN too, as torch's relu: unless dropout dropped it (NaN * 0 is NaN)
+        if dropout_p > 0 and bool(g.isnan().any()):
+            passes &= ffn_keep_mask(seed, x.shape[0], dg.shape[1], dropout_p, x.device)
+        dh = torch.where(passes, dg * scale, torch.zeros_like(dg))
     else:
         keep = ffn_keep_mask(seed, x.shape[0], dg.shape[1], dropout_p, x.device).to(dg.dtype)
         dm = dg * keep * scale

@@ -186,20 +186,30 @@ def draw_seed(device: torch.device | str | None = None) -> int:
     return _host_seed(device)
 
 
-def _host_seed(device: torch.device) -> int:
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        gen = torch.cuda.default_generators[index]
-        base, offset = gen.initial_seed(), gen.get_offset()
-        gen.set_offset(offset + 4)
-        return _mix64(_mix64(base) ^ offset) >> (64 - SEED_BITS)
-    draw = torch.randint(-(2**63), 2**63 - 1, (), generator=torch.default_generator)
+def _refuse_batched_draw(draw: torch.Tensor) -> None:
+    """A draw vmap batched (randomness="different"): one seed a call cannot give it a mask a
+    sample. (randomness="error" has raised in the draw itself.)"""
     if torch._C._functorch.is_batchedtensor(draw):
         raise RuntimeError(
             "fastformer's dropout under torch.vmap(randomness='different') is not supported: "
             "its mask comes from one seed a call; use randomness='same' (one mask for every "
             "sample) or dropout 0"
         )
+
+
+def _host_seed(device: torch.device) -> int:
+    if device.type == "cuda":
+        if torch._C._functorch.peek_interpreter_stack() is not None:
+            # Under a torch.func transform: a draw vmap sees, for its `randomness` (the seed
+            # below only moves the generator's offset, which vmap cannot see).
+            _refuse_batched_draw(torch.randint(0, 2, (), device=device))
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        gen = torch.cuda.default_generators[index]
+        base, offset = gen.initial_seed(), gen.get_offset()
+        gen.set_offset(offset + 4)
+        return _mix64(_mix64(base) ^ offset) >> (64 - SEED_BITS)
+    draw = torch.randint(-(2**63), 2**63 - 1, (), generator=torch.default_generator)
+    _refuse_batched_draw(draw)
     return draw.item() & (2**SEED_BITS - 1)
 
 
