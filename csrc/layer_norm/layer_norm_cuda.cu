@@ -228,12 +228,14 @@ __device__ __forceinline__ V row_sum(V v, V* red, bool* nonfinite = nullptr) {
 // correction takes back what rounding cost the first sum: for a row far from 0 the error then
 // grows with its spread, not its offset (a plain fp32 mean was off by ~20 for a 100003-column
 // row at 1e6 in the CPU kernels), and a constant row comes out exact (x - mean is 0, and the
-// output the bias even with eps = 1e-12). Shifting every row by its first value instead cost
-// the warp-a-row forward up to 19 registers and was worse when that value is an outlier. A
-// row whose sums overflow (|x - mean| past ~1.8e19: its rstd came out 0 and the output silently
-// the bias) is summed again with its values scaled by 2^-96, exact for a power of two, where no
-// square or sum can overflow; rstd must still be a normal float (ftz), which holds for a
-// standard deviation up to ~8.5e37.
+// output the bias even with eps = 1e-12). Shifting every row by its first value instead was
+// worse when that value is an outlier. The second pass's float2 reduction and the overflow
+// branch cost the warp-a-row forward up to 15-20 registers (sm_90, 0 spills; the prediction
+// for the next GPU run is in benchmarks/NOTES.md, seventeenth session). A row whose sums
+// overflow (|x - mean| past ~1.8e19: its rstd came out 0 and the output silently the bias) is
+// summed again with its values scaled by 2^-96, exact for a power of two, where no square or
+// sum can overflow; rstd must still be a normal float (ftz), which holds for a standard
+// deviation up to ~8.5e37.
 constexpr float kOverflowScale = 0x1p-96f;
 
 // Shared memory of a forward kernel's row reductions: kWarp slots of each kind.
