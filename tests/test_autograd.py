@@ -180,6 +180,10 @@ def test_vmap_randomness_modes_with_dropout(op):
         torch.func.vmap(fn, randomness="error")(*batch)
     with pytest.raises(RuntimeError, match=r"vmap\(randomness='different'\) is not supported"):
         torch.func.vmap(fn, randomness="different")(*batch)
+    # per-sample gradients: the draw is a grad wrapper around vmap's batched tensor
+    loss = lambda *args: fn(*args).sum()  # noqa: E731
+    with pytest.raises(RuntimeError, match=r"vmap\(randomness='different'\) is not supported"):
+        torch.func.vmap(torch.func.grad(loss), randomness="different")(*batch)
 
 
 @pytest.mark.parametrize("case", ["mask", "dropout", "lse"])

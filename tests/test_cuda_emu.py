@@ -661,6 +661,18 @@ def test_layer_norm_rows_with_nan_or_inf_stay_nan_beside_overflowing_rows(dtype,
     torch.testing.assert_close(out[[0, 3]].double(), ref64, atol=1e-5, rtol=1e-5)
 
 
+def test_layer_norm_row_far_out_with_a_spread_of_ulps():
+    # At 1e23 the first sum's rounding leaves sum(d) ~ 3e19, whose square overflowed while
+    # sum(d^2) did not: var came out -inf, clamped to 0 (rstd 316, outputs ~1e19).
+    noise = torch.randn(2, 4096, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x = (1e23 * (1 + 3e-7 * noise)).float()
+    ce.clear_launches()
+    with ce.device():
+        out = ce.layer_norm(x)
+    assert _path(ce.launches()[0]) == (VEC, 4, (256, 1, 1))
+    assert out.isfinite().all() and out.abs().max() < 10
+
+
 @pytest.mark.parametrize(("cols", "outlier"), [(8192, 1e4), (1024, 1e4), (201, 1e3)])
 def test_layer_norm_row_whose_first_value_is_an_outlier(cols, outlier):
     # A shift by x[0] = 1e4 made the mean's sum n * 1e4: its rounding put the outputs of the

@@ -611,9 +611,9 @@ template <typename A>
 std::pair<A, A> row_stats(const A* v, int64_t n, double eps, bool rms, const A* total) {
   A mu = rms ? A(0) : (total ? *total : row_sum(v, n)) / static_cast<A>(n);
   A var = row_sq_dev(v, n, mu) / static_cast<A>(n);
-  // (<, not <=: a constant row whose sum overflowed has mu and var inf, and takes the shifted
-  // sum too, exact; NaN rows as well, to no effect)
-  if (!rms && n > 0 && !(mu * mu < A(256) * var)) {
+  // (a constant row whose sum overflowed, mu and var inf, takes the shifted sum too, exact;
+  // NaN rows as well, to no effect; a zero row does not)
+  if (!rms && n > 0 && (!(mu * mu <= A(256) * var) || std::isinf(mu))) {
     mu = v[0] + row_shifted_sum(v, n, v[0]) / static_cast<A>(n);
     var = row_sq_dev(v, n, mu) / static_cast<A>(n);
   }

@@ -268,7 +268,9 @@ __device__ __forceinline__ float2 scaled_stats(float sum, const Each& each, floa
     });
     dev = row_sum(dev, slots.two, nonfinite);
     mean = mean1 + dev.x / cols;
-    var = (dev.y - dev.x * dev.x / cols) / cols;
+    // (dev.x / cols first: dev.x^2 overflows past 1.8e19 while dev.y, at least dev.x^2 / n, may
+    // not: a row at ~1e23 with a spread of a few ulps got var -inf, clamped to 0, rstd 316)
+    var = (dev.y - dev.x * (dev.x / cols)) / cols;
     var = var < 0.f ? 0.f : var;  // rounding may go below 0 (not fmaxf: NaN must stay NaN)
   }
   // eps * scale^2 underflows at scale 2^-96: a row left with no spread takes eps alone (an

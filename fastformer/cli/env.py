@@ -33,7 +33,8 @@ def git_sha() -> str | None:
     sha = _run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT)
     if sha is None:
         return None
-    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT)
+    # (this tree only: in a larger repository, others' changes are not fastformer's)
+    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no", "--", "."], cwd=REPO_ROOT)
     return sha + ("-dirty" if dirty else "")
 
 

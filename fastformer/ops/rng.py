@@ -188,8 +188,12 @@ def draw_seed(device: torch.device | str | None = None) -> int:
 
 def _refuse_batched_draw(draw: torch.Tensor) -> None:
     """A draw vmap batched (randomness="different"): one seed a call cannot give it a mask a
-    sample. (randomness="error" has raised in the draw itself.)"""
-    if torch._C._functorch.is_batchedtensor(draw):
+    sample. (randomness="error" has raised in the draw itself.) Unwrapped level by level: under
+    vmap(grad(f)) the draw is a grad wrapper around the batched tensor."""
+    ft = torch._C._functorch
+    while ft.is_functorch_wrapped_tensor(draw) and not ft.is_batchedtensor(draw):
+        draw = ft.get_unwrapped(draw)
+    if ft.is_batchedtensor(draw):
         raise RuntimeError(
             "fastformer's dropout under torch.vmap(randomness='different') is not supported: "
             "its mask comes from one seed a call; use randomness='same' (one mask for every "
