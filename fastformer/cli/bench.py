@@ -652,12 +652,8 @@ def measure(
         "schema": report.SCHEMA,
         "manifest": env.manifest(),
         "config": {
-            "model": None if args.no_model else args.model,
+            **_settings(args),
             "ops": ops,
-            "dtype": str(dtype).replace("torch.", ""),
-            "device": str(device),
-            "quick": args.quick,
-            "full": full,
             "reduced": bool(notes),
             "notes": notes,
             "argv": list(argv) if argv is not None else sys.argv[1:],
@@ -765,20 +761,25 @@ def _results(args: argparse.Namespace, out_dir: Path, argv: list[str] | None) ->
         torch.set_num_threads(threads)
 
 
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What a run measures, as results.json's config records it (and --compare compares)."""
+    device = resolve_device(args.device)
+    return {
+        "model": None if args.no_model else args.model,
+        "dtype": str(resolve_dtype(args.dtype, device)).replace("torch.", ""),
+        "device": str(device),
+        "quick": args.quick,
+        "full": args.full,
+    }
+
+
 def _check_comparable(args: argparse.Namespace, old: dict) -> None:
     """UsageError, before measuring, when --compare's run had other settings than this one
     will (or than --results' run): their figures would measure different things."""
     if args.results:
         new = report.load(Path(args.results), "--results", complete=True)
     else:
-        device = resolve_device(args.device)
-        config = {
-            "model": None if args.no_model else args.model,
-            "dtype": str(resolve_dtype(args.dtype, device)).replace("torch.", ""),
-            "device": str(device),
-            "quick": args.quick,
-            "full": args.full,
-        }
+        config = _settings(args)
         gpus = env.gpus()
         new = {"config": config, "manifest": {"gpu": gpus[0]["name"] if gpus else None}}
     diffs = report.incomparable(old, new)

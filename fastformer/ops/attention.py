@@ -167,8 +167,7 @@ def _transformed(q, k, v, attn_mask, kpm, dropout_p, is_causal, scale):
     for 16-bit inputs as the kernels compute."""
     keep = None
     if dropout_p > 0:
-        seed = rng.call_seed(q.device, dropout_p)
-        rng.check_host_seed(seed, "attention")
+        seed = rng.host_call_seed(q.device, dropout_p, "attention")
         b, h, lq, _ = q.shape
         keep = dropout_keep_mask(seed, b, h, lq, k.shape[2], dropout_p, device=q.device)
     wq, wk, wv, wmask = _wide(q, k, v, attn_mask)

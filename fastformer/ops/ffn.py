@@ -291,8 +291,7 @@ def _transformed(x, w1, b1, w2, b2, activation: str, dropout_p: float) -> Tensor
     """The reference's function with the kernels' dropout mask (`under_transform`)."""
     keep = None
     if dropout_p > 0:
-        seed = rng.call_seed(x.device, dropout_p)
-        rng.check_host_seed(seed, "ffn")
+        seed = rng.host_call_seed(x.device, dropout_p, "ffn")
         d_ff = w1.shape[0] // 2 if activation in GATED_ACTIVATIONS else w1.shape[0]
         tokens = math.prod(x.shape[:-1])
         keep = ffn_keep_mask(seed, tokens, d_ff, dropout_p, x.device).view(*x.shape[:-1], d_ff)

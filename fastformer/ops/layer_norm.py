@@ -434,8 +434,7 @@ def _keep_mask(x: Tensor, dropout_p: float) -> Tensor:
     through vmap's fallback, a new mask each, whatever randomness said)."""
     if torch.compiler.is_compiling() or not under_transform():
         return _keep_mask_op(x.detach(), dropout_p)
-    seed = rng.call_seed(x.device, dropout_p)
-    rng.check_host_seed(seed, "dropout_add_layer_norm")
+    seed = rng.host_call_seed(x.device, dropout_p, "dropout_add_layer_norm")
     return dropout_add_layer_norm_keep_mask(seed, x.shape, dropout_p, device=x.device)
 
 

@@ -242,6 +242,14 @@ def saved_seed(seed: int | torch.Tensor) -> int | torch.Tensor:
     return seed
 
 
+def host_call_seed(device: torch.device, dropout_p: float, op: str) -> int:
+    """`call_seed` for a mask built on the host (torch ops): refused inside CUDA graph capture
+    (`check_host_seed`)."""
+    seed = call_seed(device, dropout_p)
+    check_host_seed(seed, op)
+    return seed
+
+
 def check_host_seed(seed: int | torch.Tensor, op: str) -> None:
     """Refuse a device seed (drawn inside CUDA graph capture) where `op`'s torch backend needs
     the seed on the host to build its mask."""
