@@ -144,6 +144,29 @@ def test_layer_norm_long_rows_with_a_large_offset(dtype, rows, hidden, shift):
     _ln_parity(x, hidden, *_params(hidden, "both"))
 
 
+@pytest.mark.parametrize(("hidden", "shift"), [(4, 1e4), (8, 1e5), (8, 1e6)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_layer_norm_gradients_of_rows_whose_mean_dwarfs_their_spread(fused, hidden, shift):
+    # The saved fp32 mean is off by up to half an ulp of the offset (5e-4 at 1e4), the same for
+    # every xhat of a row; the backward must take that out as the mean's derivative does. Before
+    # it did, dx missed the parity bound in 15% of these draws at 1e4 (by up to 4x), dweight in
+    # 3% (2.3x). Small calls, many draws: each call's bound is its own reference's error.
+    def fast(x, w, b):
+        if fused:  # LayerNorm(x + 0) through the fused op's backward
+            return ln.dropout_add_layer_norm(x, torch.zeros_like(x), w, b)
+        return ln.layer_norm(x, hidden, w, b)
+
+    failed = []
+    for seed in range(60):
+        x = _make((8, hidden), seed=seed, shift=shift)
+        w, b = _params(hidden, "both", seed=seed + 1000)
+        results = compare_with_reference(
+            fast, lambda x, w, b: ref.layer_norm(x, hidden, w, b), [x, w, b], names="xwb"
+        )
+        failed += [f"seed {seed}: {r}" for r in results if not r.passed]
+    assert not failed, "\n".join(failed)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hidden", [7, 1000, 4096])
 def test_layer_norm_of_constant_rows_is_the_bias(dtype, hidden):
@@ -525,6 +548,9 @@ def test_compiled_op_rejects_bad_direct_calls():
         f(torch.randn(2, 4), torch.randn(3), None, None, seed, 1e-5, 0.0, False, False)
     with pytest.raises(RuntimeError, match="eps"):
         f(torch.randn(2, 4), None, None, None, seed, 0.0, 0.0, False, False)
+    for rms in (False, True):  # no columns: the row statistics would read x[0] (a crash)
+        with pytest.raises(RuntimeError, match="cols > 0"):
+            f(torch.randn(3, 0), None, None, None, seed, 1e-5, 0.0, rms, False)
     with pytest.raises(RuntimeError, match="seed"):
         f(torch.randn(2, 4), None, None, None, torch.tensor(0.5), 1e-5, 0.1, False, False)
 

@@ -85,7 +85,7 @@ constexpr int kBwdLongVecs = 4;
 constexpr int kFinalizeRows = 8;  // row groups of the finalize kernel (each sums a strided slice)
 constexpr size_t kDefaultSmem = 48 * 1024;  // shared memory of a block without opting in
 // The row_sum slots of the backward kernels (their static shared memory).
-constexpr size_t kStaticSmem = sizeof(float2) * kWarp;
+constexpr size_t kStaticSmem = 12 * kWarp;  // a backward's GradSums red[kWarp]
 constexpr int64_t kMaxGrid = int64_t{1} << 30;
 
 // ------------------------------------------------------------------ 16-byte vector access
@@ -180,13 +180,35 @@ __device__ __forceinline__ float2 warp_sum(float2 v) {
   return v;
 }
 
+// The row sums a backward reduces before dx, with xhat = (x - mean) * rstd and g = dy * weight.
+struct GradSums {
+  float g, gx, xhat;  // sum(g), sum(g * xhat), sum(xhat)
+};
+static_assert(sizeof(GradSums) * kWarp == kStaticSmem, "the backward's static shared memory");
+
+__device__ __forceinline__ GradSums warp_sum(GradSums v) {
+#pragma unroll
+  for (int m = kWarp / 2; m > 0; m /= 2) {
+    v.g += __shfl_xor_sync(0xffffffffu, v.g, m);
+    v.gx += __shfl_xor_sync(0xffffffffu, v.gx, m);
+    v.xhat += __shfl_xor_sync(0xffffffffu, v.xhat, m);
+  }
+  return v;
+}
+
 __device__ __forceinline__ float add(float a, float b) { return a + b; }
 __device__ __forceinline__ float2 add(float2 a, float2 b) {
   return make_float2(a.x + b.x, a.y + b.y);
 }
+__device__ __forceinline__ GradSums add(GradSums a, GradSums b) {
+  return GradSums{a.g + b.g, a.gx + b.gx, a.xhat + b.xhat};
+}
 
 __device__ __forceinline__ bool finite(float v) { return isfinite(v); }
 __device__ __forceinline__ bool finite(float2 v) { return isfinite(v.x) && isfinite(v.y); }
+__device__ __forceinline__ bool finite(GradSums v) {
+  return isfinite(v.g) && isfinite(v.gx) && isfinite(v.xhat);
+}
 
 // The sum of one row's warp partials, in a fixed order.
 template <typename V>
@@ -491,26 +513,54 @@ __global__ void __launch_bounds__(kFwdMaxThreads, 1) ln_fwd_any_kernel(const LnF
 
 // ------------------------------------------------------------------ backward kernels
 
-// dx of one element from the row constants: c_g = mean(g), c_gx = mean(g * xhat).
 // g = dy * weight, rounded on its own: were it contracted into g - c_g as an FMA, dx would
 // carry the product's rounding residual times rstd (nonzero dx for constant rows; seen on an
 // H200 at hidden 1, fp32: 2.7e-5 where the reference gives 0).
 __device__ __forceinline__ float grad_times_weight(float dy, float w) { return __fmul_rn(dy, w); }
 
-// Adds one element to the two row sums a backward reduces before dx, sum(g) and
-// sum(g * xhat) with g = dy * weight; returns xhat.
-__device__ __forceinline__ float add_grad_sums(float x, float dy, float w, float mean,
-                                               float rstd, float2& sums) {
+// Adds one element of the row to its GradSums (sum(xhat) only with kCentre, see DxConsts).
+template <bool kCentre>
+__device__ __forceinline__ void add_grad_sums(float x, float dy, float w, float mean, float rstd,
+                                              GradSums& sums) {
   const float xhat = (x - mean) * rstd;
   const float g = grad_times_weight(dy, w);
-  sums.x += g;
-  sums.y += g * xhat;
-  return xhat;
+  sums.g += g;
+  sums.gx += g * xhat;
+  if (kCentre) sums.xhat += xhat;
+}
+
+// A row's constants for dx = rstd * (g - c_g - xc * c_gx), with xc = xhat - shift the centred
+// xhat, c_g = mean(g) (RMSNorm: 0) and c_gx = mean(g * xc). The stored mean is the row's mean
+// rounded to float: where the mean dwarfs the spread (1e4 against 1) that shifts every xhat of
+// the row by the same mean(xhat), which the mean's own derivative cancels; taken out (shift),
+// dx and dweight are those of the exactly centred xhat (as in the CPU kernels). Only float32
+// inputs need it (kCentre): a 16-bit input's own rounding is some 2^16 times that of the mean,
+// and RMSNorm has no mean; the others keep their registers (up to 9 more in the vector kernels).
+struct DxConsts {
+  float c_g, c_gx, shift;
+};
+
+template <typename T, bool kRms>
+constexpr bool centres() {
+  return !kRms && std::is_same_v<T, float>;
+}
+
+template <bool kRms, bool kCentre>
+__device__ __forceinline__ DxConsts dx_consts(const GradSums& s, float cols) {
+  if (kRms) return DxConsts{0.f, s.gx / cols, 0.f};
+  if (!kCentre) return DxConsts{s.g / cols, s.gx / cols, 0.f};
+  const float shift = s.xhat / cols;
+  return DxConsts{s.g / cols, (s.gx - shift * s.g) / cols, shift};
+}
+
+// xc of one element (see DxConsts).
+__device__ __forceinline__ float centred(float x, float mean, float rstd, const DxConsts& c) {
+  return (x - mean) * rstd - c.shift;
 }
 
 template <bool kRms>
-__device__ __forceinline__ float dx_of(float g, float xhat, float rstd, float c_g, float c_gx) {
-  return kRms ? rstd * (g - xhat * c_gx) : rstd * (g - c_g - xhat * c_gx);
+__device__ __forceinline__ float dx_of(float g, float xc, float rstd, const DxConsts& c) {
+  return kRms ? rstd * (g - xc * c.c_gx) : rstd * (g - c.c_g - xc * c.c_gx);
 }
 
 // Fused tail of one gradient value: add the gradient of pre, write dres, apply the dropout.
@@ -632,6 +682,7 @@ __device__ __forceinline__ void store_partials(const float4* acc, float* dst, in
 // thread, only the wanted ones), not in registers, to leave room for that second row.
 template <typename T, typename W, int kVecs, bool kRms, bool kFused>
 __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnBwdArgs a) {
+  constexpr bool kCentre = centres<T, kRms>();
   constexpr int kE = 16 / sizeof(T);
   constexpr int kQ = kVecs * kE / 4;  // float4 accumulators a thread holds per gradient
   constexpr bool kPrefetch = kVecs * kE <= 16;  // see bwd_max_vecs
@@ -639,7 +690,7 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnB
   // each waited behind the chunk before's stores: a memory round trip a chunk). Not for fp32
   // rows of 4 chunks a thread: their 16 more registers spilled on sm_90.
   constexpr bool kDpreFirst = kFused && (kVecs <= 2 || sizeof(T) == 2);
-  __shared__ float2 red[kWarp];
+  __shared__ GradSums red[kWarp];
   extern __shared__ float acc_smem[];  // [wanted gradient][kQ][thread] float4s
   const int64_t nvec = a.cols / kE;
   const float cols = static_cast<float>(a.cols);
@@ -683,10 +734,11 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnB
       fetch_row<T, kVecs, kRms>(a, row, nvec, cur);
     }
     const float mean = cur.mean, rstd = cur.rstd;
-    float2 sums = make_float2(0.f, 0.f);  // sum(g), sum(g * xhat) with g = dy * weight
+    GradSums sums{0.f, 0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+      if (kCentre && vi >= nvec) continue;  // padding: dy = 0 there, but xhat is not
       float x[kE], dy[kE], w[kE], dyx[kE];
       unpack<T>(cur.x[i], x);
       unpack<T>(cur.dy[i], dy);
@@ -698,10 +750,11 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnB
       }
 #pragma unroll
       for (int e = 0; e < kE; ++e) {
-        // Padding elements have dy = 0, so they add nothing.
-        dyx[e] = dy[e] * add_grad_sums(x[e], dy[e], w[e], mean, rstd, sums);
+        add_grad_sums<kCentre>(x[e], dy[e], w[e], mean, rstd, sums);
+        dyx[e] = dy[e] * ((x[e] - mean) * rstd);
       }
-      if (want_w) add_acc<kE>(acc_w, i * kE / 4, threads, dyx);
+      // dweight's terms here unless they want the row's shift (not known before row_sum).
+      if (want_w && !kCentre) add_acc<kE>(acc_w, i * kE / 4, threads, dyx);
       if (want_b) add_acc<kE>(acc_b, i * kE / 4, threads, dy);
     }
     [[maybe_unused]] uint4 dpre[kVecs];
@@ -713,13 +766,12 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnB
         dpre[i] = chunk_or_zero(dpre_row, vi, a.dpre != nullptr && row_ok && vi < nvec);
       }
     }
-    sums = row_sum(sums, red);
-    const float c_g = sums.x / cols, c_gx = sums.y / cols;
+    const DxConsts c = dx_consts<kRms, kCentre>(row_sum(sums, red), cols);
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
       if (!row_ok || vi >= nvec) continue;
-      float x[kE], dy[kE], w[kE], d[kE];
+      float x[kE], dy[kE], w[kE], d[kE], dyx[kE];
       unpack<T>(cur.x[i], x);
       unpack<T>(cur.dy[i], dy);
       if constexpr (kPrefetch) {
@@ -731,9 +783,11 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnB
       const int64_t idx = row * a.cols + vi * kE;
 #pragma unroll
       for (int e = 0; e < kE; ++e) {
-        const float g = grad_times_weight(dy[e], w[e]);
-        d[e] = dx_of<kRms>(g, (x[e] - mean) * rstd, rstd, c_g, c_gx);
+        const float xc = centred(x[e], mean, rstd, c);
+        d[e] = dx_of<kRms>(grad_times_weight(dy[e], w[e]), xc, rstd, c);
+        dyx[e] = dy[e] * xc;
       }
+      if (want_w && kCentre) add_acc<kE>(acc_w, i * kE / 4, threads, dyx);
       if constexpr (kFused) fused_dx_vec<T, kE>(a, idx, d, kDpreFirst ? &dpre[i] : nullptr);
       store_vec<T, kE>(static_cast<T*>(a.dx) + idx, d);
     }
@@ -780,7 +834,8 @@ __device__ __forceinline__ AccRows acc_rows(const LnBwdArgs& a, float* acc_smem)
 // the end; without it (the slices over the shared memory limit) the global partial row itself.
 template <typename T, typename W, bool kRms, bool kFused, bool kSmemAcc>
 __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_any_kernel(const LnBwdArgs a) {
-  __shared__ float2 red[kWarp];
+  constexpr bool kCentre = centres<T, kRms>();
+  __shared__ GradSums red[kWarp];
   extern __shared__ float acc_smem[];  // kSmemAcc: the wanted dweight, dbias slices of cols
   const float cols = static_cast<float>(a.cols);
   const T* x = static_cast<const T*>(a.x);
@@ -800,24 +855,20 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_any_kernel(const LnB
     const float mean = (kRms || !row_ok) ? 0.f : a.mean[row];
     const float rstd = row_ok ? a.rstd[row] : 0.f;
     const int64_t offset = row * a.cols;
-    float2 sums = make_float2(0.f, 0.f);
+    GradSums sums{0.f, 0.f, 0.f};
     for (int64_t c = threadIdx.x; c < cols_here; c += blockDim.x) {
-      const float xhat = (to_float(x[offset + c]) - mean) * rstd;
-      const float g = grad_times_weight(to_float(dy[offset + c]),
-                                        weight != nullptr ? to_float(weight[c]) : 1.f);
-      sums.x += g;
-      sums.y += g * xhat;
+      add_grad_sums<kCentre>(to_float(x[offset + c]), to_float(dy[offset + c]),
+                             weight != nullptr ? to_float(weight[c]) : 1.f, mean, rstd, sums);
     }
-    sums = row_sum(sums, red);
-    const float c_g = sums.x / cols, c_gx = sums.y / cols;
+    const DxConsts k = dx_consts<kRms, kCentre>(row_sum(sums, red), cols);
     for (int64_t c = threadIdx.x; c < cols_here; c += blockDim.x) {
       const int64_t idx = offset + c;
-      const float xhat = (to_float(x[idx]) - mean) * rstd;
+      const float xc = centred(to_float(x[idx]), mean, rstd, k);
       const float dyv = to_float(dy[idx]);
       const float g = grad_times_weight(dyv, weight != nullptr ? to_float(weight[c]) : 1.f);
-      const float d = fused_dx<T, kFused>(a, idx, dx_of<kRms>(g, xhat, rstd, c_g, c_gx));
+      const float d = fused_dx<T, kFused>(a, idx, dx_of<kRms>(g, xc, rstd, k));
       static_cast<T*>(a.dx)[idx] = from_float<T>(d);
-      if (pw != nullptr) pw[c] += dyv * xhat;
+      if (pw != nullptr) pw[c] += dyv * xc;
       if (pb != nullptr) pb[c] += dyv;
     }
   }
@@ -850,9 +901,10 @@ __device__ __forceinline__ void load_acc(const float* p, float (&out)[kN]) {
 // partial row in global memory is the accumulator, updated a chunk at a time.
 template <typename T, typename W, bool kRms, bool kFused, bool kSmemAcc>
 __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_chunk_kernel(const LnBwdArgs a) {
+  constexpr bool kCentre = centres<T, kRms>();
   constexpr int kE = 16 / sizeof(T);
   constexpr int kU = sizeof(T) == 2 ? 2 : 4;  // chunks in flight: 32 bytes of x, 32 of dy
-  __shared__ float2 red[kWarp];
+  __shared__ GradSums red[kWarp];
   extern __shared__ float acc_smem[];  // kSmemAcc: the wanted dweight, dbias slices of cols
   const float cols = static_cast<float>(a.cols);
   const int64_t nchunks = a.cols / kE;
@@ -931,22 +983,20 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_chunk_kernel(const L
         }
       }
     };
-    float2 sums = make_float2(0.f, 0.f);  // sum(g), sum(g * xhat) with g = dy * weight
+    GradSums sums{0.f, 0.f, 0.f};
     using Row = const float (&)[kE];
     for_each_chunk([&](int64_t, Row x, Row dy, Row w) {
 #pragma unroll
-      for (int e = 0; e < kE; ++e) add_grad_sums(x[e], dy[e], w[e], mean, rstd, sums);
+      for (int e = 0; e < kE; ++e) add_grad_sums<kCentre>(x[e], dy[e], w[e], mean, rstd, sums);
     });
-    sums = row_sum(sums, red);
-    const float c_g = sums.x / cols, c_gx = sums.y / cols;
+    const DxConsts c = dx_consts<kRms, kCentre>(row_sum(sums, red), cols);
     for_each_chunk([&](int64_t j, Row x, Row dy, Row w) {
       float d[kE], dyx[kE];
 #pragma unroll
       for (int e = 0; e < kE; ++e) {
-        const float xhat = (x[e] - mean) * rstd;
-        const float g = grad_times_weight(dy[e], w[e]);
-        d[e] = dx_of<kRms>(g, xhat, rstd, c_g, c_gx);
-        dyx[e] = dy[e] * xhat;
+        const float xc = centred(x[e], mean, rstd, c);
+        d[e] = dx_of<kRms>(grad_times_weight(dy[e], w[e]), xc, rstd, c);
+        dyx[e] = dy[e] * xc;
       }
       const int64_t idx = offset + j * kE;
       if (kFused) fused_dx_vec<T, kE>(a, idx, d);
