@@ -122,19 +122,27 @@ def _attention_scores(
     """Scaled scores ``q @ k^T * scale`` with every mask applied (-inf = masked), (B,H,Lq,Lk).
 
     In place on the fresh product (the same values; the attention op's torch backend computes
-    its scores here too, where a full-size copy a mask cost more than the product on CPU)."""
+    its scores here too, where a full-size copy a mask cost more than the product on CPU);
+    not under torch.func transforms, where a mask vmap batches cannot go into unbatched scores.
+    """
     lq, lk = query.shape[-2], key.shape[-2]
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     scores = torch.matmul(query, key.transpose(-2, -1)).mul_(scale)
+    inplace = torch._C._functorch.peek_interpreter_stack() is None
+
+    def masked(keep_out: Tensor) -> Tensor:
+        fill = scores.masked_fill_ if inplace else scores.masked_fill
+        return fill(keep_out, float("-inf"))
+
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
-            scores.masked_fill_(~attn_mask, float("-inf"))
+            scores = masked(~attn_mask)
         else:
-            scores.add_(attn_mask.to(scores.dtype))
+            bias = attn_mask.to(scores.dtype)
+            scores = scores.add_(bias) if inplace else scores + bias
     if is_causal:
-        future = torch.ones(lq, lk, dtype=torch.bool, device=scores.device).triu_(1)
-        scores.masked_fill_(future, float("-inf"))
+        scores = masked(torch.ones(lq, lk, dtype=torch.bool, device=scores.device).triu_(1))
     if key_padding_mask is not None:
         if key_padding_mask.dtype != torch.bool:
             raise TypeError(
@@ -145,7 +153,7 @@ def _attention_scores(
                 f"key_padding_mask must have shape (batch, seq_k) = {(scores.shape[0], lk)}, "
                 f"got {tuple(key_padding_mask.shape)}"
             )
-        scores.masked_fill_(key_padding_mask[:, None, None, :], float("-inf"))
+        scores = masked(key_padding_mask[:, None, None, :])
     return scores
 
 

@@ -83,6 +83,16 @@ MAX_GRID_YZ = 65535  # CUDA's limit on grid dims 1 and 2 (dim 0: 2**31 - 1)
 KV_RANGE_BLOCK = 1024  # key_padding_mask columns attn_kv_range reads a step
 
 
+def qk_scale(scale: float) -> float:
+    """scale * log2(e), the kernels' float32 score factor, at least float32's smallest normal.
+
+    A factor that rounds to 0 in float32 (scale < ~1e-45) gave masked keys -inf * 0 = NaN;
+    raised to 2**-126, every visible key's exp2(s - max) is still exactly 1 (|s| * 2**-126
+    is far below float32's resolution near 1), the uniform average torch's SDPA gives.
+    """
+    return max(scale * LOG2E, 2.0**-126)
+
+
 # --------------------------------------------------------------------------- shared helpers
 # fmt: off
 # (kernel argument lists stay grouped by role; one argument per line would triple the file)
@@ -1643,7 +1653,7 @@ def attention_forward(
     args = (
         q, k, v, out, lse, stat, mask.tensor, pad.tensor, pad.kv_range,
         *_seed_args(seed, q.device),
-        dropout_threshold(dropout_p), scale * LOG2E, 1.0 / (1.0 - dropout_p), *q.stride()[:3],
+        dropout_threshold(dropout_p), qk_scale(scale), 1.0 / (1.0 - dropout_p), *q.stride()[:3],
         *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *mask.strides, *pad.strides, h,
         h // hkv, lq, lk, _seq_bucket(lq), _seq_bucket(lk),
     )
@@ -1693,7 +1703,7 @@ def attention_backward(
     grad_out, out = _kernel_layout(grad_out), _kernel_layout(out)
     b, h, lq, d = q.shape
     hkv, lk, dv = k.shape[1], k.shape[2], v.shape[3]
-    group = h // hkv
+    group = h // hkv if hkv else 1  # no heads at all: nothing to compute
     # Every element of dq, dk, dv is written by the kernels (zeros where nothing is visible).
     if group == 1 and like_inputs:
         dq, dk, dv_ = grads_like(q, k, v)
@@ -1706,7 +1716,7 @@ def attention_backward(
     ds = None
     if mask_grad and attn_mask is not None:  # skipped tiles are never written: start at 0
         ds = torch.zeros(b, h, lq, lk, dtype=torch.float32, device=q.device)
-    if lq == 0 or lk == 0:  # no scores: every gradient is 0
+    if q.numel() == 0 or lk == 0:  # no scores: every gradient is 0
         for t in (dq, dk, dv_):
             t.zero_()
     else:
@@ -1759,7 +1769,7 @@ def _backward_kernels(
         stat = torch.stack((hi, torch.zeros_like(hi)), -1)
     stat = _stat_arg(mask, stat, lse)
     common = (
-        seed, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p), scale * LOG2E, scale,
+        seed, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p), qk_scale(scale), scale,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
     )
     tail = (*mask.strides, *pad.strides, h, h // hkv, lq, lk, _seq_bucket(lq), _seq_bucket(lk))

@@ -258,6 +258,34 @@ def test_empty_sequences(monkeypatch, backend, lq, lk, padding, dropout_p):
     assert all(torch.all(t.grad == 0) for t in (q, k, v))
 
 
+@pytest.mark.parametrize("backend", ["default", "torch"])
+@pytest.mark.parametrize("shape", [(2, 0, 3), (0, 2, 3)], ids=["no_heads", "no_batch"])
+def test_no_heads_or_batches(monkeypatch, backend, shape):
+    # The Triton backward divided the heads by the kv heads: 0 // 0 (ZeroDivisionError).
+    _use_backend(monkeypatch, backend)
+    b, h, lq = shape
+    q = _randn((b, h, lq, 8), grad=True)
+    k, v = _randn((b, h, 4, 8), seed=1, grad=True), _randn((b, h, 4, 8), seed=2, grad=True)
+    out = attn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.shape == (b, h, lq, 8)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+@pytest.mark.parametrize("backend", ["default", "torch"])
+@pytest.mark.parametrize("scale", [1e-300, 1e-46])
+def test_a_scale_below_float32s_range_averages_the_visible_keys(monkeypatch, backend, scale):
+    # scale * log2(e) rounded to 0 in float32 and the Triton kernels' masked keys (padding past
+    # Lk, causal) became -inf * 0 = NaN: every score is ~0, softmax uniform over the visible
+    # keys (torch's SDPA gives NaN for the causal case too; the float64 reference does not).
+    _use_backend(monkeypatch, backend)
+    q, k, v = _qkv(Case(b=1, h=2, lq=5, lk=3, d=8, grad=False))
+    out = attn.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    q64, k64, v64 = (t.double() for t in (q, k, v))
+    expected = ref.scaled_dot_product_attention(q64, k64, v64, is_causal=True, scale=scale)
+    torch.testing.assert_close(out, expected.float())
+
+
 def test_strided_slices_past_int32_are_copied():
     from fastformer.kernels import attention as kernels
 

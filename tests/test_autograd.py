@@ -186,13 +186,21 @@ def test_vmap_randomness_modes_with_dropout(op):
         torch.func.vmap(torch.func.grad(loss), randomness="different")(*batch)
 
 
+@pytest.mark.parametrize("backend", ["torch", "default"])
 @pytest.mark.parametrize("case", ["mask", "dropout", "lse"])
-def test_attention_gradients_batched_over_cotangents(monkeypatch, case):
+def test_attention_gradients_batched_over_cotangents(monkeypatch, case, backend):
     # is_grads_batched (and vectorized jacobians) run the backward under vmap, which has no
-    # rule for the reference backward's out= and in-place ops, nor for bool(grad_lse.any()).
-    monkeypatch.setenv("FASTFORMER_BACKEND_ATTENTION", "torch")
-    q, k, v = (_randn(1, 2, 3, 4, seed=i).detach().double().requires_grad_() for i in range(3))
-    mask = _randn(3, 3, seed=3).detach().double().requires_grad_()
+    # rule for the reference backward's out= and in-place ops, nor for bool(grad_lse.any());
+    # the Triton kernels cannot take its batched tensors (no storage): the torch backend's
+    # functional path computes theirs.
+    dtype, tol = torch.double, 1e-12
+    if backend == "torch":
+        monkeypatch.setenv("FASTFORMER_BACKEND_ATTENTION", "torch")
+    else:  # Triton on a GPU or under the interpreter: float32
+        monkeypatch.delenv("FASTFORMER_BACKEND_ATTENTION", raising=False)
+        dtype, tol = torch.float32, 1e-5
+    q, k, v = (_randn(1, 2, 3, 4, seed=i).detach().to(dtype).requires_grad_() for i in range(3))
+    mask = _randn(3, 3, seed=3).detach().to(dtype).requires_grad_()
     torch.manual_seed(1)
     if case == "lse":
         out = attention.scaled_dot_product_attention_with_lse(q, k, v)[1]
@@ -201,12 +209,12 @@ def test_attention_gradients_batched_over_cotangents(monkeypatch, case):
             q, k, v, mask if case == "mask" else None, dropout_p=0.3 if case == "dropout" else 0.0
         )
     inputs = {"mask": (q, k, v, mask), "dropout": (q, k, v), "lse": (q, k)}[case]  # lse: no v
-    cotangents = torch.randn(2, *out.shape, dtype=torch.double, device=DEVICE)
+    cotangents = torch.randn(2, *out.shape, dtype=dtype, device=DEVICE)
     batched = torch.autograd.grad(out, inputs, cotangents, is_grads_batched=True, retain_graph=True)
     for i, cotangent in enumerate(cotangents):
         one = torch.autograd.grad(out, inputs, cotangent, retain_graph=True)
         for got, want in zip(batched, one):
-            torch.testing.assert_close(got[i], want, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(got[i], want, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("backend", ["default", "torch"])
@@ -225,3 +233,46 @@ def test_inputs_an_output_does_not_depend_on_get_no_gradient(monkeypatch, backen
     q, k, v = (_randn(1, 1, 3, 4, seed=i) for i in range(3))
     attention.scaled_dot_product_attention_with_lse(q, k, v)[1].sum().backward()
     assert v.grad is None and q.grad is not None and k.grad is not None
+
+
+@pytest.mark.parametrize("op", ["ffn", "attention"])
+def test_transforms_ignore_autocast_as_eager_calls_do(op):
+    # Under torch.func transforms the ops run the reference's torch operations; autocast reached
+    # them (bfloat16 products, float32 dtype: the ffn output off by up to 1) where eager calls,
+    # like the kernels, compute in the inputs' dtype.
+    if op == "ffn":
+        x, w1, w2 = _randn(4, 64, seed=0), _randn(256, 64, seed=1), _randn(64, 256, seed=2)
+
+        def fn(x):
+            return ffn.ffn(x, w1, None, w2, None, "gelu")
+    else:
+        x, k, v = (_randn(2, 2, 16, 64, seed=s) for s in range(3))
+
+        def fn(x):
+            return attention.scaled_dot_product_attention(x, k, v)
+
+    x = x.detach()
+    plain = fn(x)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        mapped = torch.func.vmap(fn)(x[None])[0]
+    torch.testing.assert_close(mapped, plain, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["attn_mask", "key_padding_mask"])
+def test_vmap_over_a_mask_alone(which):
+    # q, k, v shared and only a mask batched: the reference's in-place masking of the (unbatched)
+    # scores raised under vmap; torch's SDPA takes such calls.
+    q, k, v = (_randn(1, 2, 3, 4, seed=i).detach() for i in range(3))
+    g = torch.Generator().manual_seed(5)
+    if which == "attn_mask":
+        masks = torch.randn(6, 3, 3, generator=g).to(DEVICE)
+    else:
+        masks = (torch.rand(6, 1, 3, generator=g) > 0.5).to(DEVICE)
+        masks[..., 0] = False  # a visible key a row
+
+    def fn(m):
+        return attention.scaled_dot_product_attention(q, k, v, **{which: m})
+
+    mapped = torch.func.vmap(fn)(masks)
+    for m, got in zip(masks, mapped):
+        torch.testing.assert_close(got, fn(m), rtol=1e-6, atol=1e-6)

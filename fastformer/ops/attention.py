@@ -162,6 +162,7 @@ def scaled_dot_product_attention_with_lse(
     return out, lse
 
 
+@autocast_off  # as the kernels, which ignore autocast
 def _transformed(q, k, v, attn_mask, kpm, dropout_p, is_causal, scale):
     """The reference's function with the kernels' dropout mask (`under_transform`), in float32
     for 16-bit inputs as the kernels compute."""
@@ -542,13 +543,15 @@ _CPU_FLASH_BWD = getattr(
 )
 
 
-def _cpu_flash_ok(q: Tensor, k: Tensor, v: Tensor, attn_mask, dropout_p: float) -> bool:
+def _cpu_flash_ok(q: Tensor, k: Tensor, v: Tensor, attn_mask, dropout_p: float, scale) -> bool:
     """Whether torch's CPU flash kernels compute this call: no dropout (fastformer's Philox mask
-    cannot be fed to them), CPU, one head dim for q/k/v, no empty dimension, and no float mask
+    cannot be fed to them), CPU, one head dim for q/k/v, no empty dimension, no float mask
     wider than q (they take it in q's dtype: a float32 mask of 16-bit q would lose bits the
-    kernels and the reference keep)."""
+    kernels and the reference keep), and a scale in float32's normal range (below it they
+    return NaN for masked keys)."""
     return (
-        _CPU_FLASH is not None
+        scale >= 2.0**-126
+        and _CPU_FLASH is not None
         and _CPU_FLASH_BWD is not None
         and dropout_p == 0
         and q.device.type == "cpu"
@@ -626,7 +629,7 @@ def _cpu_flash_backward(grad_out, q, k, v, out, lse, attn_mask, kpm, is_causal, 
 def _torch_forward(q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scale):
     """torch's CPU flash kernels where they apply (`_cpu_flash_ok`), else the eager reference
     with the Philox keep-mask of `seed` (materialized: fine here)."""
-    if _cpu_flash_ok(q, k, v, attn_mask, dropout_p):
+    if _cpu_flash_ok(q, k, v, attn_mask, dropout_p, scale):
         return _cpu_flash_forward(q, k, v, attn_mask, kpm, is_causal, scale)
     return _reference_forward(q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scale)
 
@@ -690,7 +693,7 @@ def _torch_backward(
     it and only `out` has a gradient, else by `_reference_backward`; the arguments are those of
     kernels.attention.attention_backward."""
     # CPU only: .any() and amax never sync with a GPU
-    flash = _cpu_flash_ok(q, k, v, attn_mask, dropout_p) and not mask_grad
+    flash = _cpu_flash_ok(q, k, v, attn_mask, dropout_p, scale) and not mask_grad
     flash = flash and _lse_keeps_its_sum(lse, attn_mask)
     if flash and (grad_lse is None or (not _batched(grad_lse) and not bool(grad_lse.any()))):
         dq, dk, dv = _cpu_flash_backward(
@@ -917,7 +920,10 @@ def _backward_kernels(
     # like_inputs (eager calls): Triton's dq, dk, dv in the memory layout of q, k, v.
     args = (grad_out, grad_lse, query, key, value, out, lse, attn_mask, key_padding_mask,
             rng.saved_seed(seed), dropout_p, is_causal, scale, mask_grad)  # fmt: skip
-    if (backend or _backend(query, key, value, attn_mask)) == "triton":
+    triton = (backend or _backend(query, key, value, attn_mask)) == "triton"
+    # Batched cotangents (is_grads_batched, vectorized jacobians) are wrappers without storage
+    # for the kernels: the torch backend's functional path takes them (the same function).
+    if triton and not _batched(grad_out, grad_lse):
         backward = _kernels().attention_backward
         stat = stat if stat is not None and stat.numel() else None
         dq, dk, dv, dmask = backward(*args, kv_range=kv_range, like_inputs=like_inputs, stat=stat)

@@ -287,6 +287,7 @@ def ffn(
     return _forward(x, w1, b1, w2, b2, activation, dropout_p, needs_grad=False)[0]
 
 
+@autocast_off  # as the kernels, which ignore autocast
 def _transformed(x, w1, b1, w2, b2, activation: str, dropout_p: float) -> Tensor:
     """The reference's function with the kernels' dropout mask (`under_transform`)."""
     keep = None
