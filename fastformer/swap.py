@@ -4,10 +4,14 @@ Every torch.nn.LayerNorm, RMSNorm, MultiheadAttention, TransformerEncoderLayer,
 TransformerDecoderLayer, TransformerEncoder, TransformerDecoder and Transformer (exactly those
 classes, not user subclasses) and every fastformer.reference LayerNorm, RMSNorm,
 MultiheadAttention, TransformerEncoderLayer and TransformerDecoderLayer becomes its
-fastformer.nn counterpart. The swap changes the class of the module object itself (adding the
-few plain attributes torch.nn has and the reference lacks): the module objects, their
-Parameter objects, buffers and hooks stay the same ones, so an optimizer built before the swap
-keeps working, and the state_dict keys cannot change (checked; a failed check undoes the swap).
+fastformer.nn counterpart (a reference MultiheadAttention becomes
+fastformer.nn.attention.ReferenceMultiheadAttention, which keeps the reference's forward
+semantics: need_weights=False by default, is_causal applied together with attn_mask; the
+swapped layers pass is_causal on to it). The swap changes the class of the module object
+itself (adding the few plain attributes torch.nn has and the reference lacks): the module
+objects, their Parameter objects, buffers and hooks stay the same ones, so an optimizer built
+before the swap keeps working, and the state_dict keys cannot change (checked; a failed check
+undoes the swap).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch import nn
 
 import fastformer.nn as fnn
 from fastformer import reference
+from fastformer.nn.attention import ReferenceMultiheadAttention
 
 # torch.nn class -> fastformer subclass: a class change suffices (no new state).
 _FROM_TORCH: dict[type, type] = {
@@ -82,7 +87,8 @@ def _layer_args(m: nn.Module) -> dict:
 _FROM_REFERENCE: dict[type, tuple[type, Callable[[nn.Module], dict]]] = {
     reference.LayerNorm: (fnn.LayerNorm, _norm_args),
     reference.RMSNorm: (fnn.RMSNorm, _rms_args),
-    reference.MultiheadAttention: (fnn.MultiheadAttention, _mha_args),
+    # Keeps the reference's forward (need_weights=False, is_causal combined with attn_mask).
+    reference.MultiheadAttention: (ReferenceMultiheadAttention, _mha_args),
     reference.TransformerEncoderLayer: (fnn.TransformerEncoderLayer, _layer_args),
     reference.TransformerDecoderLayer: (fnn.TransformerDecoderLayer, _layer_args),
 }

@@ -175,6 +175,7 @@ def _mask_cases():
     float_kpm = torch.randn(B, S, generator=g)
     float_kpm[1, -2:] = float("-inf")
     causal = nn.Transformer.generate_square_subsequent_mask(S)
+    causal_bias = causal + torch.randn(S, S, generator=g)  # ALiBi-style: not only causal
     return {
         "bool_attn_mask": dict(src_mask=blocked),
         "float_attn_mask": dict(src_mask=torch.randn(S, S, generator=g)),
@@ -186,6 +187,11 @@ def _mask_cases():
         "bool_padding_float_mask": dict(src_mask=causal, src_key_padding_mask=_padding(B, S)),
         "causal_hint_and_padding": dict(
             src_mask=causal, is_causal=True, src_key_padding_mask=_padding(B, S, seed=7)
+        ),
+        # torch.nn: the hint drops src_mask (no padding mask) / is ignored (padding mask).
+        "causal_hint_biased_mask": dict(src_mask=causal_bias, is_causal=True),
+        "causal_hint_biased_mask_and_padding": dict(
+            src_mask=causal_bias, is_causal=True, src_key_padding_mask=_padding(B, S, seed=7)
         ),
     }
 
@@ -217,6 +223,58 @@ def test_decoder_layer_cross_attention_masks(norm_first, training):
         memory_key_padding_mask=torch.randn(B, S, generator=g),  # float: added
     )
     module_parity(ours, theirs, (_seq(True, T), _seq(True, S, seed=1)), masks, ["tgt", "memory"])
+
+
+def _causal_bias(length, seed=0):
+    """A float mask that is the causal mask plus a bias (ALiBi-style), not the causal mask."""
+    blocked = torch.ones(length, length, dtype=torch.bool).triu(1)
+    return _randn(length, length, seed=seed, grad=False).masked_fill(blocked, float("-inf"))
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_decoder_layer_causal_hints_with_biased_masks_and_padding(norm_first):
+    """With key padding masks torch.nn applies tgt_mask / memory_mask as given (the is_causal
+    hints are ignored), so the biases count."""
+    theirs, ours = _pair(
+        nn.TransformerDecoderLayer, fnn.TransformerDecoderLayer, E, H, FF, dropout=0.0,
+        batch_first=True, norm_first=norm_first,
+    )  # fmt: skip
+    masks = dict(
+        tgt_mask=_causal_bias(T, seed=3),
+        memory_mask=_randn(T, S, seed=4, grad=False),
+        tgt_key_padding_mask=_padding(B, T, seed=9),
+        memory_key_padding_mask=_padding(B, S, seed=10),
+        tgt_is_causal=True,
+        memory_is_causal=True,
+    )
+    module_parity(ours, theirs, (_seq(True, T), _seq(True, S, seed=1)), masks, ["tgt", "memory"])
+
+
+def _attention_grads(module, x, kpm, mask):
+    """The output of self-attention with is_causal=True and the gradients of x, the mask and
+    the parameters (None where the mask is not read)."""
+    mask = mask.clone().requires_grad_()
+    call = dict(key_padding_mask=kpm, need_weights=False, attn_mask=mask, is_causal=True)
+    out = module(x, x, x, **call)[0]
+    inputs = [x, mask, *module.parameters()]
+    return out, torch.autograd.grad(out.square().sum(), inputs, allow_unused=True)
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_multihead_attention_causal_hint_with_a_mask_follows_torch(padding):
+    """torch.nn reads is_causal as a hint only without a key_padding_mask (attn_mask dropped);
+    with one it applies attn_mask as given, and a float mask gets its gradient."""
+    theirs, ours = _pair(nn.MultiheadAttention, fnn.MultiheadAttention, E, H, batch_first=True)
+    kpm = _padding(B, S, seed=2) if padding else None
+    x, mask = _randn(B, S, E), _causal_bias(S)
+    expected, expected_grads = _attention_grads(theirs, x, kpm, mask)
+    out, grads = _attention_grads(ours, x, kpm, mask)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert (grads[1] is None) == (not padding)  # the mask is read only with a padding mask
+    for got, want in zip(grads, expected_grads):
+        assert (got is None) == (want is None)
+        if want is not None:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_encoder_layer_unbatched_input():

@@ -11,6 +11,7 @@ from torch import nn
 import fastformer.nn as fnn
 from fastformer import reference
 from fastformer.explain import explain
+from fastformer.nn.attention import ReferenceMultiheadAttention
 from fastformer.swap import SwapReport, swap
 from fastformer.testing import assert_parity, compare_with_reference
 
@@ -111,7 +112,7 @@ def test_swap_reference_model():
     report = swap(model)
     kinds = {(old, new) for _, old, new in report.replaced}
     assert kinds == {
-        (reference.MultiheadAttention, fnn.MultiheadAttention),
+        (reference.MultiheadAttention, ReferenceMultiheadAttention),
         (reference.LayerNorm, fnn.LayerNorm),
         (reference.TransformerEncoderLayer, fnn.TransformerEncoderLayer),
         (reference.TransformerDecoderLayer, fnn.TransformerDecoderLayer),
@@ -124,6 +125,74 @@ def test_swap_reference_model():
     src[1, -3:] = 0  # padding at the end (pad_id 0)
     _model_parity(model, original, (src, tgt))
     model.loss(src, tgt).backward()
+
+
+def _causal_bias(length, seed=0):
+    """A float mask that is the causal mask plus a bias (ALiBi-style), not the causal mask."""
+    g = torch.Generator().manual_seed(seed)
+    blocked = torch.ones(length, length, dtype=torch.bool).triu(1)
+    return torch.randn(length, length, generator=g).masked_fill(blocked, float("-inf"))
+
+
+class _ReferenceSelfAttention(nn.Module):
+    """A reference MultiheadAttention called as the reference allows: is_causal with a mask,
+    need_weights left at its default (False: no weights)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = reference.MultiheadAttention(E, H, batch_first=True)
+
+    def forward(self, x, attn_mask, key_padding_mask=None):
+        out, weights = self.attn(x, x, x, key_padding_mask, attn_mask=attn_mask, is_causal=True)
+        if weights is not None:
+            raise AssertionError("need_weights must default to False, as in the reference")
+        return out
+
+
+def _reference_case(kind, padding):
+    """(reference module, inputs, masks): is_causal with a causal-plus-bias float mask."""
+    g = torch.Generator().manual_seed(2)
+    x, memory = torch.randn(B, T, E, generator=g), torch.randn(B, S, E, generator=g)
+    kpm = _padding(B, T, seed=3) if padding else None
+    if kind == "attention":
+        return (
+            _ReferenceSelfAttention(),
+            (x,),
+            dict(attn_mask=_causal_bias(T), key_padding_mask=kpm),
+        )
+    layer_args = (E, H, FF, 0.0, "relu", 1e-5, True)
+    if kind == "encoder_layer":
+        masks = dict(src_mask=_causal_bias(T), src_key_padding_mask=kpm, is_causal=True)
+        return reference.TransformerEncoderLayer(*layer_args), (x,), masks
+    masks = dict(tgt_mask=_causal_bias(T), tgt_key_padding_mask=kpm, tgt_is_causal=True)
+    masks |= dict(memory_mask=torch.randn(T, S, generator=g), memory_is_causal=True)
+    return reference.TransformerDecoderLayer(*layer_args), (x, memory), masks
+
+
+@pytest.mark.parametrize("padding", [False, True])
+@pytest.mark.parametrize("kind", ["attention", "encoder_layer", "decoder_layer"])
+def test_swapped_reference_modules_keep_is_causal_with_a_mask(kind, padding):
+    """The reference applies is_causal together with the mask; the swapped modules must too
+    (torch.nn's hint would drop the mask, or is_causal), and keep need_weights=False."""
+    model, args, masks = _reference_case(kind, padding)
+    model = _perturb(model)
+    original = copy.deepcopy(model)
+    swap(model)
+    assert not any(isinstance(m, reference.MultiheadAttention) for m in model.modules())
+    _model_parity(model, original, args, masks)
+
+
+def test_swapped_reference_attention_weights_keep_is_causal_with_a_mask():
+    """need_weights=True runs torch.nn's path: the causal mask is merged into attn_mask (a
+    bias without it here, so that dropping either changes the result)."""
+    original = _perturb(reference.MultiheadAttention(E, H, batch_first=True))
+    model = copy.deepcopy(original)
+    swap(model)
+    x, mask = torch.randn(B, T, E), torch.randn(T, T)
+    expected = original(x, x, x, attn_mask=mask, is_causal=True, need_weights=True)
+    got = model(x, x, x, attn_mask=mask, is_causal=True, need_weights=True)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
 
 
 class HandWritten(nn.Module):

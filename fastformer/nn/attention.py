@@ -62,6 +62,20 @@ def _add_masks(attn_mask: Tensor, additive: Tensor) -> Tensor:
     return attn_mask + additive
 
 
+def _causal_hint(
+    attn_mask: Tensor | None, key_padding_mask: Tensor | None, is_causal: bool
+) -> tuple[Tensor | None, bool]:
+    """torch.nn's reading of is_causal as a hint that attn_mask is the causal mask
+    (F.multi_head_attention_forward, need_weights=False): without a key_padding_mask the mask
+    is dropped and the op applies the causal mask; with one, torch.nn applies attn_mask as given
+    and drops is_causal (a float mask then also gets its gradient)."""
+    if not is_causal or attn_mask is None:
+        return attn_mask, is_causal
+    if key_padding_mask is None:
+        return None, True
+    return attn_mask, False
+
+
 def sdpa_masks(
     attn_mask: Tensor | None,
     key_padding_mask: Tensor | None,
@@ -70,15 +84,20 @@ def sdpa_masks(
     heads: int,
     lq: int,
     lk: int,
+    causal_hint: bool = True,
 ) -> tuple[Tensor | None, Tensor | None, bool]:
     """nn.MultiheadAttention's (attn_mask, key_padding_mask, is_causal) -> the op's.
 
     Args:
         attn_mask: None, (Lq, Lk) or (B*H, Lq, Lk); bool True = NOT allowed, or float added.
         key_padding_mask: None or (B, Lk); bool True = padding, or float added.
-        is_causal: as in torch.nn, a hint that `attn_mask` IS the causal mask: the op applies
-            the (top-left) causal mask itself and `attn_mask` is not read. Without `attn_mask`
-            it simply asks for causal attention (torch.nn would raise there).
+        is_causal: with `causal_hint` (torch.nn), a hint that `attn_mask` IS the causal mask:
+            without a key_padding_mask the op applies the (top-left) causal mask itself and
+            `attn_mask` is not read; with one, `attn_mask` is applied as given and is_causal
+            is ignored (torch.nn's rule). Without `attn_mask` it simply asks for causal
+            attention (torch.nn would raise there).
+        causal_hint: False = fastformer.reference's semantics: is_causal applies the causal
+            mask together with `attn_mask` and `key_padding_mask`.
 
     Returns:
         (attn_mask for the op: None, bool True = attend or float, broadcastable to
@@ -90,8 +109,8 @@ def sdpa_masks(
         _check_key_padding_mask(key_padding_mask, batch, lk)
     if attn_mask is not None:
         attn_mask = _sdpa_attn_mask(attn_mask, batch, heads, lq, lk)
-        if is_causal:
-            attn_mask = None
+    if causal_hint:
+        attn_mask, is_causal = _causal_hint(attn_mask, key_padding_mask, is_causal)
     if key_padding_mask is not None and key_padding_mask.is_floating_point():
         additive = key_padding_mask.view(batch, 1, 1, lk)
         attn_mask = additive if attn_mask is None else _add_masks(attn_mask, additive)
@@ -183,6 +202,10 @@ class MultiheadAttention(nn.MultiheadAttention):
     (its SDPA path); with need_weights=True both give NaN (this module falls back to torch.nn).
     """
 
+    # is_causal with attn_mask is torch.nn's hint (see sdpa_masks); ReferenceMultiheadAttention
+    # turns it off.
+    _causal_hint: bool = True
+
     @property
     def fallback_reasons(self) -> list[str]:
         """Why this module's configuration always takes torch.nn's path ([] = it never does
@@ -222,7 +245,9 @@ class MultiheadAttention(nn.MultiheadAttention):
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """See torch.nn.MultiheadAttention.forward; `is_causal=True` without `attn_mask` is
-        allowed here and means causal attention."""
+        allowed here and means causal attention. With `attn_mask`, is_causal is torch.nn's hint
+        that attn_mask is the causal mask: attn_mask is not read, except with a
+        key_padding_mask, where attn_mask is applied as given and is_causal ignored."""
         plain = (
             not need_weights
             and self.bias_k is None
@@ -330,8 +355,9 @@ class MultiheadAttention(nn.MultiheadAttention):
         q, k, v = self._project(query, key, value, batch_first)
         batch, lq, lk = q.shape[0], q.shape[2], k.shape[2]
         mask, kpm, causal = sdpa_masks(
-            attn_mask, key_padding_mask, is_causal, batch, self.num_heads, lq, lk
-        )
+            attn_mask, key_padding_mask, is_causal, batch, self.num_heads, lq, lk,
+            self._causal_hint,
+        )  # fmt: skip
         p = self.dropout if self.training else 0.0
         out = _ops.attention(self, q, k, v, mask, p, causal, kpm)
         proj = child(self, "out_proj")
@@ -339,3 +365,51 @@ class MultiheadAttention(nn.MultiheadAttention):
             _merge_heads(out, batch_first), param(proj, "weight"), param(proj, "bias")
         )
         return (out if batched else out.squeeze(0)), None
+
+
+def _with_causal(attn_mask: Tensor, lq: int, lk: int) -> Tensor:
+    """An nn.MultiheadAttention attn_mask ((Lq, Lk) or (B*H, Lq, Lk); bool True = NOT allowed,
+    or float added) that also blocks the keys the top-left causal mask blocks."""
+    blocked = torch.ones(lq, lk, dtype=torch.bool, device=attn_mask.device).triu(1)
+    if attn_mask.dtype == torch.bool:
+        return attn_mask | blocked
+    return attn_mask.masked_fill(blocked, float("-inf"))
+
+
+class ReferenceMultiheadAttention(MultiheadAttention):
+    """What `fastformer.swap` turns a `fastformer.reference.MultiheadAttention` into: this
+    module's fused path with the reference's forward semantics, so a swap does not change what
+    a call computes. `need_weights` defaults to False, and `is_causal=True` applies the causal
+    mask together with `attn_mask` and `key_padding_mask` (torch.nn reads it as a hint that
+    attn_mask is the causal mask and drops one of the two)."""
+
+    _causal_hint = False
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = False,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """See fastformer.reference.MultiheadAttention.forward."""
+        return super().forward(
+            query, key, value, key_padding_mask, need_weights, attn_mask,
+            average_attn_weights, is_causal,
+        )  # fmt: skip
+
+    def _torch_forward(
+        self, query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal
+    ):
+        if is_causal and attn_mask is not None:
+            # torch.nn would read is_causal as a hint and drop one of the two: merge them.
+            seq_dim = 0 if query.dim() == 2 or not self.batch_first else 1
+            attn_mask = _with_causal(attn_mask, query.shape[seq_dim], key.shape[seq_dim])
+            is_causal = False
+        return super()._torch_forward(
+            query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal
+        )

@@ -155,7 +155,9 @@ class TransformerEncoderLayer(nn.TransformerEncoderLayer):
     (the gated ones make linear1 output 2 * dim_feedforward). src (S, B, E) ((B, S, E) if
     batch_first, (S, E) unbatched) -> same shape. src_mask (S, S) or (B*nhead, S, S),
     src_key_padding_mask (B, S): bool True = masked, or float added. is_causal=True applies the
-    causal mask (with src_mask: torch's hint that src_mask is causal; it is not read).
+    causal mask; with src_mask it is torch.nn's hint that src_mask is causal (src_mask is not
+    read, except with src_key_padding_mask: then, as in torch.nn, src_mask is applied as given
+    and is_causal ignored).
     Nested-tensor input falls back to torch.nn.
     """
 
