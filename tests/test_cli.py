@@ -188,6 +188,21 @@ def test_check_and_bench_refuse_a_forced_backend_that_does_not_exist(monkeypatch
     assert main(["bench", "--quick", "--ops", "ffn", "--no-model"]) == 2
 
 
+def test_check_and_bench_refuse_a_forced_backend_that_cannot_run_here(monkeypatch, capsys):
+    # FASTFORMER_BACKEND_ATTENTION=triton on a CPU without TRITON_INTERPRET=1: check passed
+    # (exit 0) while bench raised on every attention call.
+    from fastformer.ops import _dispatch
+
+    lacking = _dispatch.Backend("cpp", lambda inputs: ["not built here (test)"])
+    monkeypatch.setitem(_dispatch.REGISTRY, "ffn", [lacking, *_dispatch.REGISTRY["ffn"][1:]])
+    monkeypatch.setenv("FASTFORMER_BACKEND_FFN", "cpp")
+    monkeypatch.setattr(B, "measure", lambda *a: pytest.fail("measured before checking"))
+    for argv in (["check", "--quick", "--ops", "ffn"], ["bench", "--quick", "--no-model"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "FASTFORMER_BACKEND_FFN='cpp' cannot run here: not built here (test)" in err, err
+
+
 def test_parity_of_an_op_that_leaves_out_an_output_fails():
     # zip() paired the outputs and stopped at the shorter list: a dropped prenorm output passed.
     x = torch.randn(3, requires_grad=True)
@@ -256,6 +271,14 @@ def test_check_shards_split_the_grid(capsys):
     for bad in ("0/3", "4/3", "x", "1/0"):
         assert main(["check", "--shard", bad]) == 2
         assert "--shard must be K/N" in capsys.readouterr().err
+
+
+def test_check_shard_past_the_grid_passes_with_nothing_to_check(capsys):
+    # A CI job split into more shards than the grid has cases failed (exit 1) with "no case
+    # ran (see the skip reasons above)", though nothing was skipped.
+    assert main(["check", "--quick", "--ops", "rms_norm", "--shard", "50/50"]) == 0
+    err = capsys.readouterr().err
+    assert "shard 50/50 holds no case (the grid has" in err and "skip" not in err, err
 
 
 # --------------------------------------------------------------------------- bench
@@ -527,6 +550,9 @@ def test_compare_skips_figures_that_are_not_finite():
     new = {"ops": {"ffn": {"cases": [_row(3.0, 4.0)]}}, "model": _model(50.0)}
     keys = {c.key for c in R.compare(old, new)}
     assert keys == {"ffn.c.fwd.reference.ms"}  # the old speedup is NaN too
+    # results.json writes a non-finite figure as null (strict JSON): no change either
+    nulls = {"ops": {"ffn": {"cases": [_row(3.0, 4.0)]}}, "model": _model(None)}
+    assert "model.fastformer.train_tokens_per_s" not in {c.key for c in R.compare(nulls, new)}
 
 
 def _row(fast_ms: float, ref_ms: float) -> dict:
@@ -544,6 +570,7 @@ def _model(tokens_per_s: float) -> dict:
         (["bench", "--fail-if-slower", "5"], "needs --compare"),
         (["bench", "--compare", "{old}", "--fail-if-slower", "nan"], "finite percentage"),
         (["bench", "--ops", "softmax"], "unknown op"),
+        (["bench", "--threads", "100000"], "--threads must be between 1 and"),  # a segfault
         (["bench", "--ops", ",", "--no-model"], "nothing to measure"),
         (["bench", "--results", "/nonexistent/results.json"], "does not exist"),
         (["bench", "--compare", "/nonexistent/results.json"], "--compare '/nonexistent"),
@@ -552,11 +579,17 @@ def _model(tokens_per_s: float) -> dict:
         (["bench", "--compare", "{tmp}/schema_only.json"], "lacks ops"),
         (["bench", "--compare", "{tmp}/malformed.json"], "is malformed"),
         (["bench", "--compare", "{tmp}/string_ms.json"], "is malformed"),
+        # compare() divided it by a float after the run: OverflowError
+        (["bench", "--compare", "{tmp}/bigint.json"], "an integer too large for a float"),
         (["bench", "--results", "{tmp}/null_model.json"], "model is None, not an object"),
         (["bench", "--results", "{tmp}/partial.json"], "lacks manifest"),
         (["bench", "--out", "{tmp}/empty.json"], "cannot write there"),
         (["bench", "--out", "/proc"], "cannot write there"),  # it failed after measuring
         (["bench", "--out", "{tmp}/has_dir"], "results.json there is a folder"),
+        # these crashed with IsADirectoryError, after measuring or at the first save
+        (["bench", "--out", "{tmp}/dir_md"], "report.md there is a folder"),
+        (["bench", "--out", "{tmp}/dir_png"], "speedup_ffn.png there is a folder"),
+        (["bench", "--out", "{tmp}/dir_tmp"], "results.json.tmp there is a folder"),
         (["bench", "--results", "{old}", "--ops", "ffn", "--quick"], "do nothing"),
         (["check", "--ops", ","], "no op given"),
     ],
@@ -566,6 +599,12 @@ def test_usage_errors_before_any_measurement(argv, message, tmp_path, monkeypatc
     # measuring: --compare and --out used to fail after the run, with a traceback for --out.
     (tmp_path / "empty.json").write_text("")
     (tmp_path / "has_dir" / "results.json").mkdir(parents=True)
+    for folder, name in [
+        ("md", "report.md"),
+        ("png", "speedup_ffn.png"),
+        ("tmp", "results.json.tmp"),
+    ]:
+        (tmp_path / f"dir_{folder}" / name).mkdir(parents=True)
     (tmp_path / "schema_only.json").write_text(json.dumps({"schema": R.SCHEMA}))
     (tmp_path / "malformed.json").write_text(json.dumps({"schema": R.SCHEMA, "ops": {"ffn": 5}}))
     partial = {"schema": R.SCHEMA, "ops": {}, "config": {}, "rooflines": {}, "manifest": {}}
@@ -573,6 +612,8 @@ def test_usage_errors_before_any_measurement(argv, message, tmp_path, monkeypatc
     string_ms = {**partial, "ops": {"ffn": {"cases": [_row(2.0, 4.0)]}}}
     string_ms["ops"]["ffn"]["cases"][0]["impls"]["fastformer"]["ms"] = "2.0"
     (tmp_path / "string_ms.json").write_text(json.dumps(string_ms))
+    string_ms["ops"]["ffn"]["cases"][0]["impls"]["fastformer"]["ms"] = 10**400
+    (tmp_path / "bigint.json").write_text(json.dumps(string_ms))
     (tmp_path / "null_model.json").write_text(json.dumps({**partial, "model": None}))
     monkeypatch.setattr(B, "measure", lambda *a: pytest.fail("measured before checking"))
     old = tmp_path / "old.json"
@@ -684,6 +725,36 @@ def test_bench_reports_a_model_parity_that_raises(error, monkeypatch, tmp_path, 
     assert parity["passed"] is False and "deliberately broken" in parity["error"]
 
 
+def test_bench_results_stay_strict_json_when_model_parity_meets_a_nan(
+    monkeypatch, tmp_path, capsys
+):
+    # A NaN in the swapped model (a broken kernel) makes parity errors inf, which results.json
+    # held as `Infinity`: not JSON (jq, JSON.parse). It is null, as in `check --json`, and the
+    # file still re-renders and compares.
+    real = B.swapped
+
+    def nan_swapped(model):
+        fast, info = real(model)
+        norm = next(m for m in fast.modules() if "LayerNorm" in type(m).__name__)
+        norm.register_forward_hook(lambda mod, args, out: out * math.nan)
+        return fast, info
+
+    monkeypatch.setattr(B, "swapped", nan_swapped)
+    monkeypatch.setattr(B, "bench_op", lambda *a, **k: {"cases": []})
+    monkeypatch.setattr(B, "model_variants", lambda *a: {"eager": "not measured (test)"})
+    argv = ["bench", "--quick", "--model", "tiny", "--device", "cpu", "--ops", "ffn"]
+    assert main([*argv, "--out", str(tmp_path / "a")]) == 1
+    path = tmp_path / "a" / "results.json"
+    results = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(c))
+    parity = results["model"]["parity"]
+    assert parity["passed"] is False and parity["worst"]["error"] is None, parity
+    capsys.readouterr()
+    again = ["bench", "--results", str(path), "--compare", str(path), "--out", str(tmp_path / "b")]
+    assert main(again) == 1  # the parity failure, not a usage error (2)
+    assert "model parity FAILED" in capsys.readouterr().err
+    assert "loss error not finite" in (tmp_path / "b" / "report.md").read_text()
+
+
 def test_interrupted_bench_keeps_partial_results_and_exits_130(tmp_path, monkeypatch, capsys):
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
@@ -694,6 +765,23 @@ def test_interrupted_bench_keeps_partial_results_and_exits_130(tmp_path, monkeyp
     assert "interrupted; partial results in" in capsys.readouterr().err
     results = json.loads((tmp_path / "results.json").read_text())
     assert any(n.startswith("interrupted") for n in results["config"]["notes"])
+
+
+def test_bench_interrupted_before_measuring_says_nothing_was_saved(tmp_path, monkeypatch, capsys):
+    # Ctrl-C during the rooflines (before the first save) said "partial results in DIR" of an
+    # empty folder, or of one holding an earlier run's results.json.
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(B, "rooflines", interrupt)
+    argv = ["bench", "--quick", "--no-model", "--device", "cpu", "--ops", "ffn", "--out"]
+    assert main([*argv, str(tmp_path / "new")]) == 130
+    err = capsys.readouterr().err
+    assert "nothing was measured or saved in" in err and "partial" not in err, err
+    assert not (tmp_path / "new" / "results.json").exists()
+    (tmp_path / "results.json").write_text("{}")  # an earlier run's
+    assert main([*argv, str(tmp_path)]) == 130
+    assert "(its results.json is an earlier run's)" in capsys.readouterr().err
 
 
 def test_check_exits_quietly_when_its_reader_goes_away():
@@ -808,7 +896,7 @@ def test_profile_kernels_prints_the_attention_tuning_of_each_case(monkeypatch, c
 def test_check_max_seconds_lists_the_cases_it_did_not_run(capsys):
     assert main(["check", "--quick", "--ops", "layer_norm", "--max-seconds", "1e-9"]) == 1
     text = capsys.readouterr()
-    assert "not run" in text.out and "no case ran" in text.err
+    assert "not run" in text.out and "no case ran before --max-seconds" in text.err
     assert main(["check", "--quick", "--ops", "ffn", "--json", "--max-seconds", "600"]) == 0
     summary = json.loads(capsys.readouterr().out)["summary"]
     assert summary["not_run"] == 0 and summary["passed"] == summary["cases"] > 0
@@ -878,6 +966,13 @@ def test_bench_cases_selects_op_cases_by_name(monkeypatch, tmp_path, capsys):
     new_folder = tmp_path / "new"  # a folder made for the run is not left behind empty
     assert main([*argv, "--out", str(new_folder), "--cases", "nothing-matches"]) == 2
     assert not new_folder.exists()
+    capsys.readouterr()
+    for empty in ("", ","):  # said "nothing matches no case"
+        assert main([*argv, "--cases", empty]) == 2
+        assert f"--cases: no text given ({empty!r})" in capsys.readouterr().err
+    no_ops = ["bench", "--quick", "--device", "cpu", "--ops", "", "--out", str(tmp_path)]
+    assert main([*no_ops, "--cases", "add"]) == 2  # listed the cases of [] (none)
+    assert "--ops names no op" in capsys.readouterr().err
     assert main([*argv, "--cases", "add,relu"]) == 0  # each text may match one op's cases
     ops = json.loads((tmp_path / "results.json").read_text())["ops"]
     rows = ops["layer_norm"]["cases"]

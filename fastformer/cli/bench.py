@@ -20,6 +20,7 @@ import datetime as _dt
 import importlib
 import importlib.util
 import math
+import os
 import sys
 import time
 import warnings
@@ -37,6 +38,9 @@ from fastformer.cli.progress import Progress
 # After this many seconds, repetitions are cut to one (timing.Pacer) so that the default run
 # ends within its 3-minute target on a 2-core CPU (even a busy one) and on one H100/H200.
 DEADLINE_S = {"cpu": 100, "cuda": 150}
+# --threads above this many per CPU: torch.set_num_threads(100000) then a GEMM segfaulted
+# in torch, and 5000 threads took 50 s for four layer_norm rows.
+MAX_THREADS_PER_CPU = 4
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PAD, BOS = 0, 1
 
@@ -78,11 +82,15 @@ def parse_cases(text: str | None, ops: list[str], device: torch.device, quick: b
     if text is None:
         return None
     only = [t.strip() for t in text.split(",") if t.strip()]
+    if not only:  # said "nothing matches no case"
+        raise UsageError(f"--cases: no text given ({text!r}); expected a comma list of texts")
+    if not ops:
+        raise UsageError("--cases selects op cases, but --ops names no op")
     names = [c.name for op in ops for c in C.OP_CASES[op](device.type, quick, full=full)]
     unmatched = [t for t in only if not any(t in name for name in names)]
-    if not only or unmatched:
+    if unmatched:
         raise UsageError(
-            f"--cases: {unmatched or 'nothing'} matches no case of {ops} in this grid; its "
+            f"--cases: {unmatched} matches no case of {ops} in this grid; its "
             f"cases: {', '.join(names)}"
         )
     return only
@@ -619,6 +627,11 @@ def op_backends() -> dict[str, Any]:
 # --------------------------------------------------------------------------- command
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C after `measure` wrote the partial results.json (an interrupt before its stages,
+    while it reads the environment or measures the rooflines, saves nothing)."""
+
+
 def _pacer(budget, device, args, start: float) -> tuple[timing.Pacer, float | None]:
     """The run's pacer and its soft limit in seconds: repetitions are cut after DEADLINE_S (the
     default grid's 3-minute target; not with --full) or 70% of --max-seconds, if sooner; nothing
@@ -685,10 +698,10 @@ def measure(
             save = saver("ops", op)
             roof = results["rooflines"]
             bench_op(op, device, dtype, args.quick, pacer, roof, save, only=only, full=full)
-    except KeyboardInterrupt:  # keep what was measured, marked as partial
+    except KeyboardInterrupt as exc:  # keep what was measured, marked as partial
         notes.append("interrupted: the stages after the last one written were not measured")
         report.write_json(out_dir, results)
-        raise
+        raise Interrupted from exc
     if pacer.cut:
         notes.append(f"time limit: measurements after {limit:g} s were cut to one repetition")
     if pacer.expired():
@@ -704,8 +717,12 @@ def _check_args(args: argparse.Namespace) -> None:
     pct = args.fail_if_slower
     if pct is not None and not (math.isfinite(pct) and pct >= 0):
         raise UsageError(f"--fail-if-slower must be a finite percentage >= 0, got {pct}")
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    cap = MAX_THREADS_PER_CPU * (os.cpu_count() or 1)
+    if args.threads is not None and not 1 <= args.threads <= cap:
+        raise UsageError(
+            f"--threads must be between 1 and {cap} ({MAX_THREADS_PER_CPU} per CPU of this "
+            f"machine), got {args.threads}"
+        )
     if args.max_seconds is not None and not args.max_seconds > 0:
         raise UsageError(f"--max-seconds must be > 0, got {args.max_seconds}")
     if not parse_ops(args.ops) and args.no_model:
@@ -740,8 +757,13 @@ def _out_dir(text: str | None) -> tuple[Path, bool]:
         probe.unlink()
     except OSError as exc:
         raise UsageError(f"--out {str(out)!r}: cannot write there ({exc})") from exc
-    if (out / "results.json").is_dir():
-        raise UsageError(f"--out {str(out)!r}: results.json there is a folder")
+    # A folder named like an output file crashed the run late (IsADirectoryError after
+    # measuring; at the first save for results.json.tmp).
+    for name in report.output_names(list(C.OPS)):
+        path = out / name
+        if path.exists() and not path.is_file():
+            kind = "a folder" if path.is_dir() else "not a regular file"
+            raise UsageError(f"--out {str(out)!r}: {name} there is {kind}")
     return out, created
 
 
@@ -754,11 +776,24 @@ def _results(args: argparse.Namespace, out_dir: Path, argv: list[str] | None) ->
         if args.threads:
             torch.set_num_threads(args.threads)
         return measure(args, out_dir, argv)
-    except KeyboardInterrupt:
-        print(f"\nbench: interrupted; partial results in {out_dir}", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        _say_interrupted(out_dir, saved=isinstance(exc, Interrupted))
         return None
     finally:  # main() may run in-process (tests): leave torch as it was
         torch.set_num_threads(threads)
+
+
+def _say_interrupted(out_dir: Path, saved: bool) -> None:
+    """Where the partial results are, or that nothing was saved: it said "partial results in"
+    an empty folder, or one holding an earlier run's results.json."""
+    if saved:
+        text = f"partial results in {out_dir}"
+    else:
+        earlier = (out_dir / "results.json").exists()
+        text = f"nothing was measured or saved in {out_dir}" + (
+            " (its results.json is an earlier run's)" if earlier else ""
+        )
+    print(f"\nbench: interrupted; {text}", file=sys.stderr)
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:

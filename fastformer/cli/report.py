@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,12 +109,41 @@ def load(path: Path, option: str = "results file", complete: bool = False) -> di
     return data
 
 
+def finite(value: Any) -> Any:
+    """`value` with its NaN and infinite floats as None: strict JSON (a failed parity's error is
+    inf, which json.dumps wrote as Infinity: not JSON, and jq or JSON.parse refuse the file).
+    `check --json` and results.json both write it."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+# The files of a run's folder (bench checks that none is a folder before it measures).
+RESULTS_JSON, RESULTS_TMP, REPORT_MD = "results.json", "results.json.tmp", "report.md"
+TFLOPS_PNG, MODEL_PNG = "attention_tflops.png", "model.png"
+
+
+def speedup_png(op: str) -> str:
+    """The file name of `op`'s speedup plot."""
+    return f"speedup_{op}.png"
+
+
+def output_names(ops: list[str]) -> list[str]:
+    """Every file a run of `ops` (and of the model) may write into its folder."""
+    return [RESULTS_JSON, RESULTS_TMP, REPORT_MD, *map(speedup_png, ops), TFLOPS_PNG, MODEL_PNG]
+
+
 def write_json(out_dir: Path, results: dict[str, Any]) -> Path:
-    """Write results.json atomically (a partial run leaves a valid file)."""
+    """Write results.json atomically (a partial run leaves a valid file), as strict JSON."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "results.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    path = out_dir / RESULTS_JSON
+    tmp = out_dir / RESULTS_TMP
+    text = json.dumps(finite(results), indent=2, default=str, allow_nan=False)
+    tmp.write_text(text + "\n")
     os.replace(tmp, path)
     return path
 
@@ -122,7 +152,7 @@ def write_all(out_dir: Path, results: dict[str, Any]) -> list[Path]:
     """results.json, report.md and the PNG plots; returns the paths written."""
     paths = [write_json(out_dir, results)]
     pngs = plots(out_dir, results)
-    md = out_dir / "report.md"
+    md = out_dir / REPORT_MD
     md.write_text(markdown(results, [p.name for p in pngs]))
     return paths + [md] + pngs
 
@@ -136,6 +166,13 @@ def _num(x: float | None, digits: int = 3) -> str:
     if abs(x) >= 1e5:
         return f"{x:.3g}"
     return f"{x:.{digits}g}"
+
+
+def _sci(x: float | None) -> str:
+    """A parity error or bound; a NaN output's is inf here and null in results.json."""
+    if x is None or not math.isfinite(x):
+        return "not finite"
+    return f"{x:.2e}"
 
 
 def _impl_cell(res: dict[str, Any]) -> str:
@@ -212,9 +249,9 @@ def model_lines(model: dict[str, Any]) -> list[str]:
         lines += [
             "",
             f"Parity at dropout 0 (loss and {par['compared'] - 1} gradients vs the reference in "
-            f"float64): **{verdict}**; loss error {par['loss']['error']:.2e} (bound "
-            f"{par['loss']['bound']:.2e}); closest to its bound: {worst['name']} "
-            f"{worst['error']:.2e} / {worst['bound']:.2e}.",
+            f"float64): **{verdict}**; loss error {_sci(par['loss']['error'])} (bound "
+            f"{_sci(par['loss']['bound'])}); closest to its bound: {worst['name']} "
+            f"{_sci(worst['error'])} / {_sci(worst['bound'])}.",
         ]
         lines += [f"- {f}" for f in par["failed"]]
     return lines
@@ -436,15 +473,11 @@ def plots(out_dir: Path, results: dict[str, Any]) -> list[Path]:
 
     paths = []
     for op, data in results["ops"].items():
-        paths.append(_speedup_plot(plt, out_dir / f"speedup_{op}.png", op, data["cases"]))
+        paths.append(_speedup_plot(plt, out_dir / speedup_png(op), op, data["cases"]))
     if "attention" in results["ops"]:
-        paths.append(
-            _tflops_plot(
-                plt, out_dir / "attention_tflops.png", results["ops"]["attention"]["cases"]
-            )
-        )
+        paths.append(_tflops_plot(plt, out_dir / TFLOPS_PNG, results["ops"]["attention"]["cases"]))
     if "model" in results:
-        paths.append(_model_plot(plt, out_dir / "model.png", results["model"]))
+        paths.append(_model_plot(plt, out_dir / MODEL_PNG, results["model"]))
     return paths
 
 
@@ -538,20 +571,34 @@ def _model_plot(plt, path: Path, model: dict[str, Any]) -> Path:
 # --------------------------------------------------------------------------- comparison
 
 
+_MAX_FLOAT = int(sys.float_info.max)
+
+
 @dataclass(frozen=True)
 class Figure:
     """One number of a run: `higher` tells which direction is better; `own` marks fastformer's
     own speed figures (the only ones --fail-if-slower judges)."""
 
-    value: float
+    value: float | None
     unit: str
     higher: bool
     own: bool
 
     def __post_init__(self) -> None:
-        # A results.json with a string or null figure is malformed (`load` says so up front).
+        # A results.json with a string figure is malformed (`load` says so up front); null is
+        # how it writes a NaN or infinite number (`finite`): no change, as NaN.
+        if self.value is None:
+            return
         if not isinstance(self.value, (int, float)) or isinstance(self.value, bool):
             raise TypeError(f"a figure in {self.unit} is {self.value!r}, not a number")
+        if isinstance(self.value, int) and not -_MAX_FLOAT <= self.value <= _MAX_FLOAT:
+            # compare() divides figures: an OverflowError there, after the run
+            raise ValueError(f"a figure in {self.unit} is an integer too large for a float")
+
+    @property
+    def usable(self) -> bool:
+        """Whether it can be compared: a positive, finite number (NaN and null are not)."""
+        return self.value is not None and 0 < self.value < math.inf
 
 
 def figures(results: dict[str, Any]) -> dict[str, Figure]:
@@ -613,7 +660,7 @@ def compare(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
     changes = []
     for key in sorted(set(a) & set(b)):
         fa, fb = a[key], b[key]
-        if not (0 < fa.value < math.inf and 0 < fb.value < math.inf):  # NaN too: no change
+        if not (fa.usable and fb.usable):  # NaN or null too: no change
             continue
         # new time / old time, whichever way "better" points (a rate's time is per unit).
         time_ratio = fa.value / fb.value if fa.higher else fb.value / fa.value
