@@ -1388,7 +1388,7 @@ ERRORS = {
     "dropout_negative": (_bad(dropout_p=-0.1), ValueError, "dropout_p must be in"),
     "dropout_str": (_bad(dropout_p="0.1"), TypeError, "dropout_p must be a float"),
     # round(p * 65536) = 65536: no 16-bit lane reaches the keep threshold, all would be dropped
-    "dropout_near_one": (_bad(dropout_p=1 - 2**-18), ValueError, r"below 1 - 2\*\*-17"),
+    "dropout_near_one": (_bad(dropout_p=0.9925), ValueError, r"at most 0\.99237.*by more than"),
     "dropout_too_many_scores": (
         _bad(query=_huge(2**20), key=_huge(2**15), value=_huge(2**15), dropout_p=0.1),
         ValueError,

@@ -386,3 +386,25 @@ def test_every_op_takes_dropout_p_of_any_real_type(p):
         assert torch.equal(got, call(float(p))), name
     with pytest.raises(TypeError, match="dropout_p must be a float, got bool"):
         ffn.ffn(x, w1, None, w2, None, dropout_p=False)
+
+
+@pytest.mark.parametrize(("op", "limit"), [("attention", 0.9923706), ("ffn", 0.9999105)])
+def test_dropout_p_so_close_to_1_that_the_keep_rate_is_off_is_refused(op, limit):
+    # The kept fraction is 1 - p only to the random numbers' resolution (attention: a 16-bit
+    # threshold, 2**-17; the elementwise ops: float32 uniforms, 1.5 * 2**-24), and the output is
+    # scaled by 1 / (1 - p): at attention's p = 0.99999 the mean output was 1.53x the input, at
+    # the elementwise ops' 1 - 3e-8 nothing was kept. Refused past a 0.1% bias; accepted below.
+    from fastformer.ops import attention, ffn
+
+    x, w1, w2 = torch.randn(2, 4, 8), torch.randn(16, 8), torch.randn(8, 16)
+    q = torch.randn(1, 2, 4, 8)
+    call = {
+        "attention": lambda p: attention.scaled_dot_product_attention(q, q, q, dropout_p=p),
+        "ffn": lambda p: ffn.ffn(x, w1, None, w2, None, dropout_p=p),
+    }[op]
+    call(limit - 1e-6)
+    worst = {"attention": 2.0**-17, "ffn": 1.5 * 2.0**-24}[op] / (1 - limit)
+    assert 9e-4 < worst <= 1e-3  # the limit is where the bias bound reaches 0.1%
+    for p in (limit + 1e-6, 1 - 3e-8):
+        with pytest.raises(ValueError, match=r"dropout_p must be at most .*by more than 0.1%"):
+            call(p)

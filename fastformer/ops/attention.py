@@ -102,7 +102,8 @@ def scaled_dot_product_attention(
         value: (B, Hkv, Lk, Dv), 1 <= Dv <= 256.
         attn_mask: bool (True = attend) or float (added to the scores; the query dtype or
             float32, differentiable), broadcastable to (B, H, Lq, Lk).
-        dropout_p: probability in [0, 1) of dropping an attention probability.
+        dropout_p: probability in [0, 0.99237] of dropping an attention probability (closer
+            to 1 the 16-bit keep threshold would bias the output; see the README).
         is_causal: key j is visible from query i iff j <= i (top-left aligned).
         scale: score scale, default 1 / sqrt(D); a positive finite float.
         enable_gqa: grouped-query attention, H % Hkv == 0 (query head h reads kv head
@@ -351,12 +352,8 @@ def _check_key_padding_mask(kpm, query: Tensor, key: Tensor) -> None:
 
 
 def _check_dropout_p(fn: str, dropout_p) -> None:
-    dropout_p = rng.check_dropout_p(fn, dropout_p)
-    if dropout_threshold(dropout_p) >= 65536:  # no 16-bit lane reaches it: all dropped
-        raise ValueError(
-            f"{fn}: dropout_p must be below 1 - 2**-17 for attention's 16-bit keep threshold "
-            f"(round(p * 65536) must be < 65536), got {dropout_p}"
-        )
+    # The 16-bit keep threshold round(p * 65536) keeps 1 - p within half a step, 2**-17.
+    rng.check_dropout_p(fn, dropout_p, keep_error=2.0**-17)
 
 
 def _check_dropout_size(fn: str, seq_q: int, seq_k: int) -> None:

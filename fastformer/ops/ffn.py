@@ -258,7 +258,7 @@ def ffn(
         w2: ``(d_out, d_ff)``.
         b2: ``(d_out,)`` or None.
         activation: one of ``ACTIVATIONS``.
-        dropout_p: drop probability in [0, 1) on the ``(tokens, d_ff)`` activation.
+        dropout_p: drop probability in [0, 0.99991] on the ``(tokens, d_ff)`` activation.
 
     Returns:
         ``(..., d_out)`` in the dtype of ``x``. Differentiable in x, w1, b1, w2, b2 (first order).

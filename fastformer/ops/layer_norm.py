@@ -541,7 +541,7 @@ def dropout_add_layer_norm(
         residual: same shape and dtype as ``x``, or None (then ``LayerNorm(dropout(x))``).
         weight, bias: ``(N,)``, the dtype of ``x`` or float32, or None.
         eps: > 0.
-        dropout_p: in [0, 1); the mask is drawn per call from the torch generator of ``x``'s
+        dropout_p: in [0, 0.99991]; the mask is drawn per call from the torch generator of ``x``'s
             device and regenerated in the backward (see the module doc and
             ``dropout_add_layer_norm_keep_mask``). Pass 0 in eval mode.
         prenorm: also return ``pre = residual + dropout(x)``.

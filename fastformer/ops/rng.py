@@ -27,16 +27,33 @@ NO_SEED = torch.zeros((), dtype=torch.int64)
 _LOW62 = (1 << 62) - 1
 
 
-def check_dropout_p(fn: str, dropout_p: object) -> float:
+# How far the kept fraction of the elementwise ops' dropout may be from 1 - p: their float32
+# uniforms step by 2**-24 just below 1, and p is compared in float32 (half a step more).
+ELEMENT_KEEP_ERROR = 1.5 * 2.0**-24
+
+
+def check_dropout_p(fn: str, dropout_p: object, keep_error: float = ELEMENT_KEEP_ERROR) -> float:
     """`dropout_p` as a float in [0, 1) (any real number type: a numpy scalar too); TypeError or
-    ValueError naming `fn` otherwise."""
-    if type(dropout_p) is float and 0.0 <= dropout_p < 1.0:  # the usual case, fast
+    ValueError naming `fn` otherwise.
+
+    Also refused: p so close to 1 that the kept fraction, off from 1 - p by up to
+    `keep_error` (the random numbers' resolution), is off by more than 0.1%: the 1 / (1 - p)
+    scale would leave that as a bias of the output (at p = 1 - 3e-8 nothing was kept at all).
+    """
+    if type(dropout_p) is float and 0.0 <= dropout_p <= 0.99:  # the usual case, fast
         return dropout_p
     if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool):
         raise TypeError(f"{fn}: dropout_p must be a float, got {type(dropout_p).__name__}")
     # Checked again once converted: just below 1 in a wider type (numpy.longdouble) is 1.0.
     if not 0.0 <= dropout_p < 1.0 or not float(dropout_p) < 1.0:
         raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p}")
+    limit = 1.0 - 1000 * keep_error
+    if float(dropout_p) > limit:
+        raise ValueError(
+            f"{fn}: dropout_p must be at most {limit:.6g}: closer to 1 the fraction its random "
+            f"numbers keep is off from 1 - p by more than 0.1%, a bias the 1 / (1 - p) scale "
+            f"would not undo; got {dropout_p}"
+        )
     return float(dropout_p)
 
 
