@@ -276,3 +276,29 @@ def test_vmap_over_a_mask_alone(which):
     mapped = torch.func.vmap(fn)(masks)
     for m, got in zip(masks, mapped):
         torch.testing.assert_close(got, fn(m), rtol=1e-6, atol=1e-6)
+
+
+def test_ops_run_under_fake_tensor_mode_as_torch_does():
+    # Shape propagation without data (FakeTensorMode, as memory estimators run a model): the
+    # eager paths met a real seed tensor or drew a seed from fake data and raised; the ops now
+    # take their custom ops' fakes there. Shapes, dtypes and gradients' shapes as for real data.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def calls(x, q, w1, w2):
+        out = [
+            layer_norm.layer_norm(x, 8),
+            layer_norm.rms_norm(x, 8),
+            layer_norm.dropout_add_layer_norm(x, x, None, None, dropout_p=0.1),
+            ffn.ffn(x, w1, None, w2, None, "gelu", dropout_p=0.1),
+            attention.scaled_dot_product_attention(q, q, q, dropout_p=0.1),
+        ]
+        grads = torch.autograd.grad(sum(t.sum() for t in out), (x, q, w1, w2))
+        return [(t.shape, t.dtype) for t in (*out, *grads)]
+
+    def inputs():
+        shapes = [(4, 8), (1, 2, 3, 8), (16, 8), (8, 16)]
+        return [torch.randn(s, device=DEVICE, requires_grad=True) for s in shapes]
+
+    real = calls(*inputs())
+    with FakeTensorMode():
+        assert calls(*inputs()) == real

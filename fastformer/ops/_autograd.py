@@ -95,6 +95,16 @@ def autocast_off(fn: Callable) -> Callable:
     return run
 
 
+def traced() -> bool:
+    """Whether an op call must go through its registered custom op: under torch.compile, or
+    under a FakeTensorMode (shape and memory propagation without data), where the eager paths'
+    real seed tensors and host draws cannot run; the custom ops' fakes can."""
+    return (
+        torch.compiler.is_compiling()
+        or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+    )
+
+
 def under_transform() -> bool:
     """Whether a torch.func transform (grad, vjp, jvp, jacrev, jacfwd, vmap, ...) or a
     forward-mode AD level (`torch.autograd.forward_ad.dual_level`) is active.

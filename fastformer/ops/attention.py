@@ -53,6 +53,7 @@ from fastformer.ops._autograd import (
     check_dense,
     first_order,
     positive_float,
+    traced,
     type_name,
     under_transform,
 )
@@ -152,7 +153,7 @@ def scaled_dot_product_attention_with_lse(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
     )
     args = (query, key, value, attn_mask, key_padding_mask, float(dropout_p), bool(is_causal))
-    if torch.compiler.is_compiling():
+    if traced():
         out, lse = torch.ops.fastformer.attention(*args, scale)[:2]
     elif under_transform():
         out, lse = _transformed(*args, scale)

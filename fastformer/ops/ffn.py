@@ -48,6 +48,7 @@ from fastformer.ops._autograd import (
     check_dense,
     check_devices,
     first_order,
+    traced,
     under_transform,
 )
 from fastformer.ops._dispatch import Backend, register, select_by_key
@@ -272,7 +273,7 @@ def ffn(
         or (b2 is not None and b2.requires_grad)
     )
     dropout_p = float(dropout_p)
-    if torch.compiler.is_compiling():
+    if traced():
         out = _ffn_op(_rows(x), w1, b1, w2, b2, activation, dropout_p, needs_grad)[0]
         return out.view(*x.shape[:-1], w2.shape[0])
     if under_transform():

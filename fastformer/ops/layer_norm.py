@@ -46,6 +46,7 @@ from fastformer.ops._autograd import (
     check_devices,
     first_order,
     positive_float,
+    traced,
     under_transform,
 )
 from fastformer.ops._dispatch import Backend, register, select_by_key
@@ -414,7 +415,7 @@ def _run_cpp(
         rms,
         store_pre,
     )
-    if torch.compiler.is_compiling():
+    if traced():
         out, pre = _layer_norm_op(*args)[:2]
     elif grad:  # eager autograd in C++ (csrc/autograd.cpp): no Python in the backward
         seed = rng.seed_tensor(rng.call_seed(x.device, dropout_p))
