@@ -203,6 +203,34 @@ def test_check_and_bench_refuse_a_forced_backend_that_cannot_run_here(monkeypatc
         assert "FASTFORMER_BACKEND_FFN='cpp' cannot run here: not built here (test)" in err, err
 
 
+@pytest.mark.parametrize(
+    "name", ["FASTFORMER_BACKEND_RMS_NORM", "FASTFORMER_BACKEND_DROPOUT_ADD_LAYER_NORM"]
+)
+def test_check_and_bench_refuse_a_backend_variable_that_names_no_op(name, monkeypatch, capsys):
+    # rms_norm dispatches through layer_norm's registry entry: FASTFORMER_BACKEND_RMS_NORM was
+    # ignored silently, and the run forced nothing.
+    monkeypatch.setenv(name, "bogus")
+    monkeypatch.setattr(B, "measure", lambda *a: pytest.fail("measured before checking"))
+    for argv in (["check", "--quick", "--ops", "rms_norm"], ["bench", "--quick", "--no-model"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"{name} names no op" in err and "FASTFORMER_BACKEND_LAYER_NORM" in err, err
+
+
+def test_check_and_bench_refuse_a_bad_ffn_epilogue(monkeypatch, capsys):
+    # Read by every CUDA ffn call: a GPU run's ffn rows all raised (exit 1) after measuring.
+    monkeypatch.setattr(B, "measure", lambda *a: pytest.fail("measured before checking"))
+    monkeypatch.setenv("FASTFORMER_FFN_EPILOGUE", "bogus")
+    for argv in (["check", "--quick", "--ops", "ffn"], ["bench", "--quick", "--no-model"]):
+        assert main(argv) == 2
+        assert "FASTFORMER_FFN_EPILOGUE must be one of" in capsys.readouterr().err
+    from fastformer.cli.errors import check_settings
+
+    for good in ("fused", "unfused", ""):
+        monkeypatch.setenv("FASTFORMER_FFN_EPILOGUE", good)
+        check_settings()  # no UsageError
+
+
 def test_parity_of_an_op_that_leaves_out_an_output_fails():
     # zip() paired the outputs and stopped at the shorter list: a dropped prenorm output passed.
     x = torch.randn(3, requires_grad=True)
@@ -372,6 +400,31 @@ def test_attention_backward_rows_are_fwd_bwd_less_fwd():
     assert B._backward_row(rows, bench, roof)["impls"]["flex"] == {"unsupported": "no dropout"}
     assert case.flops("fwd+bwd") == pytest.approx(case.flops("fwd") + case.flops("bwd"))
     assert case.bytes("fwd+bwd", 2) == case.bytes("fwd", 2) + case.bytes("bwd", 2)
+
+
+def test_derived_backward_row_lists_a_fwd_bwd_error_once():
+    # The bwd row copied fwd+bwd's error: "fastformer raised" listed each failure twice, once
+    # as a bwd that never ran on its own.
+    case = AttentionCase(2, 4, 256, 64, causal=True)
+    bench = types.SimpleNamespace(flops=case.flops, bytes=lambda mode: case.bytes(mode, 2))
+    roof = {"gemm_tflops": 100.0, "copy_gbps": 1000.0}
+
+    def row(mode, fast):
+        impls = {"fastformer": fast, "flex": {"ms": 1.0}}
+        return {"case": case.name, "mode": mode, "params": case.params(), "impls": impls}
+
+    rows = [row("fwd", {"ms": 1.0}), row("fwd+bwd", {"error": "RuntimeError: boom"})]
+    rows.append(B._backward_row(rows, bench, roof))
+    for r in rows[:2]:
+        B._derive(r, bench, r["mode"], roof)
+    errors = R.fastformer_errors({"ops": {"attention": {"cases": rows}}})
+    assert errors == [f"attention {case.name} fwd+bwd: RuntimeError: boom"], errors
+    bwd_line = next(x for x in R.op_lines("attention", rows) if f"| {case.name} | bwd |" in x)
+    assert "| err |" in bwd_line  # the bwd row still shows that it has no time
+    # fwd raised, fwd+bwd did not: fwd+bwd's whole time was the backward's
+    rows = [row("fwd", {"error": "RuntimeError: boom"}), row("fwd+bwd", {"ms": 3.0})]
+    fast = B._backward_row(rows, bench, roof)["impls"]["fastformer"]
+    assert "ms" not in fast and "fwd was not measured" in fast["unsupported"]
 
 
 def test_model_variants_compile_layers_by_default_and_whole_models_and_graphs_with_full():
@@ -706,6 +759,63 @@ def test_compare_refuses_a_run_with_other_settings(bench_run, tmp_path, capsys, 
     argv = ["bench", "--quick", "--model", "tiny", "--device", "cpu", "--dtype", "bfloat16"]
     assert main([*argv, "--compare", str(other_path), "--out", str(tmp_path / "r3")]) == 2
     assert "dtype 'float32' vs 'bfloat16'" in capsys.readouterr().err
+
+
+def _interpreted(results: dict) -> dict:
+    """`results` as a TRITON_INTERPRET=1 run whose attention dispatched to Triton."""
+    results = copy.deepcopy(results)
+    results["manifest"]["triton_interpret"] = True
+    results["backends"]["registered"]["attention"].update(forced=None, default="triton")
+    return results
+
+
+def test_report_says_interpreted_triton_figures_are_no_speed_measurement(
+    bench_run, tmp_path, capsys
+):
+    # TRITON_INTERPRET=1 timed the interpreter as "fastformer" (attention 1000x slower than
+    # its peers) and only results.json's manifest said so.
+    _, out = bench_run
+    results = json.loads((out / "results.json").read_text())
+    path = tmp_path / "interp.json"
+    path.write_text(json.dumps(_interpreted(results)))
+    assert main(["bench", "--results", str(path), "--out", str(tmp_path / "r")]) == 0
+    warning = "fastformer's attention figures and the fastformer model's time the interpreter"
+    assert warning in capsys.readouterr().out
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "**Triton interpreter.**" in md and warning in md, md[:2000]
+    # the bench_run itself: TRITON_INTERPRET=1 (conftest) but attention forced to torch
+    assert "Triton interpreter" not in R.markdown(results, [])
+    assert "interpreter" not in R.terminal_table(results)
+
+
+def test_compare_refuses_an_interpreter_run_against_a_kernel_run(
+    bench_run, tmp_path, capsys, monkeypatch
+):
+    # It compared the interpreter's times with the kernels': a 1000x "regression".
+    _, out = bench_run
+    results = json.loads((out / "results.json").read_text())
+    assert results["manifest"]["triton_interpret"] is True  # conftest on CPU
+    kernels = copy.deepcopy(results)
+    kernels["manifest"]["triton_interpret"] = False
+    other = tmp_path / "kernels.json"
+    other.write_text(json.dumps(kernels))
+    args = ["bench", "--results", str(out / "results.json"), "--out", str(tmp_path / "r")]
+    assert main([*args, "--compare", str(other)]) == 2
+    assert "triton_interpret False vs True" in capsys.readouterr().err
+    # a measuring run learns it before it measures
+    monkeypatch.setattr(B, "measure", lambda *a: pytest.fail("measured before checking"))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    argv = ["bench", "--quick", "--model", "tiny", "--device", "cpu", "--out", str(tmp_path / "m")]
+    assert main([*argv, "--compare", str(out / "results.json")]) == 2
+    assert "triton_interpret True vs False" in capsys.readouterr().err
+
+
+def test_report_command_line_is_shell_quoted(bench_run):
+    # Joined with spaces, `--out "dir with space/a b"` read as three arguments.
+    _, out = bench_run
+    results = json.loads((out / "results.json").read_text())
+    results["config"]["argv"] = ["bench", "--out", "dir with space/a b"]
+    assert "`python -m fastformer bench --out 'dir with space/a b'`" in R.markdown(results, [])
 
 
 @pytest.mark.parametrize("error", [ValueError, RuntimeError])

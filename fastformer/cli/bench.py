@@ -31,7 +31,7 @@ import torch
 
 from fastformer.cli import cases as C
 from fastformer.cli import env, report, timing
-from fastformer.cli.errors import UsageError, check_forced_backends
+from fastformer.cli.errors import UsageError, check_settings
 from fastformer.cli.impls import BUILDERS, FAST, runner
 from fastformer.cli.progress import Progress
 
@@ -566,8 +566,12 @@ def _backward_row(rows: list[dict[str, Any]], bench, roof: dict[str, float]) -> 
             impls[name] = {"ms": res["ms"] - before["ms"], "derived": "fwd+bwd - fwd"}
         elif "ms" in res and "ms" in before:  # timing noise on a tiny backward
             impls[name] = {"unsupported": "bwd not derived: fwd+bwd timed no slower than fwd"}
-        else:
+        elif "ms" in res:  # copied, fwd+bwd's time passed for the backward's
+            impls[name] = {"unsupported": "bwd not derived: fwd was not measured"}
+        else:  # fwd+bwd's reason or error, copied
             impls[name] = {k: v for k, v in res.items() if k != "first_call_s"}
+            if "error" in res:  # raised by fwd+bwd: listed once (fastformer_errors), not twice
+                impls[name]["same_as"] = "fwd+bwd"
     if "backend" in both["impls"].get(FAST, {}) and "ms" in impls.get(FAST, {}):
         impls[FAST]["backend"] = both["impls"][FAST]["backend"]
     row = {"case": both["case"], "mode": "bwd", "params": both["params"], "impls": impls}
@@ -816,7 +820,11 @@ def _check_comparable(args: argparse.Namespace, old: dict) -> None:
     else:
         config = _settings(args)
         gpus = env.gpus()
-        new = {"config": config, "manifest": {"gpu": gpus[0]["name"] if gpus else None}}
+        gpu = gpus[0]["name"] if gpus else None
+        new = {
+            "config": config,
+            "manifest": {"gpu": gpu, "triton_interpret": env.triton_interpret()},
+        }
     diffs = report.incomparable(old, new)
     if diffs:
         raise UsageError(
@@ -830,7 +838,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     compare with --compare. Exit 1 when fastformer raised, on a model parity failure or on a
     --fail-if-slower regression (results are written in every case)."""
     _check_args(args)
-    check_forced_backends()
+    check_settings()
     if importlib.util.find_spec("matplotlib") is None:  # the plots come after the measuring
         raise UsageError("bench writes PNG plots with matplotlib, which is not installed")
     # Every file argument is checked before anything is measured (minutes on a GPU).

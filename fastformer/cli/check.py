@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from fastformer.cli.errors import UsageError, check_forced_backends
+from fastformer.cli.errors import UsageError, check_settings
 from fastformer.cli.report import finite
 
 BREAK_ENV = "FASTFORMER_CHECK_BREAK"
@@ -608,7 +608,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         if code is not None:
             return code
     # After --interpret took effect: it is what lets a forced Triton backend run on a CPU.
-    check_forced_backends()
+    check_settings()
     devices(device)  # an unavailable --device fails here, before the table's header
     start = time.perf_counter()
     rows = []

@@ -57,6 +57,12 @@ def triton_launches() -> str | None:
     return launcher.status()
 
 
+def triton_interpret() -> bool:
+    """Whether Triton's interpreter runs its kernels (TRITON_INTERPRET=1): their times then
+    measure Python on the CPU, not the kernels."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def cpu_name() -> str:
     """The CPU model from /proc/cpuinfo (Linux), else what `platform` knows."""
     try:
@@ -137,7 +143,7 @@ def manifest() -> dict[str, Any]:
         "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+        "triton_interpret": triton_interpret(),
         # What changes which kernels run: forced backends, FASTFORMER_ATTN_TMA, ...
         "fastformer_env": {
             k: v for k, v in sorted(os.environ.items()) if k.startswith("FASTFORMER_")

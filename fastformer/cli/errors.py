@@ -1,6 +1,10 @@
-"""The commands' usage error."""
+"""The commands' usage error, and the FASTFORMER_* settings they check before running."""
 
 from __future__ import annotations
+
+import os
+
+BACKEND_PREFIX = "FASTFORMER_BACKEND_"
 
 
 class UsageError(ValueError):
@@ -8,17 +12,48 @@ class UsageError(ValueError):
     ValueError from anywhere else (a kernel's) is a failure, not a usage error."""
 
 
+def check_settings() -> None:
+    """UsageError for a FASTFORMER_* setting that would make the run mean something else than
+    the user asked: checked by `check` and `bench` before anything runs."""
+    check_forced_backends()
+    check_ffn_epilogue()
+
+
 def check_forced_backends() -> None:
-    """UsageError for a FASTFORMER_BACKEND_<OP> that names no backend of its op, or one that
-    cannot run in this environment (Triton on a CPU without TRITON_INTERPRET=1, a C++ backend
-    without its build): every call of the op would raise, while `check`, which forces each
-    backend itself, passed."""
+    """UsageError for a FASTFORMER_BACKEND_<X> that names no op with backends, a
+    FASTFORMER_BACKEND_<OP> that names no backend of its op, or one that cannot run in this
+    environment (Triton on a CPU without TRITON_INTERPRET=1, a C++ backend without its build):
+    every call of the op would raise (or, for an unknown <X>, the setting is ignored), while
+    `check`, which forces each backend itself, passed."""
     import fastformer.ops  # noqa: F401  (registers the backends)
     from fastformer.ops import _dispatch
 
-    bad = _dispatch.bad_forced_backends() + _unavailable_forced_backends()
+    bad = _unknown_backend_variables() + _dispatch.bad_forced_backends()
+    bad += _unavailable_forced_backends()
     if bad:
         raise UsageError("; ".join(bad))
+
+
+def _unknown_backend_variables() -> list[str]:
+    """Messages for the FASTFORMER_BACKEND_<X> variables whose <X> is no registered op:
+    FASTFORMER_BACKEND_RMS_NORM=bogus was ignored silently (rms_norm dispatches through
+    layer_norm's registry entry), so the user's run did not force what they thought."""
+    from fastformer.ops import _dispatch
+
+    valid = {f"{BACKEND_PREFIX}{op.upper()}" for op in _dispatch.REGISTRY}
+    unknown = sorted(
+        name
+        for name, value in os.environ.items()
+        # an empty value is unset for a known variable too (_dispatch.forced_backend)
+        if name.startswith(BACKEND_PREFIX) and name not in valid and value
+    )
+    if not unknown:
+        return []
+    return [
+        f"{', '.join(unknown)} names no op with backends; the variables are "
+        f"{', '.join(sorted(valid))} (an op follows its module's: rms_norm and "
+        "dropout_add_layer_norm follow layer_norm's)"
+    ]
 
 
 def _unavailable_forced_backends() -> list[str]:
@@ -35,3 +70,15 @@ def _unavailable_forced_backends() -> list[str]:
             variable = f"FASTFORMER_BACKEND_{op.upper()}={forced!r}"
             bad.append(f"{variable} cannot run here: {'; '.join(why)}")
     return bad
+
+
+def check_ffn_epilogue() -> None:
+    """UsageError for a FASTFORMER_FFN_EPILOGUE that is not a mode: ffn reads it in every CUDA
+    call, so a GPU run's ffn rows all raised (exit 1, after measuring) instead of a usage
+    error before it."""
+    from fastformer.ops import ffn
+
+    try:
+        ffn.epilogue_mode()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +75,7 @@ def fastformer_errors(results: dict[str, Any]) -> list[str]:
     for op, data in results.get("ops", {}).items():
         for row in data["cases"]:
             res = row["impls"].get(FAST, {})
-            if "error" in res:
+            if "error" in res and "same_as" not in res:  # a derived row's copy: listed once
                 errors.append(f"{op} {row['case']} {row['mode']}: {res['error']}")
     return errors
 
@@ -356,6 +357,42 @@ def settings_lines(manifest: dict[str, Any]) -> list[str]:
     return ["Settings: " + ", ".join(f"`{k}={v}`" for k, v in settings.items()) + ".", ""]
 
 
+def interpreted_ops(results: dict[str, Any]) -> list[str]:
+    """The ops whose fastformer figures timed Triton's interpreter: with TRITON_INTERPRET=1,
+    those that ran (or dispatch by default or force to) a Triton backend."""
+    # (terminal_table is also given bare results, without a manifest)
+    if not (results.get("manifest") or {}).get("triton_interpret"):
+        return []
+    ops = {
+        op
+        for op, data in results["ops"].items()
+        if any(row["impls"].get(FAST, {}).get("backend") == "triton" for row in data["cases"])
+    }
+    registered = (results.get("backends") or {}).get("registered", {})
+    ops |= {
+        op
+        for op, reg in registered.items()
+        if (reg.get("forced") or reg.get("default")) == "triton"
+    }
+    return sorted(ops)
+
+
+def interpreter_note(results: dict[str, Any]) -> str | None:
+    """A warning that fastformer's figures of `interpreted_ops` are the Triton interpreter's
+    (a "speedup" of 0.0001 otherwise read as a slow kernel), or None."""
+    ops = interpreted_ops(results)
+    if not ops:
+        return None
+    names = ", ".join(ops)
+    model = " and the fastformer model's" if "model" in results else ""
+    return (
+        f"TRITON_INTERPRET=1: fastformer's Triton kernels ({names}) ran in Triton's "
+        f"interpreter, Python on the CPU; fastformer's {names} figures{model} time the "
+        "interpreter, not the kernels, and are not a speed measurement (rerun without "
+        "TRITON_INTERPRET=1 to measure)"
+    )
+
+
 def markdown(results: dict[str, Any], images: list[str]) -> str:
     """report.md: environment, notes, model table, per-op tables, plots."""
     m, cfg = results["manifest"], results["config"]
@@ -367,7 +404,8 @@ def markdown(results: dict[str, Any], images: list[str]) -> str:
         + (f", driver {m['driver']}" if m.get("driver") else "")
         + f" - torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}, python {m['python']}",
         "",
-        f"Command: `python -m fastformer {' '.join(cfg.get('argv', ['bench']))}` "
+        # shell-quoted: a path with a space read as two arguments
+        f"Command: `python -m fastformer {shlex.join(cfg.get('argv', ['bench']))}` "
         f"(model {cfg['model'] or 'none'}, ops {', '.join(cfg['ops']) or 'none'}, "
         f"{cfg['dtype']} on {cfg['device']}"
         + (f", {grid_label(results)}" if cfg["ops"] else "")
@@ -375,6 +413,9 @@ def markdown(results: dict[str, Any], images: list[str]) -> str:
         "",
     ]
     lines += settings_lines(m)
+    interpreted = interpreter_note(results)
+    if interpreted:
+        lines += [f"> **Triton interpreter.** {interpreted}.", ""]
     if cfg.get("notes"):  # a time limit or an interrupt notes a full-size run too
         title = "Reduced size." if cfg["reduced"] else "Note."
         lines += [f"> **{title}** " + " ".join(n + "." for n in cfg["notes"]), ""]
@@ -429,6 +470,9 @@ def terminal_table(results: dict[str, Any]) -> str:
     """The summary printed at the end of `bench`."""
     lines = []
     cfg = results["config"]
+    interpreted = interpreter_note(results)
+    if interpreted:
+        lines.append(f"WARNING: {interpreted}")
     lines += ["NOTE: " + n for n in cfg.get("notes", [])]
     model = results.get("model")
     if model:
@@ -685,6 +729,13 @@ def incomparable(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     gpus = [(run.get("manifest") or {}).get("gpu") for run in (old, new)]
     if gpus[0] != gpus[1]:
         diffs.append(f"gpu {gpus[0]!r} vs {gpus[1]!r}")
+    # An interpreter run's Triton figures time Python, ~1000x a kernel's (None: not recorded).
+    interp = [(run.get("manifest") or {}).get("triton_interpret") for run in (old, new)]
+    if None not in interp and interp[0] != interp[1]:
+        diffs.append(
+            f"triton_interpret {interp[0]} vs {interp[1]}: a run of Triton's interpreter "
+            "against one of its kernels"
+        )
     return diffs
 
 
