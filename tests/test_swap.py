@@ -127,6 +127,27 @@ def test_swap_reference_model():
     model.loss(src, tgt).backward()
 
 
+def test_swapped_model_decoder_reads_no_causal_mask(monkeypatch):
+    # The model's decoder passes is_causal alone (torch.nn's twin gets the mask it needs): the
+    # swapped self-attention, which keeps the reference's causal-with-mask, would otherwise send
+    # the (T, T) mask to the kernels, which then read it instead of skipping the future's tiles.
+    from fastformer.nn import _ops
+
+    calls = []
+    sdpa = _ops._attention.scaled_dot_product_attention
+
+    def record(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        calls.append((attn_mask is not None, is_causal))
+        return sdpa(q, k, v, attn_mask, dropout_p, is_causal, **kw)
+
+    monkeypatch.setattr(_ops._attention, "scaled_dot_product_attention", record)
+    model = reference.TransformerModel(13, 13, E, H, 1, 1, FF, dropout=0.0)
+    swap(model)
+    g = torch.Generator().manual_seed(1)
+    model(torch.randint(2, 13, (B, S), generator=g), torch.randint(2, 13, (B, T), generator=g))
+    assert calls == [(False, False), (False, True), (False, False)]  # enc, dec self, cross
+
+
 def _causal_bias(length, seed=0):
     """A float mask that is the causal mask plus a bias (ALiBi-style), not the causal mask."""
     g = torch.Generator().manual_seed(seed)
