@@ -535,7 +535,7 @@ __device__ __forceinline__ void add_grad_sums(float x, float dy, float w, float 
 // the row by the same mean(xhat), which the mean's own derivative cancels; taken out (shift),
 // dx and dweight are those of the exactly centred xhat (as in the CPU kernels). Only float32
 // inputs need it (kCentre): a 16-bit input's own rounding is some 2^16 times that of the mean,
-// and RMSNorm has no mean; the others keep their registers (up to 9 more in the vector kernels).
+// and RMSNorm has no mean; their kernels keep their register counts (float32 ones: +7 to +33).
 struct DxConsts {
   float c_g, c_gx, shift;
 };
