@@ -594,6 +594,24 @@ def test_torch_backend_agrees_with_cpp(monkeypatch):
     )
 
 
+@pytest.mark.parametrize("where", ["torch_backend", "meta"])
+def test_outputs_are_contiguous_on_every_backend(monkeypatch, where):
+    # The kernels (and F.layer_norm) return contiguous outputs for a permuted input, and the
+    # fakes say so; the torch backend (and the meta device, which takes it) kept x's order.
+    x = _make((6, 4, 8), grad=False).transpose(0, 1)
+    if where == "meta":
+        x = x.to("meta")
+    else:
+        monkeypatch.setenv("FASTFORMER_BACKEND_LAYER_NORM", "torch")
+    outs = [
+        ln.layer_norm(x, 8),
+        ln.rms_norm(x, 8),
+        *ln.dropout_add_layer_norm(x, x, None, None, prenorm=True),
+        *ln.dropout_add_layer_norm(x, None, None, None, prenorm=True),  # pre: a copy of x
+    ]
+    assert all(t.shape == x.shape and t.is_contiguous() for t in outs)
+
+
 # --------------------------------------------------------------------------- torch.library
 
 

@@ -450,20 +450,26 @@ def _run_torch(
     rms: bool,
     prenorm: bool,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    # The reference computes in the dtype type promotion gives; outputs keep the input dtype.
+    # The reference computes in the dtype type promotion gives; outputs keep the input dtype
+    # and are contiguous, as the kernels' and F.layer_norm's (the reference's follow x's order).
+    def like_kernels(t: Tensor) -> Tensor:
+        return t.to(x.dtype).contiguous()
+
     if rms:
-        return reference.rms_norm(x, shape, weight, eps).to(x.dtype)
+        return like_kernels(reference.rms_norm(x, shape, weight, eps))
     if residual is None and dropout_p == 0 and not prenorm:
-        return reference.layer_norm(x, shape, weight, bias, eps).to(x.dtype)
+        return like_kernels(reference.layer_norm(x, shape, weight, bias, eps))
     keep = _keep_mask(x, dropout_p) if dropout_p > 0 else None
     result = reference.dropout_add_layer_norm(
         x, residual, weight, bias, eps, dropout_p, prenorm, keep_mask=keep
     )
     if prenorm:  # pre is a new tensor, as the kernels' (the reference returns x itself
         # when there is nothing to add or drop; a caller may write into pre)
-        pre = result[1].clone() if result[1] is x else result[1]
-        return result[0].to(x.dtype), pre
-    return result.to(x.dtype)
+        pre = (
+            result[1].clone(memory_format=torch.contiguous_format) if result[1] is x else result[1]
+        )
+        return like_kernels(result[0]), pre.contiguous()
+    return like_kernels(result)
 
 
 def _run(x, shape, weight, bias, residual, eps, dropout_p, rms, prenorm):
