@@ -987,3 +987,28 @@ def test_activation_checkpointing_gives_the_same_bits(mode):
     assert len(plain) == len(again) > 2
     for a, b in zip(plain, again):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("p", [0.995, 0.99995])
+@pytest.mark.parametrize("kind", ["attention", "encoder_layer"])
+def test_dropout_closer_to_1_than_the_ops_take_runs_torch_nns_path(kind, p):
+    # torch.nn takes any dropout in [0, 1]; the ops refuse p past their keep threshold's 0.1%
+    # bias (attention 0.99237, the others 0.99991): a swapped training model raised there. Such
+    # a sub-layer runs torch.nn's path and says why: the same draws from the same seed where
+    # all of them do (a layer at 0.995 keeps its fused FFN and norms, with their own draws).
+    if kind == "attention":
+        ref, fast = _pair(nn.MultiheadAttention, fnn.MultiheadAttention, E, H, dropout=p)
+        call = lambda m, x: m(x, x, x, need_weights=False)[0]  # noqa: E731
+    else:
+        ref, fast = _pair(nn.TransformerEncoderLayer, fnn.TransformerEncoderLayer, E, H, 32, p)
+        call = lambda m, x: m(x)  # noqa: E731
+    if kind == "attention" or p > 0.9999:  # the layer's own dropouts: the elementwise limit
+        assert any("dropout p=" in r for r in fast.fallback_reasons)
+    x = torch.randn(5, 2, E)
+    outs = []
+    for module in (ref.train(), fast.train()):
+        torch.manual_seed(3)
+        outs.append(call(module, x))
+    if kind == "attention" or p > 0.9999:
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    assert outs[1].shape == x.shape and torch.isfinite(outs[1]).all()

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from fastformer.nn import _record
-from fastformer.ops import _dispatch
+from fastformer.ops import _dispatch, rng
 from fastformer.ops import attention as _attention
 from fastformer.ops import ffn as _ffn
 from fastformer.ops import layer_norm as _layer_norm
@@ -85,6 +85,17 @@ def attention(
     autocast = _autocast_dtype(query) is not None
     sdpa = _attention.scaled_dot_product_attention
     return _call(autocast, query, sdpa, *args, key_padding_mask=key_padding_mask)
+
+
+def dropout_reasons(p: float, keep_error: float = rng.ELEMENT_KEEP_ERROR) -> list[str]:
+    """Why the ops cannot take a module's dropout `p` ([] = they can): torch.nn takes any p in
+    [0, 1]; the ops refuse p so close to 1 that their random numbers' resolution would bias
+    the output (`rng.check_dropout_p`)."""
+    limit = rng.max_dropout_p(keep_error)
+    if p <= limit:
+        return []
+    return [f"dropout p={p}: the fused op takes p <= {limit:.6g} (closer to 1 its keep-mask "
+            "would bias the output)"]  # fmt: skip
 
 
 # --------------------------------------------------------------------------- normalization

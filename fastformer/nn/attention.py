@@ -13,8 +13,11 @@ from torch import Tensor, nn
 
 from fastformer.nn import _ops, _record
 from fastformer.nn._lookup import child, param
+from fastformer.ops import rng
 from fastformer.ops._autograd import under_transform
 from fastformer.ops.attention import MAX_HEAD_DIM
+
+_MAX_DROPOUT_P = rng.max_dropout_p(rng.ATTENTION_KEEP_ERROR)
 
 
 def _check_mask_dtype(name: str, mask: Tensor) -> None:
@@ -216,8 +219,7 @@ class MultiheadAttention(nn.MultiheadAttention):
             reasons.append("add_bias_kv=True: the fused kernel has no learned bias key/value")
         if self.add_zero_attn:
             reasons.append("add_zero_attn=True: the fused kernel has no zero attention slot")
-        if self.dropout >= 1.0:
-            reasons.append("dropout=1 drops everything; the fused op takes p < 1")
+        reasons += _ops.dropout_reasons(self.dropout, rng.ATTENTION_KEEP_ERROR)
         if self.head_dim > MAX_HEAD_DIM:
             reasons.append(f"head_dim {self.head_dim}: the fused op takes up to {MAX_HEAD_DIM}")
         return reasons
@@ -252,7 +254,7 @@ class MultiheadAttention(nn.MultiheadAttention):
             not need_weights
             and self.bias_k is None
             and not self.add_zero_attn
-            and self.dropout < 1.0
+            and self.dropout <= _MAX_DROPOUT_P
             and self.head_dim <= MAX_HEAD_DIM
             and not (query.is_nested or key.is_nested or value.is_nested)
         )

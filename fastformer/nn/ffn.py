@@ -106,8 +106,8 @@ def _reasons(
             reasons.append(f"{name} is not a plain nn.Linear without hooks")
     if not is_plain(drop, (nn.Dropout,)):
         reasons.append("dropout is not a plain nn.Dropout without hooks")
-    elif drop.p >= 1.0:
-        reasons.append("dropout p=1 drops everything; the fused op takes p < 1")
+    else:
+        reasons += _ops.dropout_reasons(drop.p)
     return reasons
 
 

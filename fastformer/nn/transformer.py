@@ -75,8 +75,8 @@ def _norm_reasons(norm: nn.Module, drop: nn.Module) -> list[str]:
         reasons += eps_reasons(norm.eps)
     if not is_plain(drop, (nn.Dropout,)):
         reasons.append("the residual dropout is not a plain nn.Dropout without hooks")
-    elif drop.p >= 1.0:
-        reasons.append("dropout p=1 drops everything; the fused op takes p < 1")
+    else:
+        reasons += _ops.dropout_reasons(drop.p)
     return reasons
 
 

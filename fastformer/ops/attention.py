@@ -353,8 +353,7 @@ def _check_key_padding_mask(kpm, query: Tensor, key: Tensor) -> None:
 
 
 def _check_dropout_p(fn: str, dropout_p) -> None:
-    # The 16-bit keep threshold round(p * 65536) keeps 1 - p within half a step, 2**-17.
-    rng.check_dropout_p(fn, dropout_p, keep_error=2.0**-17)
+    rng.check_dropout_p(fn, dropout_p, keep_error=rng.ATTENTION_KEEP_ERROR)
 
 
 def _check_dropout_size(fn: str, seq_q: int, seq_k: int) -> None:

@@ -30,6 +30,14 @@ _LOW62 = (1 << 62) - 1
 # How far the kept fraction of the elementwise ops' dropout may be from 1 - p: their float32
 # uniforms step by 2**-24 just below 1, and p is compared in float32 (half a step more).
 ELEMENT_KEEP_ERROR = 1.5 * 2.0**-24
+# Attention's: its 16-bit keep threshold round(p * 65536) is off by up to half a step.
+ATTENTION_KEEP_ERROR = 2.0**-17
+
+
+def max_dropout_p(keep_error: float = ELEMENT_KEEP_ERROR) -> float:
+    """The largest dropout_p `check_dropout_p` takes for random numbers of that resolution:
+    closer to 1 the kept fraction may be off from 1 - p by more than 0.1%."""
+    return 1.0 - 1000 * keep_error
 
 
 def check_dropout_p(fn: str, dropout_p: object, keep_error: float = ELEMENT_KEEP_ERROR) -> float:
@@ -47,7 +55,7 @@ def check_dropout_p(fn: str, dropout_p: object, keep_error: float = ELEMENT_KEEP
     # Checked again once converted: just below 1 in a wider type (numpy.longdouble) is 1.0.
     if not 0.0 <= dropout_p < 1.0 or not float(dropout_p) < 1.0:
         raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p}")
-    limit = 1.0 - 1000 * keep_error
+    limit = max_dropout_p(keep_error)
     if float(dropout_p) > limit:
         raise ValueError(
             f"{fn}: dropout_p must be at most {limit:.6g}: closer to 1 the fraction its random "
