@@ -1090,13 +1090,14 @@ class TransformerModel(nn.Module):
         """tgt_in ``(B, T)`` tokens, memory ``(B, S, d_model)``, src ``(B, S)`` -> logits
         ``(B, T, tgt_vocab)``; causal + padding masks on the target, padding on the memory."""
         t = tgt_in.shape[1]
-        # is_causal alone is the causal mask here and in fastformer.nn, whose kernels then skip
-        # the future's tiles without reading a mask; torch.nn's layers need the mask with it.
-        torch_nn = type(self.transformer) is nn.Transformer
+        # is_causal alone is the causal mask to this module's decoder (its layers swapped or
+        # not), whose swapped kernels then skip the future's tiles without reading a mask; any
+        # other decoder (torch.nn's, which needs the mask with the hint) gets the mask too.
+        ours = isinstance(self.transformer.decoder, TransformerDecoder)
         out = self.transformer.decoder(
             self._embed(self.tgt_embed, tgt_in),
             memory,
-            tgt_mask=causal_mask(t, device=tgt_in.device) if torch_nn else None,
+            tgt_mask=None if ours else causal_mask(t, device=tgt_in.device),
             tgt_key_padding_mask=tgt_in == self.pad_id,
             memory_key_padding_mask=src == self.pad_id,
             tgt_is_causal=True,

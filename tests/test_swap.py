@@ -148,6 +148,19 @@ def test_swapped_model_decoder_reads_no_causal_mask(monkeypatch):
     assert calls == [(False, False), (False, True), (False, False)]  # enc, dec self, cross
 
 
+def test_model_with_another_decoder_gets_the_causal_mask():
+    # Only the reference's own decoder takes is_causal alone; torch.nn's (here a subclass of
+    # nn.Transformer, which an exact type check missed) raises without the mask.
+    class Subclass(nn.Transformer):
+        pass
+
+    model = reference.TransformerModel(13, 13, E, H, 1, 1, FF, dropout=0.0)
+    model.transformer = Subclass(E, H, 1, 1, FF, dropout=0.0, batch_first=True)
+    g = torch.Generator().manual_seed(1)
+    src, tgt = torch.randint(2, 13, (B, S), generator=g), torch.randint(2, 13, (B, T), generator=g)
+    assert model(src, tgt).shape == (B, T, 13)
+
+
 def _causal_bias(length, seed=0):
     """A float mask that is the causal mask plus a bias (ALiBi-style), not the causal mask."""
     g = torch.Generator().manual_seed(seed)
