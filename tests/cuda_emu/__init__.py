@@ -91,10 +91,10 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     # The forward dropout offsets one column off (a wrong keep-mask in the vector path).
     "ffn_forward_mask_offset": (
         "ffn/ffn_cuda.cu",
-        "    dropout_multipliers<VEC>(m, seed, row * d_ff + col, p, scale);\n#pragma unroll\n"
-        "    for (int k = 0; k < VEC; ++k) y[k] *= m[k];",
-        "    dropout_multipliers<VEC>(m, seed, row * d_ff + col + 1, p, scale);\n#pragma unroll\n"
-        "    for (int k = 0; k < VEC; ++k) y[k] *= m[k];",
+        "    dropout_multipliers<VEC>(m, seed, seed_ptr, row * d_ff + col, p, scale);\n"
+        "#pragma unroll\n    for (int k = 0; k < VEC; ++k) y[k] *= m[k];",
+        "    dropout_multipliers<VEC>(m, seed, seed_ptr, row * d_ff + col + 1, p, scale);\n"
+        "#pragma unroll\n    for (int k = 0; k < VEC; ++k) y[k] *= m[k];",
     ),
     # The vector path accepts misaligned pointers (a fault on the GPU).
     "ln_vec_ignores_alignment": (
@@ -111,9 +111,12 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     # The vector forward perturbs rstd of its second row group (rows per block > 1 only).
     "ln_fwd_vec_rstd_perturbed": (
         "layer_norm/layer_norm_cuda.cu",
-        "    const float rstd = rsqrtf(var + a.eps);\n    if (row_ok && threadIdx.x == 0) {",
-        "    const float rstd = rsqrtf(var + a.eps) + (threadIdx.y == 1 ? 1e-3f : 0.f);\n"
-        "    if (row_ok && threadIdx.x == 0) {",
+        "    each([&](float v) { sum += stat_term<kRms>(v, 1.f); });\n"
+        "    const float2 stats = row_stats<kRms>(sum, each, cols, a.eps, RowSlots{red, red2});\n"
+        "    const float mean = stats.x, rstd = stats.y;\n",
+        "    each([&](float v) { sum += stat_term<kRms>(v, 1.f); });\n"
+        "    const float2 stats = row_stats<kRms>(sum, each, cols, a.eps, RowSlots{red, red2});\n"
+        "    const float mean = stats.x, rstd = stats.y + (threadIdx.y == 1 ? 1e-3f : 0.f);\n",
     ),
     # The generic backward forgets to zero its partial rows (garbage from at::empty).
     "ln_bwd_any_no_zeroing": (
@@ -124,9 +127,9 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     # The persistent vector backward strides one block short: some rows run twice.
     "ln_bwd_vec_step": (
         "layer_norm/layer_norm_cuda.cu",
-        "dw[i][e] = db[i][e] = 0.f;\n  }\n"
+        "                          w_row[i]);\n    }\n  }\n"
         "  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;",
-        "dw[i][e] = db[i][e] = 0.f;\n  }\n"
+        "                          w_row[i]);\n    }\n  }\n"
         "  const int64_t step = static_cast<int64_t>(gridDim.x > 1 ? gridDim.x - 1 : 1) * blockDim.y;",
     ),
 }
