@@ -188,19 +188,22 @@ def test_check_and_bench_refuse_a_forced_backend_that_does_not_exist(monkeypatch
     assert main(["bench", "--quick", "--ops", "ffn", "--no-model"]) == 2
 
 
-def test_check_and_bench_refuse_a_forced_backend_that_cannot_run_here(monkeypatch, capsys):
-    # FASTFORMER_BACKEND_ATTENTION=triton on a CPU without TRITON_INTERPRET=1: check passed
-    # (exit 0) while bench raised on every attention call.
+def test_a_forced_backend_that_cannot_run_here(monkeypatch, capsys):
+    # FASTFORMER_BACKEND_ATTENTION=triton on a CPU without TRITON_INTERPRET=1: bench raised on
+    # every attention call (now a usage error before measuring); check, which forces each
+    # backend itself, passed without a word (now a warning: its rows do not use the setting).
     from fastformer.ops import _dispatch
 
     lacking = _dispatch.Backend("cpp", lambda inputs: ["not built here (test)"])
     monkeypatch.setitem(_dispatch.REGISTRY, "ffn", [lacking, *_dispatch.REGISTRY["ffn"][1:]])
     monkeypatch.setenv("FASTFORMER_BACKEND_FFN", "cpp")
     monkeypatch.setattr(B, "measure", lambda *a: pytest.fail("measured before checking"))
-    for argv in (["check", "--quick", "--ops", "ffn"], ["bench", "--quick", "--no-model"]):
-        assert main(argv) == 2
-        err = capsys.readouterr().err
-        assert "FASTFORMER_BACKEND_FFN='cpp' cannot run here: not built here (test)" in err, err
+    message = "FASTFORMER_BACKEND_FFN='cpp' cannot run here: not built here (test)"
+    assert main(["bench", "--quick", "--no-model"]) == 2
+    assert message in capsys.readouterr().err
+    assert main(["check", "--quick", "--ops", "ffn", "--max-seconds", "5"]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: {message}" in err, err
 
 
 @pytest.mark.parametrize(
@@ -1320,3 +1323,14 @@ def test_tflops_panel_without_measured_points_draws_no_legend():
     R._tflops_panel(ax, [row])
     assert ax.get_legend() is not None and len(ax.lines) == 1
     plt.close(fig)
+
+
+def test_rerendering_results_ignores_the_settings_of_this_environment(
+    bench_run, tmp_path, monkeypatch
+):
+    # --results measures nothing: a FASTFORMER_* setting this machine cannot run was refused.
+    _, out = bench_run
+    monkeypatch.setenv("FASTFORMER_FFN_EPILOGUE", "bogus")
+    args = ["bench", "--results", str(out / "results.json"), "--out", str(tmp_path / "r")]
+    assert main(args) == 0
+    assert main(["bench", "--quick", "--no-model", "--out", str(tmp_path / "m")]) == 2

@@ -608,7 +608,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         if code is not None:
             return code
     # After --interpret took effect: it is what lets a forced Triton backend run on a CPU.
-    check_settings()
+    check_settings(forces_backends=True)
     devices(device)  # an unavailable --device fails here, before the table's header
     start = time.perf_counter()
     rows = []

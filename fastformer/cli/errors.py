@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 BACKEND_PREFIX = "FASTFORMER_BACKEND_"
 
@@ -12,24 +13,32 @@ class UsageError(ValueError):
     ValueError from anywhere else (a kernel's) is a failure, not a usage error."""
 
 
-def check_settings() -> None:
+def check_settings(forces_backends: bool = False) -> None:
     """UsageError for a FASTFORMER_* setting that would make the run mean something else than
-    the user asked: checked by `check` and `bench` before anything runs."""
-    check_forced_backends()
+    the user asked: checked by `check` and `bench` before anything runs. `forces_backends`
+    (`check`): the command forces each backend itself, so a forced backend that cannot run
+    here only gets a warning."""
+    check_forced_backends(forces_backends)
     check_ffn_epilogue()
 
 
-def check_forced_backends() -> None:
+def check_forced_backends(forces_backends: bool = False) -> None:
     """UsageError for a FASTFORMER_BACKEND_<X> that names no op with backends, a
     FASTFORMER_BACKEND_<OP> that names no backend of its op, or one that cannot run in this
     environment (Triton on a CPU without TRITON_INTERPRET=1, a C++ backend without its build):
-    every call of the op would raise (or, for an unknown <X>, the setting is ignored), while
-    `check`, which forces each backend itself, passed."""
+    every call of the op would raise (or, for an unknown <X>, the setting is ignored). A command
+    that forces each backend itself (`check`) does not use the setting: it warns that the
+    user's other runs would fail, and goes on."""
     import fastformer.ops  # noqa: F401  (registers the backends)
     from fastformer.ops import _dispatch
 
     bad = _unknown_backend_variables() + _dispatch.bad_forced_backends()
-    bad += _unavailable_forced_backends()
+    unavailable = _unavailable_forced_backends()
+    if forces_backends:
+        for message in unavailable:
+            print(f"warning: {message} (its rows force each backend themselves)", file=sys.stderr)
+    else:
+        bad += unavailable
     if bad:
         raise UsageError("; ".join(bad))
 
