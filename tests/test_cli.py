@@ -789,6 +789,11 @@ def test_report_says_interpreted_triton_figures_are_no_speed_measurement(
     # the bench_run itself: TRITON_INTERPRET=1 (conftest) but attention forced to torch
     assert "Triton interpreter" not in R.markdown(results, [])
     assert "interpreter" not in R.terminal_table(results)
+    # without the model stage only the rows that ran Triton count (a layer_norm-only run
+    # warned about attention, which it never ran)
+    no_model = _interpreted(results)
+    no_model["model"] = None
+    assert R.interpreted_ops(no_model) == []
 
 
 def test_compare_refuses_an_interpreter_run_against_a_kernel_run(

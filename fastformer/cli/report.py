@@ -368,12 +368,13 @@ def interpreted_ops(results: dict[str, Any]) -> list[str]:
         for op, data in results["ops"].items()
         if any(row["impls"].get(FAST, {}).get("backend") == "triton" for row in data["cases"])
     }
-    registered = (results.get("backends") or {}).get("registered", {})
-    ops |= {
-        op
-        for op, reg in registered.items()
-        if (reg.get("forced") or reg.get("default")) == "triton"
-    }
+    if results.get("model"):  # the model stage's rows name no backend: the dispatch's
+        registered = (results.get("backends") or {}).get("registered", {})
+        ops |= {
+            op
+            for op, reg in registered.items()
+            if (reg.get("forced") or reg.get("default")) == "triton"
+        }
     return sorted(ops)
 
 
