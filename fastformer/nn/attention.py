@@ -270,14 +270,17 @@ class MultiheadAttention(nn.MultiheadAttention):
     def _torch_forward(
         self, query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal
     ):
-        if is_causal and attn_mask is None:
-            # torch.nn needs the mask that is_causal describes; build it (nn convention).
-            seq_dim = 0 if query.dim() == 2 or not self.batch_first else 1
-            lq, lk = query.shape[seq_dim], key.shape[seq_dim]
-            attn_mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).triu(1)
+        if is_causal and attn_mask is None:  # torch.nn needs the mask is_causal describes
+            attn_mask = self._causal_mask(query, key)
         return super().forward(
             query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal
         )
+
+    def _causal_mask(self, query: Tensor, key: Tensor) -> Tensor:
+        """The (Lq, Lk) bool mask that is_causal describes (nn convention: True = NOT allowed)."""
+        seq_dim = 0 if query.dim() == 2 or not self.batch_first else 1
+        lq, lk = query.shape[seq_dim], key.shape[seq_dim]
+        return torch.ones(lq, lk, dtype=torch.bool, device=query.device).triu(1)
 
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         if query.dim() not in (2, 3):
@@ -369,10 +372,9 @@ class MultiheadAttention(nn.MultiheadAttention):
         return (out if batched else out.squeeze(0)), None
 
 
-def _with_causal(attn_mask: Tensor, lq: int, lk: int) -> Tensor:
+def _with_causal(attn_mask: Tensor, blocked: Tensor) -> Tensor:
     """An nn.MultiheadAttention attn_mask ((Lq, Lk) or (B*H, Lq, Lk); bool True = NOT allowed,
-    or float added) that also blocks the keys the top-left causal mask blocks."""
-    blocked = torch.ones(lq, lk, dtype=torch.bool, device=attn_mask.device).triu(1)
+    or float added) that also blocks the keys `blocked` (the causal mask) blocks."""
     if attn_mask.dtype == torch.bool:
         return attn_mask | blocked
     return attn_mask.masked_fill(blocked, float("-inf"))
@@ -409,8 +411,7 @@ class ReferenceMultiheadAttention(MultiheadAttention):
     ):
         if is_causal and attn_mask is not None:
             # torch.nn would read is_causal as a hint and drop one of the two: merge them.
-            seq_dim = 0 if query.dim() == 2 or not self.batch_first else 1
-            attn_mask = _with_causal(attn_mask, query.shape[seq_dim], key.shape[seq_dim])
+            attn_mask = _with_causal(attn_mask, self._causal_mask(query, key))
             is_causal = False
         return super()._torch_forward(
             query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal
