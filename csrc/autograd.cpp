@@ -122,6 +122,11 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     ctx->saved_data["bias_edge"] = bias.has_value() ? b_edge : int64_t{-1};
     ctx->saved_data["residual_edge"] = residual.has_value() ? b_edge + 1 : int64_t{-1};
     ctx->set_materialize_grads(false);  // an unused pre gets no zero gradient tensor
+    // pre = residual + dropout(x) depends on neither weight nor bias: not differentiable when
+    // only they require grad (torch's autograd says so of such an output, and raises on it).
+    if (!x.requires_grad() && !(residual.has_value() && residual->requires_grad())) {
+      ctx->mark_non_differentiable({pre});
+    }
     return {out, pre};
   }
 

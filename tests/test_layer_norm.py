@@ -6,6 +6,7 @@ run the CUDA kernels on a GPU machine. Dropout is checked against the reference 
 keep-mask regenerated from the seed the op drew (`torch.manual_seed` predicts it).
 """
 
+import itertools
 import math
 import re
 
@@ -953,3 +954,18 @@ def test_zero_rows_with_residual_backward_without_store_pre(op):
         out = torch.ops.fastformer.layer_norm(*args, 1e-5, 0.0, False, False)
     (grad,) = torch.autograd.grad(out[0].sum(), x)
     assert grad.shape == x.shape
+
+
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_prenorm_pre_requires_grad_only_through_x_or_residual(monkeypatch, backend):
+    # pre = residual + dropout(x) does not depend on weight or bias: with only they requiring
+    # grad, the C++ node's pre required grad (the reference's does not, and torch raises on a
+    # backward from it).
+    if backend == "torch":
+        monkeypatch.setenv("FASTFORMER_BACKEND_LAYER_NORM", "torch")
+    for wants in itertools.product([False, True], repeat=4):
+        x, r = _make((4, 8), grad=wants[0]), _make((4, 8), seed=2, grad=wants[1])
+        w, b = _make((8,), seed=3, grad=wants[2]), _make((8,), seed=4, grad=wants[3])
+        fast = ln.dropout_add_layer_norm(x, r, w, b, prenorm=True)
+        slow = ref.dropout_add_layer_norm(x, r, w, b, 1e-5, 0.0, True)
+        assert [t.requires_grad for t in fast] == [t.requires_grad for t in slow], wants
