@@ -157,6 +157,30 @@ def test_dropout_seeds_are_drawn_at_run_time(norm_first):
     torch.testing.assert_close(first, run(layer, 0), **TOL)  # the same draws as eager
 
 
+def test_checkpointed_dropout_keeps_its_masks_in_the_compiled_backward():
+    # The partitioner recomputed the checkpointed ops in the backward, where they drew a new
+    # seed: other dropout masks, gradients off by O(1) (1e2 on this layer) without a word. The
+    # seed-drawing ops are tagged nondeterministic_seeded: their outputs are kept instead.
+    from torch.utils.checkpoint import checkpoint
+
+    layer = fnn.TransformerEncoderLayer(E, H, FF, dropout=0.5)
+    x = torch.randn(S, B, E)
+
+    def grads(fn):
+        xi = x.clone().requires_grad_()
+        torch.manual_seed(9)
+        out = fn(xi)
+        (out * torch.arange(out.numel()).view_as(out)).sum().backward()
+        return out.detach(), xi.grad
+
+    plain = grads(layer)
+    ckpt = torch.compile(
+        lambda t: checkpoint(layer, t, use_reentrant=False), fullgraph=True, backend="aot_eager"
+    )
+    for got, want in zip(grads(ckpt), plain):
+        torch.testing.assert_close(got, want, **TOL)
+
+
 @pytest.mark.parametrize("activation", ["swiglu", "gelu_tanh", torch.tanh])
 def test_feed_forward_fused_and_unfused(activation):
     ff = fnn.FeedForward(E, FF, dropout=0.0, activation=activation)

@@ -913,14 +913,15 @@ void check_bwd(const at::Tensor& dy, const c10::optional<at::Tensor>& dpre, cons
   if (!rms) FF_CHECK_DEVICE(mean, x.device());
 }
 
-// Outputs of the backward: dx, dres (or empty), dweight (or empty), dbias (or empty).
+// Outputs of the backward: dx, dres (or empty), dweight (or empty), dbias (or empty). Each its
+// own tensor, empty ones too: the schema declares no aliasing outputs (opcheck's test_schema).
 Tensors4 bwd_outputs(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
                      const c10::optional<at::Tensor>& bias, bool has_residual, bool need_dweight,
                      bool need_dbias) {
-  const at::Tensor none = at::empty({0}, x.options());
-  return {at::empty_like(x), has_residual ? at::empty_like(x) : none,
-          need_dweight ? at::empty({cols_of(x)}, weight->options()) : none,
-          need_dbias ? at::empty({cols_of(x)}, bias->options()) : none};
+  auto none = [&] { return at::empty({0}, x.options()); };
+  return {at::empty_like(x), has_residual ? at::empty_like(x) : none(),
+          need_dweight ? at::empty({cols_of(x)}, weight->options()) : none(),
+          need_dbias ? at::empty({cols_of(x)}, bias->options()) : none()};
 }
 
 Tensors4 layer_norm_bwd_cpu(const at::Tensor& dy_in, const c10::optional<at::Tensor>& dpre_in,

@@ -95,6 +95,12 @@ def autocast_off(fn: Callable) -> Callable:
     return run
 
 
+# Tags of a custom op that draws its dropout seed when it runs: torch.compile's partitioner must
+# not run it again in the backward (activation checkpointing would recompute it there, with
+# a new seed and so another mask: gradients off by O(1)); it keeps its outputs instead.
+DRAWS_A_SEED = (torch.Tag.nondeterministic_seeded,)
+
+
 def traced() -> bool:
     """Whether an op call must go through its registered custom op: under torch.compile, or
     under a FakeTensorMode (shape and memory propagation without data), where the eager paths'

@@ -49,6 +49,7 @@ from torch import Tensor
 from fastformer import reference
 from fastformer.ops import rng
 from fastformer.ops._autograd import (
+    DRAWS_A_SEED,
     autocast_off,
     check_dense,
     first_order,
@@ -780,7 +781,7 @@ def _backend(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> str:
     return select_by_key(OP, key, lambda: AttentionInputs(q, key=k, value=v, attn_mask=attn_mask))
 
 
-@torch.library.custom_op("fastformer::attention", mutates_args=())
+@torch.library.custom_op("fastformer::attention", mutates_args=(), tags=DRAWS_A_SEED)
 def _attention_op(
     query: Tensor,
     key: Tensor,

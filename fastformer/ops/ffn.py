@@ -44,6 +44,7 @@ from fastformer import reference
 from fastformer._ext import cuda_kernels_compiled, extension_error
 from fastformer.ops import rng
 from fastformer.ops._autograd import (
+    DRAWS_A_SEED,
     autocast_off,
     check_dense,
     check_devices,
@@ -327,7 +328,7 @@ def _with_lead(out: Tensor, x: Tensor) -> Tensor:
 # autograd.Function; without gradients the forward helper alone.
 
 
-@torch.library.custom_op("fastformer::ffn", mutates_args=())
+@torch.library.custom_op("fastformer::ffn", mutates_args=(), tags=DRAWS_A_SEED)
 def _ffn_op(
     x: Tensor,
     w1: Tensor,

@@ -42,6 +42,7 @@ from fastformer import reference
 from fastformer._ext import cuda_kernels_compiled, extension_error
 from fastformer.ops import rng
 from fastformer.ops._autograd import (
+    DRAWS_A_SEED,
     check_dense,
     check_devices,
     first_order,
@@ -211,7 +212,7 @@ def _forward(
     return out, pre, mean, rstd, seed
 
 
-@torch.library.custom_op("fastformer::layer_norm", mutates_args=())
+@torch.library.custom_op("fastformer::layer_norm", mutates_args=(), tags=DRAWS_A_SEED)
 def _layer_norm_op(
     x: Tensor,
     weight: Tensor | None,
@@ -321,7 +322,7 @@ def _grads(ctx, dout: Tensor | None, dpre: Tensor | None) -> tuple:
 _layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.library.custom_op("fastformer::layer_norm_keep_mask", mutates_args=())
+@torch.library.custom_op("fastformer::layer_norm_keep_mask", mutates_args=(), tags=DRAWS_A_SEED)
 def _keep_mask_op(x: Tensor, dropout_p: float) -> Tensor:
     """Torch backend: draws a seed (at run time, also under torch.compile) and returns the bool
     keep-mask of x's shape that the compiled kernels would use with that seed."""
@@ -346,13 +347,12 @@ def _register_compiled_fakes() -> None:
     def _(dy, dpre, x, weight, bias, mean, rstd, seed, p, rms, fused, has_res, need_w, need_b):
         tensors = dict(dy=dy, dpre=dpre, weight=weight, bias=bias, mean=mean, rstd=rstd, seed=seed)
         check_devices("layer_norm_bwd", x, **tensors)
-        none = x.new_empty((0,))
         cols = x.shape[-1]
-        return (
+        return (  # each its own tensor, the empty ones too, as the kernel's
             x.new_empty(x.shape),  # contiguous, as the kernel's
-            x.new_empty(x.shape) if has_res else none,
-            weight.new_empty((cols,)) if need_w else none,
-            bias.new_empty((cols,)) if need_b else none,
+            x.new_empty(x.shape) if has_res else x.new_empty((0,)),
+            weight.new_empty((cols,)) if need_w else x.new_empty((0,)),
+            bias.new_empty((cols,)) if need_b else x.new_empty((0,)),
         )
 
 
