@@ -1339,3 +1339,15 @@ def test_rerendering_results_ignores_the_settings_of_this_environment(
     args = ["bench", "--results", str(out / "results.json"), "--out", str(tmp_path / "r")]
     assert main(args) == 0
     assert main(["bench", "--quick", "--no-model", "--out", str(tmp_path / "m")]) == 2
+
+
+def test_interrupted_check_says_so_and_exits_130(monkeypatch, capsys):
+    # check has no handler of its own: Ctrl-C printed Python's KeyboardInterrupt traceback.
+    from fastformer.cli import check as check_module
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(check_module, "iter_rows", interrupt)
+    assert main(["check", "--quick", "--ops", "ffn"]) == 130
+    assert "python -m fastformer check: interrupted" in capsys.readouterr().err

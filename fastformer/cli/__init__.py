@@ -154,3 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as shell tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except KeyboardInterrupt:  # Ctrl-C where no command handles it (check): a line, no traceback
+        print(f"python -m fastformer {args.command}: interrupted", file=sys.stderr)
+        return 130
