@@ -385,7 +385,7 @@ def interpreter_note(results: dict[str, Any]) -> str | None:
     if not ops:
         return None
     names = ", ".join(ops)
-    model = " and the fastformer model's" if "model" in results else ""
+    model = " and the fastformer model's" if results.get("model") else ""
     return (
         f"TRITON_INTERPRET=1: fastformer's Triton kernels ({names}) ran in Triton's "
         f"interpreter, Python on the CPU; fastformer's {names} figures{model} time the "

@@ -48,7 +48,8 @@ def check_dropout_p(fn: str, dropout_p: object, keep_error: float = ELEMENT_KEEP
     `keep_error` (the random numbers' resolution), is off by more than 0.1%: the 1 / (1 - p)
     scale would leave that as a bias of the output (at p = 1 - 3e-8 nothing was kept at all).
     """
-    if type(dropout_p) is float and 0.0 <= dropout_p <= 0.99:  # the usual case, fast
+    # The usual case, fast: 0.99 is below every op's limit (max_dropout_p).
+    if type(dropout_p) is float and 0.0 <= dropout_p <= 0.99:
         return dropout_p
     if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool):
         raise TypeError(f"{fn}: dropout_p must be a float, got {type(dropout_p).__name__}")
