@@ -8,13 +8,16 @@ whose contiguous slice still would (L * D >= 2**31) to the torch backend.
 Query head h reads key/value head h // (H // Hkv) (grouped-query attention).
 
 Forward (`attn_fwd`, one program per (query block, batch*head)): online softmax in fp32 on
-log2-prescaled scores (exp2), keeps only O and the row log-sum-exp (natural log, fp32). Key
+log2-prescaled scores (exp2), keeps only O and the row log-sum-exp (natural log, fp32), plus
+the row statistics the backward takes P from when the caller keeps a `stat` (see Backward). Key
 tiles that causal masking hides are never visited (the loop bound is cut), and the per-element
 bound / causal masks are only computed on the few edge tiles.
 
 Backward: `attn_bwd_dq` (one program per query block, loop over key blocks) computes its rows'
 delta = rowsum(dO * O) - dLSE and stores it, then `attn_bwd_dkdv` (one program per key block,
-loop over query blocks from the causal start) reads it; both recompute P from the saved LSE.
+loop over query blocks from the causal start) reads it; both recompute P from the saved LSE,
+or, when the caller keeps a `stat` (the op does for float32 inputs and float masks), from the
+row max and log2 of the row sum saved apart: float32 rounds their sum at the max's magnitude.
 No atomics: the result is deterministic. For fp16/bf16 head dims > 128 dK and dV are two
 launches (PART) so that each fits in registers; configs choose (key x query) or (query x key)
 tiles for both. With GQA, dK/dV are written per query head (fp32) and summed over each group
@@ -248,12 +251,14 @@ def _lse_log2(Lse, row_ptrs, rows, Lq):
 
 
 @triton.jit
-def _row_lse(Lse, Stat, row_ptrs, rows, Lq, MASK_KIND: tl.constexpr):
-    # (hi, lo) of _probs. With a float mask, the forward's row max (natural units) and log2 of
-    # its sum (Stat): a row whose every score carries a bias of, say, -1e9 has an LSE of
-    # -1e9 + log(Lk), which float32 rounds to -1e9 (a multiple of 64); P recomputed from that
-    # LSE came out 1 instead of 1 / Lk. Otherwise (LSE in log2 units, unused).
-    if MASK_KIND == 2:
+def _row_lse(Lse, Stat, row_ptrs, rows, Lq, ROW_STAT: tl.constexpr):
+    # (hi, lo) of _probs. With ROW_STAT, the forward's row max and log2 of its sum (Stat):
+    # their float32 sum, the LSE, rounds at the max's magnitude, a relative error of P of
+    # 2**-24 * |LSE| (past |LSE| ~ 900 float32 gradients missed the parity bound, dq 134x at
+    # 2.8e4), and a row whose every score carries a bias of, say, -1e9 has an LSE of -1e9 +
+    # log(Lk), which float32 rounds to -1e9: P came out 1 instead of 1 / Lk. Else the LSE in
+    # log2 units (both halves; lo unused).
+    if ROW_STAT:
         hi = tl.load(Stat + 2 * row_ptrs, mask=rows < Lq, other=float("inf"))
         lo = tl.load(Stat + 2 * row_ptrs + 1, mask=rows < Lq, other=0.0)
         return hi, lo
@@ -262,11 +267,14 @@ def _row_lse(Lse, Stat, row_ptrs, rows, Lq, MASK_KIND: tl.constexpr):
 
 
 @triton.jit
-def _probs(s, s_scale, hi, lo, MASK_KIND: tl.constexpr):
-    # P from scores and broadcast (hi, lo) of _row_lse. With a float mask, s - hi is exact
-    # (both near the row max) and log2 of the sum goes after it.
+def _probs(s, s_scale, hi, lo, MASK_KIND: tl.constexpr, ROW_STAT: tl.constexpr):
+    # P from scores and broadcast (hi, lo) of _row_lse: the forward's exp2 of the score less
+    # the row max, exactly as it took it (a float mask's in natural units, `_exp_diff`), then
+    # less log2 of the sum. Without ROW_STAT one FMA less a score: exp2(s * s_scale - LSE).
     if MASK_KIND == 2:
         return tl.math.exp2((s - hi) * 1.4426950408889634 - lo)
+    if ROW_STAT:
+        return tl.math.exp2((s * s_scale - hi) - lo)
     return tl.math.exp2(s * s_scale - hi)
 
 
@@ -407,7 +415,7 @@ def attn_fwd(
     stride_mb, stride_mh, stride_mm, stride_mn, stride_pb, stride_pn,
     H, GROUP, Lq, Lk, SEQ_Q_BUCKET, SEQ_K_BUCKET,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, ROW_STAT: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
 ):
@@ -465,7 +473,7 @@ def attn_fwd(
     rows = row0 + rows_local
     row_ptrs = off_bh.to(tl.int64) * Lq + rows
     tl.store(Lse + row_ptrs, lse, mask=rows < Lq)
-    if MASK_KIND == 2:  # the backward's (hi, lo): _row_lse; empty rows P = 0
+    if ROW_STAT:  # the backward's (hi, lo): _row_lse; empty rows P = 0
         tl.store(Stat + 2 * row_ptrs, tl.where(empty, float("inf"), m_i), mask=rows < Lq)
         tl.store(Stat + 2 * row_ptrs + 1, tl.where(empty, 0.0, tl.math.log2(l_safe)),
                  mask=rows < Lq)
@@ -480,7 +488,8 @@ def _dkdv_tile_t(
     offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
     seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+    MASK_KIND: tl.constexpr, ROW_STAT: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
     CAUSAL_TILE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # Both accumulators, on transposed tiles (keys x queries) so that P^T and dS^T come out
@@ -493,7 +502,7 @@ def _dkdv_tile_t(
     q = _tile_rows(q_base, start_m, offs_m, Lq, stride_qm, offs_d, HEAD_D, BLOCK_D, USE_TMA)
     do = _tile_rows(do_base, start_m, offs_m, Lq, stride_dom, offs_dv, HEAD_DV, BLOCK_DV,
                     USE_TMA)
-    hi, lo = _row_lse(Lse, Stat, bh_row0 + rows, rows, Lq, MASK_KIND)
+    hi, lo = _row_lse(Lse, Stat, bh_row0 + rows, rows, Lq, ROW_STAT)
     s_t, s_scale = _unscaled(tl.dot(k, tl.trans(q), input_precision=DOT_PREC), qk_scale,
                              MASK_KIND)
     if MASK_KIND != 0:
@@ -503,7 +512,7 @@ def _dkdv_tile_t(
                                         stride_mm, stride_mn, MASK_KIND))
     if CAUSAL_TILE:
         s_t = tl.where(cols[:, None] <= rows[None, :], s_t, float("-inf"))
-    p_t = _probs(s_t, s_scale, hi[None, :], lo[None, :], MASK_KIND)
+    p_t = _probs(s_t, s_scale, hi[None, :], lo[None, :], MASK_KIND, ROW_STAT)
     if MASK_KIND == 2:
         # At most 1: k @ q^T may round a score of ~1e3 an ulp above the forward's q @ k^T, its
         # row max, and a dominant P came out 1 + 1.2e-4 (dV 5x the parity bound; the
@@ -531,7 +540,8 @@ def _dkdv_tile_n(
     offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
     seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+    MASK_KIND: tl.constexpr, ROW_STAT: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
     CAUSAL_TILE: tl.constexpr, PART: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # Scores as (queries x keys) with K and V as the second dot operand, which wgmma reads from
@@ -543,14 +553,14 @@ def _dkdv_tile_n(
     q = _tile_rows(q_base, start_m, offs_m, Lq, stride_qm, offs_d, HEAD_D, BLOCK_D, USE_TMA)
     do = _tile_rows(do_base, start_m, offs_m, Lq, stride_dom, offs_dv, HEAD_DV, BLOCK_DV,
                     USE_TMA)
-    hi, lo = _row_lse(Lse, Stat, bh_row0 + rows, rows, Lq, MASK_KIND)
+    hi, lo = _row_lse(Lse, Stat, bh_row0 + rows, rows, Lq, ROW_STAT)
     s, s_scale = _unscaled(tl.dot(q, tl.trans(k), input_precision=DOT_PREC), qk_scale, MASK_KIND)
     if MASK_KIND != 0:
         s = _apply_attn_mask(s, mask_base, rows, rows, cols, Lq, Lk, stride_mm, stride_mn,
                              MASK_KIND)
     if CAUSAL_TILE:
         s = tl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
-    p = _probs(s, s_scale, hi[:, None], lo[:, None], MASK_KIND)
+    p = _probs(s, s_scale, hi[:, None], lo[:, None], MASK_KIND, ROW_STAT)
     pd = p  # P * keep / (1 - p): dV = pd^T dO, and dS = pd * dP - P * delta
     if HAS_DROPOUT:
         pd = tl.where(_dropout_keep(seed, drop_base, rows, col0, offs_n, Lk, drop_t),
@@ -571,7 +581,8 @@ def _dkdv_loop(
     offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
     seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
+    MASK_KIND: tl.constexpr, ROW_STAT: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
     CAUSAL_TILE: tl.constexpr, PART: tl.constexpr, QK_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
@@ -581,7 +592,7 @@ def _dkdv_loop(
                 dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, start_m, col0, offs_m,
                 offs_n, offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
                 seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
-                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC,
+                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, ROW_STAT, HAS_DROPOUT, DOT_PREC,
                 CAUSAL_TILE, USE_TMA,
             )
         else:
@@ -589,7 +600,7 @@ def _dkdv_loop(
                 dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, start_m, col0, offs_m,
                 offs_n, offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
                 seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
-                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC,
+                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, ROW_STAT, HAS_DROPOUT, DOT_PREC,
                 CAUSAL_TILE, PART, USE_TMA,
             )
     return dk, dv
@@ -605,7 +616,7 @@ def attn_bwd_dkdv(
     stride_mb, stride_mh, stride_mm, stride_mn, stride_pb, stride_pn,
     H, GROUP, Lq, Lk, SEQ_Q_BUCKET, SEQ_K_BUCKET,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, ROW_STAT: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, PART: tl.constexpr,
     QK_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
 ):
@@ -659,15 +670,15 @@ def attn_bwd_dkdv(
         dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, lo, diag_end, col0, offs_m,
         offs_n, offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
         seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
-        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC, True, PART, QK_TILES,
-        BLOCK_M, USE_TMA,
+        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, ROW_STAT, HAS_DROPOUT, DOT_PREC, True, PART,
+        QK_TILES, BLOCK_M, USE_TMA,
     )
     dk, dv = _dkdv_loop(
         dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, diag_end, hi, col0, offs_m,
         offs_n, offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
         seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
-        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, HAS_DROPOUT, DOT_PREC, False, PART, QK_TILES,
-        BLOCK_M, USE_TMA,
+        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, ROW_STAT, HAS_DROPOUT, DOT_PREC, False, PART,
+        QK_TILES, BLOCK_M, USE_TMA,
     )
     if HAS_KPM:
         # P was not masked for padding keys here (it is per key, constant over the loop): every
@@ -688,7 +699,7 @@ def _dq_tile(
     rows_local, offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
     seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, ROW_STAT: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, DOT_PREC: tl.constexpr,
     EDGE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
@@ -706,7 +717,7 @@ def _dq_tile(
         if IS_CAUSAL:
             visible = visible & (cols[None, :] <= row0 + rows_local[:, None])
         s = tl.where(visible, s, float("-inf"))
-    p = _probs(s, s_scale, lse[:, None], lse_lo[:, None], MASK_KIND)
+    p = _probs(s, s_scale, lse[:, None], lse_lo[:, None], MASK_KIND, ROW_STAT)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
     if HAS_DROPOUT:
         keep = _dropout_keep(seed, drop_base, rows_local, start_n, offs_n, Lk, drop_t)
@@ -725,7 +736,7 @@ def _dq_loop(
     rows_local, offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
     seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, ROW_STAT: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, DOT_PREC: tl.constexpr,
     EDGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
 ):
@@ -734,8 +745,8 @@ def _dq_loop(
             dq, q, do, lse, lse_lo, delta, k_base, v_base, mask_base, ds_base, kpm_base, start_n,
             row0, rows_local, offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn,
             stride_pn, seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
-            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
-            WRITE_DS, DOT_PREC, EDGE, USE_TMA,
+            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, ROW_STAT, HAS_KPM,
+            HAS_DROPOUT, WRITE_DS, DOT_PREC, EDGE, USE_TMA,
         )
     return dq
 
@@ -750,7 +761,7 @@ def attn_bwd_dq(
     stride_mb, stride_mh, stride_mm, stride_mn, stride_pb, stride_pn,
     H, GROUP, Lq, Lk, SEQ_Q_BUCKET, SEQ_K_BUCKET,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, ROW_STAT: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, HAS_DLSE: tl.constexpr,
     DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_TMA: tl.constexpr,
@@ -782,7 +793,7 @@ def attn_bwd_dq(
         delta -= tl.load(DLse + bh_row0 + rows, mask=rows < Lq, other=0.0)
     q = _load_rows(Q + off_b * stride_qb + off_h * stride_qh, row0, rows_local, Lq, stride_qm,
                    offs_d, HEAD_D, BLOCK_D)
-    lse, lse_lo = _row_lse(Lse, Stat, bh_row0 + rows, rows, Lq, MASK_KIND)
+    lse, lse_lo = _row_lse(Lse, Stat, bh_row0 + rows, rows, Lq, ROW_STAT)
     tl.store(Delta + bh_row0 + rows, delta, mask=rows < Lq)
     k_base = K + off_b * stride_kb + off_hkv * stride_kh
     v_base = V + off_b * stride_vb + off_hkv * stride_vh
@@ -801,7 +812,7 @@ def attn_bwd_dq(
         row0,
         rows_local, offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn,
         stride_pn, seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
-        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
+        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, ROW_STAT, HAS_KPM, HAS_DROPOUT,
         WRITE_DS, DOT_PREC, False, BLOCK_N, USE_TMA,
     )
     dq = _dq_loop(
@@ -809,7 +820,7 @@ def attn_bwd_dq(
         row0,
         rows_local, offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn,
         stride_pn, seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
-        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
+        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, ROW_STAT, HAS_KPM, HAS_DROPOUT,
         WRITE_DS, DOT_PREC, True, BLOCK_N, USE_TMA,
     )
     _store_rows(DQ + off_b * stride_dqb + off_h * stride_dqh, row0, rows_local, Lq, stride_dqm,
@@ -916,8 +927,10 @@ _SM90 = {
     ("dkdv", "fp32", 256): ([_C(16, 16, 4, 2)], [_C(16, 16, 8, 2)], [_C(16, 16, 8, 2)]),
     ("dq", "fp32", 64): ([_C(16, 16, 4, 2)],) * 3,
     ("dq", "fp32", 128): ([_C(16, 16, 4, 2)],) * 3,
-    # masked: (16, 16, 4, 2) spilled 16 bytes with the float mask's row statistics (_row_lse).
-    ("dq", "fp32", 256): ([_C(16, 16, 4, 2)], [_C(32, 16, 8, 2)], [_C(16, 16, 4, 2)]),
+    # masked: (16, 16, 4, 2) spilled 16 bytes with the float mask's row statistics (_row_lse);
+    # dropout: 16 with Triton 3.6 once float32 kept them too (ROW_STAT), where (16, 16, 8, 2)
+    # compiles cleanly for every class, sm_90 and sm_80, 3.6 and 3.8 (75-171 registers).
+    ("dq", "fp32", 256): ([_C(16, 16, 4, 2)], [_C(32, 16, 8, 2)], [_C(16, 16, 8, 2)]),
 }
 # sm_80 (and the fallback for other archs): mma.sync, 164 KB smem on A100 (99 KB on sm_86/89;
 # the autotuner drops configs that do not fit).
@@ -952,8 +965,9 @@ _SM80 = {
     # and head a dim each (3.8 held it at 128 registers); (16, 16, 4, 1) takes 216, 3.6 and 3.8.
     ("dkdv", "fp32", 256): ([_C(16, 16, 8, 2)], [_C(16, 16, 8, 2)], [_C(16, 16, 4, 1)]),
     # (32, 16, 8, 2) spills 20 bytes with key padding and Triton 3.6 (_VERSION_SPILLS), where
-    # (16, 16, 4, 2) compiles cleanly with either version.
-    ("dq", "fp32", 256): ([_C(32, 16, 8, 2)], [_C(32, 16, 8, 2), _C(16, 16, 4, 2)],
+    # (16, 16, 8, 2) compiles cleanly with either version ((16, 16, 4, 2) spilled 8 bytes with
+    # 3.6 once float32 kept the row statistics, ROW_STAT).
+    ("dq", "fp32", 256): ([_C(32, 16, 8, 2)], [_C(32, 16, 8, 2), _C(16, 16, 8, 2)],
                           [_C(32, 16, 8, 2)]),
 }
 
@@ -1011,6 +1025,7 @@ _VERSION_SPILLS = {
         ("dkdv", 90, 64, "masked_dropout", _QK(128, 64, 8, 2)),
         ("dkdv", 90, 128, "masked_dropout", _C(32, 64, 8, 2)),
         ("dkdv", 90, 128, "padded", _QK(128, 64, 8, 2)),
+        ("dq", 90, 256, "padded", _C(32, 16, 8, 2)),  # fp32, 8 bytes since ROW_STAT
     },
 }
 
@@ -1062,6 +1077,7 @@ _TUNE_KEY = [
     "HEAD_DV",
     "IS_CAUSAL",
     "MASK_KIND",
+    "ROW_STAT",
     "HAS_KPM",
     "HAS_DROPOUT",
     "PART",
@@ -1464,12 +1480,17 @@ def _seed_args(seed: int | torch.Tensor, device: torch.device) -> tuple[torch.Te
     return dummy, seed
 
 
-def _stat_arg(mask: _Mask, stat: torch.Tensor | None, lse: torch.Tensor) -> torch.Tensor:
-    """The Stat argument of a launch: `stat` (float masks; a scratch buffer when the caller
-    keeps none), else lse (never read)."""
-    if mask.kind != MASK_FLOAT:
-        return lse
-    return stat if stat is not None else lse.new_empty(*lse.shape, 2)
+def _stat_arg(
+    mask: _Mask, stat: torch.Tensor | None, lse: torch.Tensor
+) -> tuple[torch.Tensor, bool]:
+    """(the Stat argument of a launch, its ROW_STAT): `stat` when the caller keeps one (the op
+    does for float masks and float32 inputs), a scratch buffer for a float mask without one
+    (its kernels always take P from the split statistics), else lse (never read)."""
+    if stat is not None:
+        return stat, True
+    if mask.kind == MASK_FLOAT:
+        return lse.new_empty(*lse.shape, 2), True
+    return lse, False
 
 
 def _on_device_of(fn):
@@ -1584,7 +1605,9 @@ def grads_like(*inputs: torch.Tensor) -> list[torch.Tensor]:
     return [torch.empty_like(t) for t in inputs]
 
 
-def _meta(q, k, v, mask: _Mask, kpm, dropout_p: float, is_causal: bool) -> dict:
+def _meta(
+    q, k, v, mask: _Mask, kpm, dropout_p: float, is_causal: bool, row_stat: bool
+) -> dict:
     d, dv = q.shape[-1], v.shape[-1]
     return {
         "HEAD_D": d,
@@ -1593,6 +1616,7 @@ def _meta(q, k, v, mask: _Mask, kpm, dropout_p: float, is_causal: bool) -> dict:
         "BLOCK_DV": block_dim(dv),
         "IS_CAUSAL": bool(is_causal),
         "MASK_KIND": mask.kind,
+        "ROW_STAT": row_stat,
         "HAS_KPM": kpm is not None,
         "HAS_DROPOUT": dropout_p > 0.0,
         # fp32 inputs get true fp32 products (not tf32); fp16/bf16 use tensor cores.
@@ -1630,9 +1654,11 @@ def attention_forward(
         kv_range: key_range(key_padding_mask) when the caller has it already.
         like_query: out in q's order of dims in memory (see `_empty_like_order`), else
             contiguous.
-        stat: with a float attn_mask, a (B, H, Lq, 2) float32 tensor that receives each row's
-            score max and log2 of its exponential sum, for attention_backward (its `stat`):
-            the LSE alone loses the sum's log where a large negative bias dominates a row.
+        stat: None, or a (B, H, Lq, 2) float32 tensor that receives each row's score max and
+            log2 of its exponential sum, for attention_backward (its `stat`): the LSE alone
+            loses the sum's log where a large negative bias dominates a row, and float32
+            gradients missed the parity bound past |LSE| ~ 900. With a float attn_mask and no
+            `stat` a scratch buffer takes them.
 
     Returns:
         out (B, H, Lq, Dv) in q's dtype, lse (B, H, Lq) fp32 (natural log; -inf when every key
@@ -1648,8 +1674,8 @@ def attention_forward(
         return out.zero_(), lse.fill_(float("-inf"))
     mask = _attn_mask(attn_mask, (b, h, lq, lk), q)
     pad = _padding(key_padding_mask, q, kv_range)
-    meta = _meta(q, k, v, mask, key_padding_mask, dropout_p, is_causal)
-    stat = _stat_arg(mask, stat, lse)
+    stat, row_stat = _stat_arg(mask, stat, lse)
+    meta = _meta(q, k, v, mask, key_padding_mask, dropout_p, is_causal, row_stat)
     args = (
         q, k, v, out, lse, stat, mask.tensor, pad.tensor, pad.kv_range,
         *_seed_args(seed, q.device),
@@ -1692,9 +1718,9 @@ def attention_backward(
         kv_range: key_range(key_padding_mask) when the caller has it (the forward's).
         like_inputs: dq, dk, dv laid out in memory as q, k, v are (see `grads_like`), else
             contiguous.
-        stat: what attention_forward wrote into its `stat` (float attn_mask); without it the
-            row statistics are taken from lse, which is exact unless a row's scores are all
-            below about -1e6 (a large negative bias on every key of the row).
+        stat: what attention_forward wrote into its `stat`, or None: P then comes from lse,
+            which loses precision where |lse| is large (a large negative bias on every key of
+            a row; float32 logits past ~900).
 
     Returns:
         (dq, dk, dv, dmask or None), dq/dk/dv in the dtype and shape of q/k/v.
@@ -1762,12 +1788,12 @@ def _backward_kernels(
     dlse = delta if grad_lse is None else grad_lse.float().contiguous()
     mask = _attn_mask(attn_mask, (b, h, lq, lk), q)
     pad = _padding(key_padding_mask, q, kv_range)
-    meta = _meta(q, k, v, mask, key_padding_mask, dropout_p, is_causal)
     seed_ptr, seed = _seed_args(seed, q.device)
     if mask.kind == MASK_FLOAT and stat is None:  # from lse: (lse, 0) (_row_lse)
         hi = torch.where(lse == float("-inf"), float("inf"), lse)
         stat = torch.stack((hi, torch.zeros_like(hi)), -1)
-    stat = _stat_arg(mask, stat, lse)
+    stat, row_stat = _stat_arg(mask, stat, lse)
+    meta = _meta(q, k, v, mask, key_padding_mask, dropout_p, is_causal, row_stat)
     common = (
         seed, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p), qk_scale(scale), scale,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
@@ -1841,6 +1867,8 @@ def _compile_inputs(
         "BLOCK_DV": block_dim(head_dim),
         "IS_CAUSAL": variant.is_causal,
         "MASK_KIND": variant.mask_kind,
+        # as the op launches them (fastformer.ops.attention._new_stat)
+        "ROW_STAT": variant.mask_kind == MASK_FLOAT or dtype == torch.float32,
         "HAS_KPM": variant.has_kpm,
         "HAS_DROPOUT": variant.has_dropout,
         "DOT_PREC": "ieee" if dtype == torch.float32 else "tf32",

@@ -422,6 +422,44 @@ def test_torch_backend_float_mask_of_large_values(monkeypatch, bias):
     assert_parity(results)
 
 
+@pytest.mark.parametrize("backend", ["default", "torch"])
+@pytest.mark.parametrize(
+    "masks, scale",
+    [("none", 3.0), ("none", 30.0), ("none", 1e3), ("causal_padding", 30.0),
+     ("causal_padding", 300.0)],
+)  # fmt: skip
+def test_float32_gradients_at_large_logits(monkeypatch, backend, masks, scale):
+    # |LSE| up to ~3e4 (scale 1e3 on N(0, 1) inputs, d64). P recomputed from the float32 LSE,
+    # which rounds at its magnitude, is off by up to 2**-24 * |LSE| of itself: dV was 64x the
+    # parity bound in the Triton kernels; torch's CPU flash backward missed it from |LSE| ~ 100
+    # (dq 1.01x at scale 3, dv 571x at 1e3). The kernels now keep the row max and log2 of the
+    # sum apart for float32 (`Stat`), and the torch backend takes its own backward there.
+    # The interpreter's tl.dot (numpy) rounds k @ q^T unlike q @ k^T, which the forward takes:
+    # on CPU, dK/dV run on (query x key) tiles (NOTES.md). Not in the grid, as they miss the
+    # bound on CPU for other reasons: causal + padding at scale 100 (the interpreter's forward
+    # out 1.18x) and 1e3 (dq 24x in rows whose exact gradient is 0: FlashAttention's delta,
+    # rowsum(dO * O), does not cancel dP exactly; the reference's rowsum(P * dP) does).
+    _use_backend(monkeypatch, backend)
+    if DEVICE == "cpu":
+        from fastformer.kernels import attention as kernels
+
+        monkeypatch.setattr(kernels, "INTERPRET_CONFIG", kernels.Config(32, 32, 4, 1, True))
+    b, h, lq, lk, d = 1, 2, 65, 47, 64
+    q, k, v = (_randn((b, h, n, d), seed=i, grad=True) for i, n in enumerate((lq, lk, lk)))
+    kw = dict(scale=scale)
+    if masks == "causal_padding":
+        kpm = torch.zeros(b, lk, dtype=torch.bool, device=DEVICE)
+        kpm[:, 3:9] = True
+        kw.update(is_causal=True, key_padding_mask=kpm)
+    results = compare_with_reference(
+        lambda q, k, v: attn.scaled_dot_product_attention(q, k, v, **kw),
+        lambda q, k, v: ref.scaled_dot_product_attention(q, k, v, **kw),
+        [q, k, v],
+        names=["q", "k", "v"],
+    )
+    assert_parity(results)
+
+
 # --------------------------------------------------------------------------- dropout
 
 
@@ -831,9 +869,13 @@ def test_opcheck(monkeypatch, backend):
     torch.library.opcheck(op, (q, k, v, None, None, 0.0, False, 0.25))
     q, k, v = (t.detach() for t in (q, k, v))  # the backward op itself has no autograd
     backward = torch.ops.fastformer.attention_backward.default
-    for mask in (None, _attn_mask(c).detach()):  # a float mask: the forward's row statistics
+    for mask in (None, _attn_mask(c).detach()):
+        # The forward's row statistics: kept for float32 inputs and float masks, the 8 bytes a
+        # row spared for 16-bit inputs without one.
+        half = op(q.half(), k.half(), v.half(), mask, None, 0.0, False, 0.25)[3]
+        assert half.shape == ((1, 2, 9, 2) if mask is not None else (0,))
         out, lse, seed, stat = op(q, k, v, mask, None, 0.0, False, 0.25)
-        assert stat.shape == ((1, 2, 9, 2) if mask is not None else (0,))
+        assert stat.shape == (1, 2, 9, 2)
         # Without an lse gradient the torch backend runs torch's CPU flash backward, with one
         # its written-out reference backward: check both.
         for grad_lse in (None, torch.randn_like(lse)):
@@ -859,6 +901,24 @@ def test_raw_ops_check_their_inputs(case):
     seed = seed.float() if case == "seed" else seed
     with pytest.raises(ValueError, match=f"attention_backward: {case} must be"):
         backward(grad_out, None, q, k, v, out, lse, stat, None, None, seed, 0.0, False, 0.25, False)
+
+
+@pytest.mark.parametrize("dtype", [F16, F32])
+def test_raw_backward_wants_the_forwards_stat(dtype):
+    # stat must have the shape the forward gives it: (B, H, Lq, 2) float32 for float32 inputs
+    # (or a float mask), else empty. A 16-bit call without a float mask took any float32 stat
+    # and its kernels read it (a 3-element one gave NaN dq: out of bounds on a GPU).
+    op, backward = torch.ops.fastformer.attention, torch.ops.fastformer.attention_backward
+    q, k, v = (_randn((2, 2, 5, 8), dtype=dtype, seed=i) for i in range(3))
+    out, lse, seed, stat = op(q, k, v, None, None, 0.0, False, 0.25)
+    args = (torch.ones_like(out), None, q, k, v, out, lse)
+    rest = (None, None, seed, 0.0, False, 0.25, False)
+    backward(*args, stat, *rest)  # its own
+    wrong = [torch.zeros(3), torch.zeros(2, 2, 3, 2)]
+    wrong += [torch.zeros(2, 2, 5, 2)] if dtype == F16 else [torch.zeros(0)]
+    for bad in wrong:
+        with pytest.raises(ValueError, match="attention_backward: stat must be"):
+            backward(*args, bad.to(DEVICE), *rest)
 
 
 @pytest.mark.parametrize("name", ["grad_out", "out", "lse", "seed"])
