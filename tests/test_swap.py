@@ -216,15 +216,23 @@ def test_swapped_reference_modules_keep_is_causal_with_a_mask(kind, padding):
     _model_parity(model, original, args, masks)
 
 
-def test_swapped_reference_attention_weights_keep_is_causal_with_a_mask():
-    """need_weights=True runs torch.nn's path: the causal mask is merged into attn_mask (a
-    bias without it here, so that dropping either changes the result)."""
+@pytest.mark.parametrize("case", ["causal_with_mask", "row_without_keys"])
+def test_swapped_reference_attention_weights_match_the_reference(case):
+    """need_weights=True leaves the fused path: it must still compute the reference's function.
+    torch.nn's drops is_causal or the mask (a bias without the causal mask here, so that
+    dropping either changes the result), and gave NaN weights and output to a row whose every
+    key is masked, where the reference gives 0."""
     original = _perturb(reference.MultiheadAttention(E, H, batch_first=True))
     model = copy.deepcopy(original)
     swap(model)
     x, mask = torch.randn(B, T, E), torch.randn(T, T)
-    expected = original(x, x, x, attn_mask=mask, is_causal=True, need_weights=True)
-    got = model(x, x, x, attn_mask=mask, is_causal=True, need_weights=True)
+    kw = dict(attn_mask=mask, is_causal=True, need_weights=True)
+    if case == "row_without_keys":
+        mask = torch.zeros(T, T, dtype=torch.bool)
+        mask[1] = True  # True = not allowed: row 1 sees no key
+        kw = dict(attn_mask=mask, need_weights=True)
+    expected = original(x, x, x, **kw)
+    got = model(x, x, x, **kw)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from fastformer import reference
 from fastformer.nn import _ops, _record
 from fastformer.nn._lookup import child, param
 from fastformer.ops import rng
@@ -406,9 +407,21 @@ class ReferenceMultiheadAttention(MultiheadAttention):
             average_attn_weights, is_causal,
         )  # fmt: skip
 
+    # For the reference's forward on this module's parameters (`_torch_forward`).
+    _split_heads = reference.MultiheadAttention._split_heads
+    _sdpa_masks = reference.MultiheadAttention._sdpa_masks
+
     def _torch_forward(
         self, query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal
     ):
+        if not (query.is_nested or key.is_nested or value.is_nested):
+            # The reference's own function where the fused path does not apply (need_weights,
+            # dropout past the kernels' limits): torch.nn's weights are NaN in a row whose every
+            # key is masked, where the reference's (and its output) are 0.
+            return reference.MultiheadAttention.forward(
+                self, query, key, value, key_padding_mask, need_weights, attn_mask, average,
+                is_causal,
+            )  # fmt: skip
         if is_causal and attn_mask is not None:
             # torch.nn would read is_causal as a hint and drop one of the two: merge them.
             attn_mask = _with_causal(attn_mask, self._causal_mask(query, key))
