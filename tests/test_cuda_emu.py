@@ -554,6 +554,27 @@ def test_layer_norm_dropout_mask_is_the_regenerated_one(dtype, cols):
     assert torch.equal(x.grad != 0, keep)  # the backward regenerates the same mask
 
 
+@pytest.mark.parametrize(("dtype", "cols"), [(F32, 129), (BF16, 1024)])
+def test_layer_norm_dropout_keeps_a_dropped_nan_nan(dtype, cols):
+    # torch's dropout multiplies by 0: a dropped NaN or inf stays NaN, and so does a NaN
+    # gradient it drops (the kernels selected 0 there, hiding a NaN the model had made).
+    rows, p = 3, 0.4
+    (r0, c0), (r1, c1) = (~_keep(SEED, (rows, cols), p)).nonzero()[:2]
+    x = _make((rows, cols), dtype, grad=False)
+    x[r0, c0], x[r1, c1] = torch.nan, torch.inf
+    with ce.device():
+        out, pre = ce.layer_norm(x, None, None, dropout_p=p, prenorm=True, seed=SEED)
+    assert pre[r0, c0].isnan() and pre[r1, c1].isnan()
+    assert out[r0].isnan().all() and out[r1].isnan().all()
+    x = _make((rows, cols), dtype)
+    grad_pre = torch.zeros(rows, cols, dtype=dtype)
+    grad_pre[r0, c0] = torch.nan
+    with ce.device():
+        out, pre = ce.layer_norm(x, None, None, dropout_p=p, prenorm=True, seed=SEED)
+        (dx,) = torch.autograd.grad((out, pre), x, (torch.zeros_like(out), grad_pre))
+    assert dx[r0, c0].isnan() and dx.isnan().sum() == 1
+
+
 @pytest.mark.parametrize(("dtype", "cols"), [(F32, 1024), (BF16, 1023)])
 def test_fused_forward_without_pre_recomputes_the_same_values(dtype, cols):
     # Without a stored pre the kernels recompute residual + dropout(x) in each pass.

@@ -394,6 +394,29 @@ def test_dropout_backward_regenerates_mask_and_stores_none():
     assert saved and all(t.dtype not in (torch.bool, torch.uint8, torch.int8) for t in saved)
 
 
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_dropout_keeps_a_dropped_nan_nan(monkeypatch, backend):
+    # torch's dropout multiplies by 0, so a dropped NaN or inf stays NaN, and so does a NaN
+    # gradient it drops. The C++ kernels selected 0 there, hiding a NaN the model had made.
+    monkeypatch.setenv("FASTFORMER_BACKEND_LAYER_NORM", backend)
+    p, shape = 0.5, (4, 64)
+    seed = _seed_of_next_call(5)
+    (r0, c0), (r1, c1) = (~ln.dropout_add_layer_norm_keep_mask(seed, shape, p)).nonzero()[:2]
+    x, res = _make(shape, grad=False), _make(shape, seed=1, grad=False)
+    x[r0, c0], x[r1, c1] = float("nan"), float("inf")
+    torch.manual_seed(5)
+    out, pre = ln.dropout_add_layer_norm(x, res, None, None, dropout_p=p, prenorm=True)
+    assert pre[r0, c0].isnan() and pre[r1, c1].isnan()
+    assert out[r0].isnan().all() and out[r1].isnan().all()
+    x = _make(shape)
+    torch.manual_seed(5)
+    out, pre = ln.dropout_add_layer_norm(x, None, None, None, dropout_p=p, prenorm=True)
+    grad_pre = torch.zeros(shape)
+    grad_pre[r0, c0] = float("nan")
+    (dx,) = torch.autograd.grad((out, pre), x, (torch.zeros(shape), grad_pre))
+    assert dx[r0, c0].isnan() and dx.isnan().sum() == 1
+
+
 # --------------------------------------------------------------------------- determinism
 
 

@@ -11,7 +11,7 @@
 namespace fastformer {
 
 // Inverted dropout of the element scheme (dropout_keep in philox.h) in place:
-// v[k] = keep(first + k) ? v[k] * scale : 0 for k < n.
+// v[k] *= keep(first + k) ? scale : 0 for k < n (a dropped NaN stays NaN, as in torch).
 void dropout_scale_cpu(float* v, int64_t n, uint64_t seed, uint64_t first, float p, float scale);
 void dropout_scale_cpu(double* v, int64_t n, uint64_t seed, uint64_t first, float p,
                        double scale);

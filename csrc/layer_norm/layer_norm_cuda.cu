@@ -327,10 +327,11 @@ __device__ __forceinline__ uint64_t seed_of(const Args& a) {
   return a.seed_ptr != nullptr ? static_cast<uint64_t>(__ldg(a.seed_ptr)) : a.seed;
 }
 
-// Dropout of one element: the shared Philox keep decision, kept values scaled.
+// Dropout of one element: the shared Philox keep decision, kept values scaled. A product with
+// 0, as torch's dropout takes it: a dropped NaN or inf stays NaN, not a silent 0.
 __device__ __forceinline__ float dropout(float v, uint64_t seed, uint64_t offset, float p,
                                          float scale) {
-  return dropout_keep(seed, offset, p) ? v * scale : 0.f;
+  return v * (dropout_keep(seed, offset, p) ? scale : 0.f);
 }
 
 // The normalized input of one 16-byte chunk, raw in the input dtype, from its raw x and
@@ -344,7 +345,7 @@ __device__ __forceinline__ uint4 fuse_chunk(const LnFwdArgs& a, int64_t idx, uin
   unpack<T>(x, v);
   if (a.dropout_p > 0.f) {
     for_each_keep<kE>(seed_of(a), static_cast<uint64_t>(idx), a.dropout_p, [&](int e, bool keep) {
-      v[e] = keep ? v[e] * a.dropout_scale : 0.f;
+      v[e] *= keep ? a.dropout_scale : 0.f;  // (a dropped NaN stays NaN: `dropout`)
     });
   }
   if (a.residual != nullptr) {
@@ -594,7 +595,7 @@ __device__ __forceinline__ void fused_dx_vec(const LnBwdArgs& a, int64_t idx, fl
   if (a.dres != nullptr) store_vec<T, kE>(static_cast<T*>(a.dres) + idx, d);
   if (a.dropout_p > 0.f) {
     for_each_keep<kE>(seed_of(a), static_cast<uint64_t>(idx), a.dropout_p, [&](int e, bool keep) {
-      d[e] = keep ? d[e] * a.dropout_scale : 0.f;
+      d[e] *= keep ? a.dropout_scale : 0.f;
     });
   }
 }

@@ -53,8 +53,9 @@ FF_PHILOX_CLONES void element_keep_cpu(uint64_t seed, uint64_t first_call, int64
   }
 }
 
-// v[k] = keep ? v[k] * scale : 0 for the n elements first .. first + n - 1 (any n and
-// alignment): aligned groups of four in blocks of element_keep_cpu, the edges one by one.
+// v[k] *= keep ? scale : 0 for the n elements first .. first + n - 1 (any n and alignment; a
+// product, as torch's dropout: a dropped NaN or inf stays NaN, not a silent 0): aligned groups
+// of four in blocks of element_keep_cpu, the edges one by one.
 // Inlined into each clone of dropout_scale_cpu, so its loop is built for that clone's ISA.
 template <typename A>
 FF_FORCE_INLINE void dropout_scale_impl(A* v, int64_t n, uint64_t seed, uint64_t first, float p,
@@ -63,15 +64,15 @@ FF_FORCE_INLINE void dropout_scale_impl(A* v, int64_t n, uint64_t seed, uint64_t
   uint8_t keep[4 * kCalls];
   int64_t k = 0;
   for (; k < n && ((first + k) & 3) != 0; ++k) {
-    v[k] = dropout_keep(seed, first + k, p) ? v[k] * scale : A(0);
+    v[k] *= dropout_keep(seed, first + k, p) ? scale : A(0);
   }
   while (k + 4 <= n) {
     const int64_t calls = std::min(kCalls, (n - k) / 4);
     element_keep_cpu(seed, (first + k) >> 2, calls, p, keep);
-    for (int64_t e = 0; e < 4 * calls; ++e) v[k + e] = keep[e] ? v[k + e] * scale : A(0);
+    for (int64_t e = 0; e < 4 * calls; ++e) v[k + e] *= keep[e] ? scale : A(0);
     k += 4 * calls;
   }
-  for (; k < n; ++k) v[k] = dropout_keep(seed, first + k, p) ? v[k] * scale : A(0);
+  for (; k < n; ++k) v[k] *= dropout_keep(seed, first + k, p) ? scale : A(0);
 }
 
 }  // namespace
