@@ -376,6 +376,25 @@ def test_bench_model_stage_compares_eager_and_fastformer(bench_run):
     assert model["parity"]["compared"] > 10  # the loss and every parameter's gradient
 
 
+@pytest.mark.skipif(not _swap_available(), reason="fastformer.swap is not available yet")
+def test_model_parity_in_float16_bounds_by_the_reference_and_torch_nn():
+    # `bench --dtype float16 --model tiny` failed its model parity (linear1 gradients 2.4x the
+    # bound) as torch.nn's own modules do: a ReLU input within rounding of 0 flipped sign where
+    # the upstream gradient is large, while the reference alone, which set the bound, flipped
+    # only where it is ~0. The bound now takes the larger error of the two eager models.
+    from fastformer.cli.cases import MODELS
+
+    case = MODELS["tiny"]
+    eager = B.build_model(case, torch.device("cpu"), torch.float16, 0.0)
+    src, tgt = B.synthetic_batch(case, torch.device("cpu"))
+    fast, _ = B.swapped(copy.deepcopy(eager))
+    assert B.model_parity(eager, fast, src, tgt)["passed"]
+    with torch.no_grad():  # still tight enough to catch a weight off by 1%
+        fast.transformer.encoder.layers[0].linear1.weight.mul_(1.01)
+    result = B.model_parity(eager, fast, src, tgt)
+    assert not result["passed"] and "linear1" in " ".join(result["failed"]), result["failed"]
+
+
 def test_attention_backward_rows_are_fwd_bwd_less_fwd():
     case = AttentionCase(2, 4, 256, 64, causal=True)
     bench = types.SimpleNamespace(flops=case.flops, bytes=lambda mode: case.bytes(mode, 2))

@@ -233,18 +233,30 @@ def _loss_and_grads(model, src, tgt) -> tuple[torch.Tensor, dict[str, torch.Tens
 
 def model_parity(eager, fast, src, tgt) -> dict[str, Any]:
     """Parity rule on the loss and every parameter gradient: fastformer vs the reference in
-    float64, bounded by twice the reference's own error in the benchmark dtype."""
+    float64, bounded by twice the larger error of two eager runs in the benchmark dtype, the
+    reference's and its torch.nn twin's (`torch_nn_twin`; the reference's alone for other
+    models). One run's error is a draw: a ReLU input within rounding of 0 takes either sign,
+    and a flip where the upstream gradient is large moves a linear1 gradient by it. In float16
+    the reference alone set bounds that 8 of 20 weight seeds of the tiny model failed, and
+    torch.nn's own modules failed on the same seeds by the same amounts (0 of 20 with ReLU's
+    signs taken from float64)."""
     from fastformer.testing import parity
 
     ref64 = copy.deepcopy(eager).double()
-    lp = copy.deepcopy(eager)
     loss64, grads64 = _loss_and_grads(ref64, src, tgt)
-    loss_lp, grads_lp = _loss_and_grads(lp, src, tgt)
+    twin = torch_nn_twin(eager)
+    low = [copy.deepcopy(eager)] + ([] if isinstance(twin, str) else [twin])
+    runs = [_loss_and_grads(model, src, tgt) for model in low]
     loss_f, grads_f = _loss_and_grads(fast, src, tgt)
-    results = [parity("loss", loss_f, loss64, loss_lp)]
+
+    def checked(name: str, got: torch.Tensor, ref: torch.Tensor, lows: list) -> Any:
+        return max((parity(name, got, ref, lp) for lp in lows), key=lambda r: r.bound)
+
+    results = [checked("loss", loss_f, loss64, [loss for loss, _ in runs])]
     missing = sorted(set(grads64) - set(grads_f))
     for name in sorted(set(grads64) & set(grads_f)):
-        results.append(parity(f"d{name}", grads_f[name], grads64[name], grads_lp[name]))
+        lows = [grads[name] for _, grads in runs]
+        results.append(checked(f"d{name}", grads_f[name], grads64[name], lows))
     worst = max(results, key=lambda r: r.error / r.bound if r.bound else math.inf)
     failed = [str(r) for r in results if not r.passed]
     return {
