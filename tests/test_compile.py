@@ -233,3 +233,19 @@ def test_backend_choices_are_no_guard_of_a_compiled_graph():
     _dispatch._CHOICES.clear()
     compiled(x)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_value_gets_no_gradient_when_only_the_lse_is_used():
+    # Eager calls give value None there (lse does not depend on it); the compiled op's autograd
+    # got a zero cotangent for the unused output and returned a zero tensor, which AdamW's
+    # weight decay and momentum then moved (0.17 after one step at lr 0.1, decay 0.5).
+    from fastformer.ops.attention import scaled_dot_product_attention_with_lse
+
+    q, k, v = (torch.randn(2, 2, 5, 8, requires_grad=True) for _ in range(3))
+
+    def lse_only(q, k, v):
+        return scaled_dot_product_attention_with_lse(q, k, v)[1]
+
+    for fn in (lse_only, torch.compile(lse_only, backend="aot_eager", fullgraph=True)):
+        dq, dk, dv = torch.autograd.grad(fn(q, k, v).sum(), (q, k, v), allow_unused=True)
+        assert dv is None and dq is not None and dk is not None

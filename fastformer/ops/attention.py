@@ -963,6 +963,9 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(query, key, value, out, lse, stat, attn_mask, key_padding_mask, seed)
     ctx.dropout_p, ctx.is_causal, ctx.scale = dropout_p, is_causal, scale
     ctx.float_mask = attn_mask is not None and attn_mask.is_floating_point()
+    # No zero cotangent for an unused out: value's gradient is then None (`_grads`), as in
+    # eager calls (compiled ones gave a zero tensor, which AdamW's weight decay moves).
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_out, grad_lse, _grad_seed, _grad_stat):
