@@ -24,7 +24,8 @@ Mask conventions (the same as the torch API each argument comes from):
   produced anywhere, gradients included.
 
 The modules have the same constructor arguments, forward signatures and parameter names as
-their ``torch.nn`` counterparts, so state_dicts load with ``strict=True`` in both directions.
+their ``torch.nn`` counterparts, so state_dicts load with ``strict=True`` in both directions,
+except where ``MultiheadAttention`` says otherwise.
 """
 
 from __future__ import annotations
@@ -521,6 +522,11 @@ class MultiheadAttention(nn.Module):
     ``(L, S)`` or ``(B * H, L, S)``, bool True = NOT allowed, float added; ``key_padding_mask``
     ``(B, S)``, bool True = padding, float added. ``is_causal=True`` applies the causal mask
     (combined with ``attn_mask`` if given) instead of being only a hint.
+
+    Unlike torch's: ``need_weights`` defaults to False, and the constructor has no
+    ``add_bias_kv``, ``add_zero_attn``, ``kdim`` or ``vdim``; ``batch_first``, ``device`` and
+    ``dtype`` are keyword-only (torch's fifth positional argument is ``add_bias_kv``, which a
+    positional ``batch_first`` here would have silently stood for).
     """
 
     def __init__(
@@ -529,6 +535,7 @@ class MultiheadAttention(nn.Module):
         num_heads: int,
         dropout: float = 0.0,
         bias: bool = True,
+        *,
         batch_first: bool = False,
         device=None,
         dtype=None,
@@ -719,7 +726,9 @@ class TransformerEncoderLayer(_SublayerMixin, nn.Module):
         super().__init__()
         _check_layer_activation(activation)
         kw = {"device": device, "dtype": dtype}
-        self.self_attn = MultiheadAttention(d_model, nhead, dropout, bias, batch_first, **kw)
+        self.self_attn = MultiheadAttention(
+            d_model, nhead, dropout, bias, batch_first=batch_first, **kw
+        )
         self._init_sublayers(
             2, d_model, dim_feedforward, dropout, activation, layer_norm_eps, norm_first, bias, kw
         )
@@ -770,8 +779,12 @@ class TransformerDecoderLayer(_SublayerMixin, nn.Module):
         super().__init__()
         _check_layer_activation(activation)
         kw = {"device": device, "dtype": dtype}
-        self.self_attn = MultiheadAttention(d_model, nhead, dropout, bias, batch_first, **kw)
-        self.multihead_attn = MultiheadAttention(d_model, nhead, dropout, bias, batch_first, **kw)
+        self.self_attn = MultiheadAttention(
+            d_model, nhead, dropout, bias, batch_first=batch_first, **kw
+        )
+        self.multihead_attn = MultiheadAttention(
+            d_model, nhead, dropout, bias, batch_first=batch_first, **kw
+        )
         self._init_sublayers(
             3, d_model, dim_feedforward, dropout, activation, layer_norm_eps, norm_first, bias, kw
         )

@@ -390,6 +390,14 @@ def test_multihead_attention_unbatched():
     _close(mine(x, x, x, kpm)[0], theirs(x, x, x, kpm)[0])
 
 
+def test_multihead_attention_takes_batch_first_by_name_only():
+    # torch's fifth positional argument is add_bias_kv, which the reference lacks: a positional
+    # batch_first here would have stood for it silently.
+    with pytest.raises(TypeError):
+        ref.MultiheadAttention(8, 2, 0.0, True, True)
+    assert ref.MultiheadAttention(8, 2, 0.0, True, batch_first=True).batch_first
+
+
 LAYER_KW = dict(d_model=16, nhead=4, dim_feedforward=24, dropout=0.0, dtype=F64)
 
 
