@@ -233,6 +233,7 @@ def test_swapped_reference_attention_weights_match_the_reference(case):
         kw = dict(attn_mask=mask, need_weights=True)
     expected = original(x, x, x, **kw)
     got = model(x, x, x, **kw)
+    assert "MultiheadAttention -> the reference" in explain(model, x, x, x, **kw)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
 

@@ -209,6 +209,7 @@ class MultiheadAttention(nn.MultiheadAttention):
     # is_causal with attn_mask is torch.nn's hint (see sdpa_masks); ReferenceMultiheadAttention
     # turns it off.
     _causal_hint: bool = True
+    _fallback = "torch.nn"  # what runs where the fused path does not (explain's record)
 
     @property
     def fallback_reasons(self) -> list[str]:
@@ -261,7 +262,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         )
         if not plain:
             reasons = self._call_reasons(query, key, value, need_weights)
-            _record.note(self, "MultiheadAttention", "torch.nn", [("fastformer", reasons)])
+            _record.note(self, "MultiheadAttention", self._fallback, [("fastformer", reasons)])
             return self._torch_forward(
                 query, key, value, key_padding_mask, need_weights, attn_mask,
                 average_attn_weights, is_causal,
@@ -389,6 +390,7 @@ class ReferenceMultiheadAttention(MultiheadAttention):
     attn_mask is the causal mask and drops one of the two)."""
 
     _causal_hint = False
+    _fallback = "the reference"  # what runs where the fused path does not (`_torch_forward`)
 
     def forward(
         self,
