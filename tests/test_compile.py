@@ -217,6 +217,30 @@ def test_dynamic_shapes_compile_one_graph():
     assert counters["stats"]["unique_graphs"] == 1
 
 
+def test_attention_head_dims_share_one_dynamic_graph():
+    # The default scale 1 / sqrt(D), resolved before the op, was a guard on D: one graph per
+    # head dim. Gradients too: the backward op resolves the scale the forward saved as None.
+    from torch._dynamo.utils import counters
+
+    from fastformer import scaled_dot_product_attention
+
+    def attend(q, k, v):
+        return scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    compiled = torch.compile(attend, fullgraph=True, dynamic=True, backend="aot_eager")
+    counters.clear()
+    for head_dim in (8, 12, 16):
+        q = torch.randn(B, H, S, head_dim, requires_grad=True)
+        k, v = torch.randn(2, B, H, S + 2, head_dim)
+        expected = reference.scaled_dot_product_attention(q, k, v, is_causal=True)
+        (grad_expected,) = torch.autograd.grad(expected.square().sum(), q)
+        out = compiled(q, k, v)
+        (grad,) = torch.autograd.grad(out.square().sum(), q)
+        torch.testing.assert_close(out, expected, **TOL)
+        torch.testing.assert_close(grad, grad_expected, **TOL)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_backend_choices_are_no_guard_of_a_compiled_graph():
     # The traced backend choice read the op's choice cache: dynamo guarded on the cache, and
     # each change to it (its first fill, a reset past its limit) compiled the graph again.

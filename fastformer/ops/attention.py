@@ -155,13 +155,17 @@ def scaled_dot_product_attention_with_lse(
     )
     args = (query, key, value, attn_mask, key_padding_mask, float(dropout_p), bool(is_causal))
     if traced():
+        # The op resolves a None scale itself: 1 / sqrt(D) of a symbolic head dim is a guard on
+        # D (dynamic=True recompiled per head dim).
         out, lse = torch.ops.fastformer.attention(*args, scale)[:2]
-    elif under_transform():
-        out, lse = _transformed(*args, scale)
+        return out, lse
+    resolved = _resolve_scale(scale, query.shape[-1])
+    if under_transform():
+        out, lse = _transformed(*args, resolved)
     elif torch.is_grad_enabled() and _any_requires_grad(query, key, value, attn_mask):
-        out, lse = _AttentionFunction.apply(*args, scale)
+        out, lse = _AttentionFunction.apply(*args, resolved)
     else:
-        out, lse = _forward(*args, scale, like_query=True)[:2]
+        out, lse = _forward(*args, resolved, like_query=True)[:2]
     return out, lse
 
 
@@ -245,8 +249,9 @@ def dropout_threshold(dropout_p: float) -> int:
 
 def _check_inputs(
     query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
-) -> float:
-    """Raise TypeError/ValueError naming the bad argument; return the resolved scale."""
+) -> float | None:
+    """Raise TypeError/ValueError naming the bad argument; return the scale as a float, or None
+    (the default, which `_resolve_scale` turns into 1 / sqrt(D))."""
     _check_qkv(query, key, value, enable_gqa)
     if attn_mask is not None:
         _check_attn_mask(attn_mask, query, key)
@@ -257,7 +262,11 @@ def _check_inputs(
         _check_dropout_size(_OP_NAME, query.shape[2], key.shape[2])
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type_name(is_causal)}")
-    return _resolve_scale(scale, query.shape[-1])
+    if scale is None:
+        return None
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a float or None, got {type_name(scale)}")
+    return positive_float(_OP_NAME, "scale", scale)
 
 
 def _check_qkv(query, key, value, enable_gqa) -> None:
@@ -366,12 +375,8 @@ def _check_dropout_size(fn: str, seq_q: int, seq_k: int) -> None:
         )
 
 
-def _resolve_scale(scale, head_dim: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
-        raise TypeError(f"scale must be a float or None, got {type_name(scale)}")
-    return positive_float(_OP_NAME, "scale", scale)
+def _resolve_scale(scale: float | None, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else scale
 
 
 # --------------------------------------------------------------------------- backends
@@ -792,16 +797,19 @@ def _attention_op(
     key_padding_mask: Optional[Tensor],  # noqa: UP045
     dropout_p: float,
     is_causal: bool,
-    scale: float,
+    scale: Optional[float],  # noqa: UP045 (None: 1 / sqrt(D))
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out, lse, seed, stat): seed is a CPU int64 scalar, drawn here at run time when
     dropout_p > 0 (inside CUDA graph capture a device scalar, see rng.draw_call_seed); stat
     (B, H, Lq, 2) float32 where `_keeps_stat`: the Triton forward's row statistics for its
     backward (zeros from the torch backend, which does not read them), else empty."""
-    args = (query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale)
     # Callers of torch.ops.fastformer.attention skip the public checks; torch's CPU flash
     # kernel read past a key of fewer batches than the query (a segfault).
-    _check_inputs(*args[:3], attn_mask, dropout_p, is_causal, scale, True, key_padding_mask)
+    scale = _check_inputs(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, True, key_padding_mask
+    )
+    scale = _resolve_scale(scale, query.shape[-1])
+    args = (query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale)
     out, lse, seed, stat = _forward(*args)
     # Contiguous like the fake: inductor trusts its strides. The torch backend's tensors may
     # be (B, L, H, D) views, kept in eager calls, where that layout is what a caller with
@@ -878,13 +886,14 @@ def _attention_backward_op(
     seed: Tensor,
     dropout_p: float,
     is_causal: bool,
-    scale: float,
+    scale: Optional[float],  # noqa: UP045 (None: 1 / sqrt(D))
     mask_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dmask); dmask is empty unless mask_grad (float attn_mask needing grad).
     stat: the forward op's."""
-    _check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, True,
-                  key_padding_mask)  # fmt: skip
+    scale = _check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, True,
+                          key_padding_mask)  # fmt: skip
+    scale = _resolve_scale(scale, query.shape[-1])
     _check_saved(grad_out, grad_lse, query, value, out, lse, stat, seed, attn_mask, mask_grad)
     grads = _backward_kernels(
         grad_out, grad_lse, query, key, value, out, lse, stat, attn_mask, key_padding_mask, seed,
