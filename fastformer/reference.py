@@ -1003,6 +1003,18 @@ class Transformer(nn.Module):
 # --------------------------------------------------------------------------- the paper's model
 
 
+def _sinusoids(max_len: int, d_model: int, device) -> Tensor:
+    position = torch.arange(max_len, dtype=torch.float64, device=device)[:, None]
+    inv_freq = torch.exp(
+        torch.arange(0, d_model, 2, dtype=torch.float64, device=device)
+        * (-math.log(10000.0) / d_model)
+    )
+    pe = torch.zeros(max_len, d_model, dtype=torch.float64, device=device)
+    pe[:, 0::2] = torch.sin(position * inv_freq)
+    pe[:, 1::2] = torch.cos(position * inv_freq[: d_model // 2])
+    return pe
+
+
 class PositionalEncoding(nn.Module):
     """Sinusoidal positional encoding: ``pe[pos, 2i] = sin(pos / 10000^(2i/d))``,
     ``pe[pos, 2i+1] = cos(pos / 10000^(2i/d))``; forward adds it, then dropout.
@@ -1018,14 +1030,16 @@ class PositionalEncoding(nn.Module):
         super().__init__()
         self.dropout = nn.Dropout(dropout)
         self.batch_first = batch_first
-        position = torch.arange(max_len, dtype=torch.float64)[:, None]
-        inv_freq = torch.exp(
-            torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model)
-        )
-        pe = torch.zeros(max_len, d_model, dtype=torch.float64)
-        pe[:, 0::2] = torch.sin(position * inv_freq)
-        pe[:, 1::2] = torch.cos(position * inv_freq[: d_model // 2])
+        pe = _sinusoids(max_len, d_model, device=None)
         self.register_buffer("pe", pe.to(torch.get_default_dtype()), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # The float64 table again after .double() / .to(torch.float64): converting the
+        # float32 one left it 3e-8 off the formula.
+        super()._apply(fn, recurse)
+        if self.pe.dtype == torch.float64 and not self.pe.is_meta:
+            self.pe = _sinusoids(*self.pe.shape, device=self.pe.device)
+        return self
 
     def forward(self, x: Tensor) -> Tensor:
         seq_len = x.shape[1] if self.batch_first else x.shape[0]

@@ -320,12 +320,17 @@ def test_positional_encoding_formula():
     pe = ref.PositionalEncoding(d_model, dropout=0.0, max_len=50)
     assert "pe" not in pe.state_dict()
     x = torch.randn(2, length, d_model)
-    out = pe(x) - x
-    for pos in range(length):
-        for i in range(d_model):
-            angle = pos / 10000 ** (2 * (i // 2) / d_model)
-            value = math.sin(angle) if i % 2 == 0 else math.cos(angle)
-            assert abs(out[1, pos, i].item() - value) < 1e-5
+    formula = torch.tensor(
+        [
+            [(math.sin if i % 2 == 0 else math.cos)(pos / 10000 ** (2 * (i // 2) / d_model))
+             for i in range(d_model)]
+            for pos in range(length)
+        ],
+        dtype=torch.float64,
+    )  # fmt: skip
+    assert (pe(x)[1] - x[1] - formula).abs().max() < 1e-5
+    # After .double() the table is the float64 formula, not the float32 one converted (3e-8).
+    assert (pe.double().pe[:length] - formula).abs().max() < 1e-14
 
 
 # --------------------------------------------------------------------------- modules vs torch.nn
