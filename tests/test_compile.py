@@ -241,6 +241,52 @@ def test_attention_head_dims_share_one_dynamic_graph():
     assert counters["stats"]["unique_graphs"] == 1
 
 
+def _forward_ad_cases():
+    from fastformer.ops.attention import scaled_dot_product_attention
+    from fastformer.ops.ffn import ffn
+    from fastformer.ops.layer_norm import dropout_add_layer_norm, layer_norm
+
+    w1, b1, w2 = torch.randn(12, E), torch.randn(12), torch.randn(E, 12)
+    w, r = torch.randn(E), torch.randn(B, H, S, E)
+    return {
+        "layer_norm": (lambda x: layer_norm(x, (E,), w, None), 0.0),
+        # its mask comes from a custom op that draws the seed at run time: dropout works
+        "dropout_add_layer_norm": (lambda x: dropout_add_layer_norm(x, r, w, None, 1e-5, 0.3), 0),
+        "ffn": (lambda x, p=0.0: ffn(x, w1, b1, w2, None, "gelu", p), 0.3),
+        "attention": (
+            lambda x, p=0.0: scaled_dot_product_attention(x, x, x, dropout_p=p, is_causal=True),
+            0.3,
+        ),
+    }
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "dropout_add_layer_norm", "ffn", "attention"])
+def test_compiled_forward_ad_matches_eager(op):
+    # Compiled, the ops were their custom ops, which have no forward-mode rule: jvp's tangents
+    # came out zero, silently. Attention's and the FFN's dropout there would bake a host seed
+    # into the graph: a clear error.
+    fn, refused_p = _forward_ad_cases()[op]
+    # (B, H, S, E) for attention too. Not views of one tensor: forward AD of a view under
+    # jvp fails on such inputs (AOT autograd; a torch INTERNAL ASSERT with F.linear alone).
+    x, tangent = torch.randn(B, H, S, E), torch.randn(B, H, S, E)
+
+    def jvp(x, tangent):
+        return torch.func.jvp(fn, (x,), (tangent,))
+
+    torch.manual_seed(0)
+    expected = jvp(x, tangent)
+    torch.manual_seed(0)
+    got = torch.compile(jvp, fullgraph=True, backend="aot_eager")(x, tangent)
+    assert expected[1].abs().max() > 0.1
+    torch.testing.assert_close(got, expected, **TOL)
+    if refused_p:
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x, t: torch.func.jvp(lambda x: fn(x, refused_p), (x,), (t,)),
+                                 fullgraph=True, backend="aot_eager")  # fmt: skip
+        with pytest.raises(RuntimeError, match="forward-mode AD .* inside torch.compile"):
+            compiled(x, tangent)
+
+
 def test_backend_choices_are_no_guard_of_a_compiled_graph():
     # The traced backend choice read the op's choice cache: dynamo guarded on the cache, and
     # each change to it (its first fill, a reset past its limit) compiled the graph again.

@@ -120,7 +120,27 @@ def under_transform() -> bool:
     through them without their tangents, a silent zero. The ops then compute with the
     reference's PyTorch operations and the same dropout mask, which every transform handles.
     """
-    return _TRANSFORMS() is not None or _forward_ad._current_level >= 0
+    # The forward-AD level first: dynamo traces that read; the functorch stack's peek it wraps
+    # as an object that is never None.
+    return _forward_ad._current_level >= 0 or _TRANSFORMS() is not None
+
+
+def compiled_forward_ad() -> bool:
+    """Whether torch.compile traces forward-mode AD (torch.func.jvp / jacfwd, or a
+    forward_ad.dual_level). The custom ops have no forward-mode rule: their traced outputs had
+    zero tangents, silently. The ops take `under_transform`'s path there instead."""
+    return torch.compiler.is_compiling() and _forward_ad._current_level >= 0
+
+
+def refuse_compiled_dropout(op: str, dropout_p: float) -> None:
+    """Under `compiled_forward_ad`, a reference path with dropout would bake its host-drawn seed
+    into the graph (one mask forever): a clear error instead (without fullgraph, dynamo then
+    runs the call eagerly, where the transform path draws a seed per call)."""
+    if dropout_p > 0 and torch.compiler.is_compiling():
+        raise RuntimeError(
+            f"{op} with dropout_p > 0 under forward-mode AD (torch.func.jvp / jacfwd) inside "
+            "torch.compile is not supported: run the transform eagerly, or use dropout 0"
+        )
 
 
 def check_devices(op: str, like: Tensor, **tensors: object) -> None:

@@ -52,8 +52,10 @@ from fastformer.ops._autograd import (
     DRAWS_A_SEED,
     autocast_off,
     check_dense,
+    compiled_forward_ad,
     first_order,
     positive_float,
+    refuse_compiled_dropout,
     traced,
     type_name,
     under_transform,
@@ -154,7 +156,7 @@ def scaled_dot_product_attention_with_lse(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
     )
     args = (query, key, value, attn_mask, key_padding_mask, float(dropout_p), bool(is_causal))
-    if traced():
+    if traced() and not compiled_forward_ad():
         # The op resolves a None scale itself: 1 / sqrt(D) of a symbolic head dim is a guard on
         # D (dynamic=True recompiled per head dim).
         out, lse = torch.ops.fastformer.attention(*args, scale)[:2]
@@ -174,6 +176,7 @@ def _transformed(q, k, v, attn_mask, kpm, dropout_p, is_causal, scale):
     """The reference's function with the kernels' dropout mask (`under_transform`), in float32
     for 16-bit inputs as the kernels compute."""
     keep = None
+    refuse_compiled_dropout(_OP_NAME, dropout_p)
     if dropout_p > 0:
         seed = rng.host_call_seed(q.device, dropout_p, "attention")
         b, h, lq, _ = q.shape

@@ -48,7 +48,9 @@ from fastformer.ops._autograd import (
     autocast_off,
     check_dense,
     check_devices,
+    compiled_forward_ad,
     first_order,
+    refuse_compiled_dropout,
     traced,
     under_transform,
 )
@@ -274,7 +276,7 @@ def ffn(
         or (b2 is not None and b2.requires_grad)
     )
     dropout_p = float(dropout_p)
-    if traced():
+    if traced() and not compiled_forward_ad():
         out = _ffn_op(_rows(x), w1, b1, w2, b2, activation, dropout_p, needs_grad)[0]
         return out.view(*x.shape[:-1], w2.shape[0])
     if under_transform():
@@ -293,6 +295,7 @@ def ffn(
 def _transformed(x, w1, b1, w2, b2, activation: str, dropout_p: float) -> Tensor:
     """The reference's function with the kernels' dropout mask (`under_transform`)."""
     keep = None
+    refuse_compiled_dropout("ffn", dropout_p)
     if dropout_p > 0:
         seed = rng.host_call_seed(x.device, dropout_p, "ffn")
         d_ff = w1.shape[0] // 2 if activation in GATED_ACTIVATIONS else w1.shape[0]

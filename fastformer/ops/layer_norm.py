@@ -45,6 +45,7 @@ from fastformer.ops._autograd import (
     DRAWS_A_SEED,
     check_dense,
     check_devices,
+    compiled_forward_ad,
     first_order,
     positive_float,
     traced,
@@ -415,7 +416,7 @@ def _run_cpp(
         rms,
         store_pre,
     )
-    if traced():
+    if traced() and not compiled_forward_ad():
         out, pre = _layer_norm_op(*args)[:2]
     elif grad:  # eager autograd in C++ (csrc/autograd.cpp): no Python in the backward
         seed = rng.seed_tensor(rng.call_seed(x.device, dropout_p))
@@ -474,7 +475,7 @@ def _run_torch(
 
 def _run(x, shape, weight, bias, residual, eps, dropout_p, rms, prenorm):
     args = (weight, bias, residual, eps, dropout_p, rms, prenorm)
-    if not torch.compiler.is_compiling() and under_transform():
+    if compiled_forward_ad() or (not torch.compiler.is_compiling() and under_transform()):
         return _run_torch(x, shape, *args)
     if select_by_key(OP, (x.device.type, x.dtype), lambda: x) == "cpp":
         return _run_cpp(x, math.prod(shape), *args)
