@@ -416,7 +416,7 @@ def _run_cpp(
         rms,
         store_pre,
     )
-    if traced() and not compiled_forward_ad():
+    if traced():  # (`_run` sends compiled forward AD to the torch path)
         out, pre = _layer_norm_op(*args)[:2]
     elif grad:  # eager autograd in C++ (csrc/autograd.cpp): no Python in the backward
         seed = rng.seed_tensor(rng.call_seed(x.device, dropout_p))
