@@ -1729,7 +1729,7 @@ def attention_backward(
     grad_out, out = _kernel_layout(grad_out), _kernel_layout(out)
     b, h, lq, d = q.shape
     hkv, lk, dv = k.shape[1], k.shape[2], v.shape[3]
-    group = h // hkv if hkv else 1  # no heads at all: nothing to compute
+    group = h // hkv if h and hkv else 1  # no query heads: nothing to compute, dk = dv = 0
     # Every element of dq, dk, dv is written by the kernels (zeros where nothing is visible).
     if group == 1 and like_inputs:
         dq, dk, dv_ = grads_like(q, k, v)

@@ -260,16 +260,20 @@ def test_empty_sequences(monkeypatch, backend, lq, lk, padding, dropout_p):
 
 @pytest.mark.parametrize("backend", ["default", "torch"])
 @pytest.mark.parametrize("shape", [(2, 0, 3), (0, 2, 3)], ids=["no_heads", "no_batch"])
-def test_no_heads_or_batches(monkeypatch, backend, shape):
-    # The Triton backward divided the heads by the kv heads: 0 // 0 (ZeroDivisionError).
+@pytest.mark.parametrize("hkv", [None, 2], ids=["", "gqa"])
+def test_no_heads_or_batches(monkeypatch, backend, shape, hkv):
+    # The Triton backward divided the heads by the kv heads: 0 // 0 (ZeroDivisionError); with
+    # GQA, no query heads over 2 kv heads made a group of 0, and dk, dv came out (b, 0, ...).
     _use_backend(monkeypatch, backend)
     b, h, lq = shape
+    hkv = h if hkv is None else hkv
     q = _randn((b, h, lq, 8), grad=True)
-    k, v = _randn((b, h, 4, 8), seed=1, grad=True), _randn((b, h, 4, 8), seed=2, grad=True)
-    out = attn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    k, v = _randn((b, hkv, 4, 8), seed=1, grad=True), _randn((b, hkv, 4, 8), seed=2, grad=True)
+    out = attn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hkv != h)
     assert out.shape == (b, h, lq, 8)
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert all(torch.all(g == 0) for g in grads)
 
 
 @pytest.mark.parametrize("backend", ["default", "torch"])
@@ -1461,6 +1465,7 @@ ERRORS = {
     "scale_huge_int": (_bad(scale=10**400), ValueError, "scale must be a finite number > 0"),
     "causal_int": (_bad(is_causal=1), TypeError, "is_causal must be a bool"),
     "causal_numpy": (_bad(is_causal=np.bool_(True)), TypeError, "must be a bool, got numpy.bool"),
+    "gqa_numpy": (_bad(enable_gqa=np.bool_(False)), TypeError, "must be a bool, got numpy.bool"),
     # just below 1 as a numpy.longdouble, 1.0 as the float the kernels take
     "dropout_rounds_to_one": (
         _bad(dropout_p=np.longdouble(1) - np.longdouble(2) ** -60),
@@ -1501,6 +1506,10 @@ def test_dropout_keep_mask_errors():
         attn.dropout_keep_mask(1, -1, 1, 4, 4, 0.1)
     with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
         attn.dropout_keep_mask(1, 1, 1, 4, 4, 1.5)
+    # The CPU kernel's schema took a bool or a numpy int, and refused a float opaquely.
+    for seed, name in ((1.5, "float"), (True, "bool"), (np.int64(7), "numpy.int64")):
+        with pytest.raises(TypeError, match=f"seed must be an int, got {name}$"):
+            attn.dropout_keep_mask(seed, 1, 1, 4, 4, 0.1)
 
 
 # --------------------------------------------------------------------------- compile check

@@ -275,7 +275,7 @@ def _check_inputs(
 def _check_qkv(query, key, value, enable_gqa) -> None:
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"{name} must be a torch.Tensor, got {type_name(t)}")
         check_dense(_OP_NAME, name, t)
         if t.dim() != 4:
             raise ValueError(
@@ -310,7 +310,7 @@ def _check_qkv(query, key, value, enable_gqa) -> None:
 
 def _check_heads(h: int, hkv: int, enable_gqa) -> None:
     if not isinstance(enable_gqa, bool):
-        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
+        raise TypeError(f"enable_gqa must be a bool, got {type_name(enable_gqa)}")
     if enable_gqa:
         if hkv == 0 or h % hkv != 0:
             raise ValueError(
@@ -325,7 +325,7 @@ def _check_heads(h: int, hkv: int, enable_gqa) -> None:
 
 def _check_attn_mask(mask, query: Tensor, key: Tensor) -> None:
     if not isinstance(mask, Tensor):
-        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(mask).__name__}")
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type_name(mask)}")
     check_dense(_OP_NAME, "attn_mask", mask)
     floats = dict.fromkeys((query.dtype, torch.float32))  # the query's dtype first, no repeat
     if mask.dtype != torch.bool and mask.dtype not in floats:
@@ -350,9 +350,7 @@ def _check_attn_mask(mask, query: Tensor, key: Tensor) -> None:
 
 def _check_key_padding_mask(kpm, query: Tensor, key: Tensor) -> None:
     if not isinstance(kpm, Tensor):
-        raise TypeError(
-            f"key_padding_mask must be a torch.Tensor or None, got {type(kpm).__name__}"
-        )
+        raise TypeError(f"key_padding_mask must be a torch.Tensor or None, got {type_name(kpm)}")
     check_dense(_OP_NAME, "key_padding_mask", kpm)
     if kpm.dtype != torch.bool:
         raise TypeError(f"key_padding_mask must be bool (True = padding), got {kpm.dtype}")

@@ -52,6 +52,7 @@ from fastformer.ops._autograd import (
     first_order,
     refuse_compiled_dropout,
     traced,
+    type_name,
     under_transform,
 )
 from fastformer.ops._dispatch import Backend, register, select_by_key
@@ -185,7 +186,7 @@ def _check_tensor(name: str, t: object, x: Tensor, optional: bool = False) -> No
         return
     if not isinstance(t, Tensor):
         expected = "a Tensor or None" if optional else "a Tensor"
-        raise TypeError(f"ffn: {name} must be {expected}, got {type(t).__name__}")
+        raise TypeError(f"ffn: {name} must be {expected}, got {type_name(t)}")
     check_dense("ffn", name, t)
     if t.device != x.device:
         raise ValueError(
@@ -210,7 +211,7 @@ def _check_inputs(x, w1, b1, w2, b2, activation, dropout_p) -> None:
     """Every check of `ffn`, before any work; raises TypeError / ValueError naming the argument."""
     _check_scalars(activation, dropout_p)
     if not isinstance(x, Tensor):
-        raise TypeError(f"ffn: x must be a Tensor, got {type(x).__name__}")
+        raise TypeError(f"ffn: x must be a Tensor, got {type_name(x)}")
     check_dense("ffn", "x", x)
     if x.dim() < 1:
         raise ValueError("ffn: x must have at least 1 dimension (..., d_model), got a 0-d tensor")

@@ -49,6 +49,7 @@ from fastformer.ops._autograd import (
     first_order,
     positive_float,
     traced,
+    type_name,
     under_transform,
 )
 from fastformer.ops._dispatch import Backend, register, select_by_key
@@ -99,7 +100,7 @@ register(OP, [Backend("cpp", _cpp_reasons), Backend("torch", _torch_reasons)])
 
 def _check_input(fn: str, name: str, x: object) -> Tensor:
     if not isinstance(x, Tensor):
-        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type_name(x)}")
     check_dense(fn, name, x)
     if x.dtype not in _DTYPES:
         raise TypeError(
@@ -140,7 +141,7 @@ def _check_param(fn: str, name: str, p: object, x: Tensor, shape: tuple[int, ...
     if p is None:
         return
     if not isinstance(p, Tensor):
-        raise TypeError(f"{fn}: {name} must be a torch.Tensor or None, got {type(p).__name__}")
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor or None, got {type_name(p)}")
     check_dense(fn, name, p)
     if p.shape != shape:  # torch.Size is a tuple: no copy to compare
         raise ValueError(f"{fn}: {name} must have shape {shape}, got {tuple(p.shape)}")
@@ -170,9 +171,7 @@ def _check_residual(fn: str, residual: object, x: Tensor) -> None:
     if residual is None:
         return
     if not isinstance(residual, Tensor):
-        raise TypeError(
-            f"{fn}: residual must be a torch.Tensor or None, got {type(residual).__name__}"
-        )
+        raise TypeError(f"{fn}: residual must be a torch.Tensor or None, got {type_name(residual)}")
     check_dense(fn, "residual", residual)
     if residual.shape != x.shape:
         raise ValueError(
@@ -567,5 +566,5 @@ def dropout_add_layer_norm(
     eps = _check_eps(fn, eps)
     dropout_p = rng.check_dropout_p(fn, dropout_p)
     if not isinstance(prenorm, bool):
-        raise TypeError(f"{fn}: prenorm must be a bool, got {type(prenorm).__name__}")
+        raise TypeError(f"{fn}: prenorm must be a bool, got {type_name(prenorm)}")
     return _run(x, shape, weight, bias, residual, eps, dropout_p, False, prenorm)

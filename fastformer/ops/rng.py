@@ -14,6 +14,8 @@ import numbers
 
 import torch
 
+from fastformer.ops._autograd import type_name
+
 _MASK32 = 0xFFFFFFFF
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
@@ -52,7 +54,7 @@ def check_dropout_p(fn: str, dropout_p: object, keep_error: float = ELEMENT_KEEP
     if type(dropout_p) is float and 0.0 <= dropout_p <= 0.99:
         return dropout_p
     if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool):
-        raise TypeError(f"{fn}: dropout_p must be a float, got {type(dropout_p).__name__}")
+        raise TypeError(f"{fn}: dropout_p must be a float, got {type_name(dropout_p)}")
     # Checked again once converted: just below 1 in a wider type (numpy.longdouble) is 1.0.
     if not 0.0 <= dropout_p < 1.0 or not float(dropout_p) < 1.0:
         raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p}")
@@ -74,7 +76,7 @@ def _mulhilo(const: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _check_seed(seed: int) -> None:
     if not isinstance(seed, int) or isinstance(seed, bool):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        raise TypeError(f"seed must be an int, got {type_name(seed)}")
     if not 0 <= seed < 2**64:
         raise ValueError(f"seed must be in [0, 2**64), got {seed}")
 
@@ -153,6 +155,7 @@ def dropout_keep(seed: int, offsets: torch.Tensor, p: float) -> torch.Tensor:
 def _compiled_for(device: torch.device, seed: int) -> bool:
     from fastformer._ext import cuda_kernels_compiled, extension_error
 
+    _check_seed(seed)  # before the kernels' schema, which took a bool and refused a float opaquely
     if extension_error() is not None or not 0 <= seed < 2**63:
         return False
     return device.type == "cpu" or (device.type == "cuda" and cuda_kernels_compiled())
