@@ -282,6 +282,11 @@ def test_include_and_exclude():
     assert not any(name.startswith("decoder") or "norm" in name for name in replaced)
     assert type(model.decoder.layers[0].self_attn) is nn.MultiheadAttention
     assert ("encoder.norm", nn.LayerNorm, "excluded by exclude") in report.left
+    # An excluded norm keeps torch's computation too: the swapped layer fused it before.
+    text = explain(model.encoder.layers[0], torch.randn(S, B, E))
+    assert "attention ->" in text and "ffn ->" in text, text
+    assert "dropout_add_layer_norm -> eager (x2)" in text, text
+    assert "torch.nn.modules.normalization.LayerNorm is not fastformer's" in text, text
 
 
 def test_subclasses_are_left_with_a_reason():

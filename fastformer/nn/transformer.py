@@ -33,7 +33,9 @@ from fastformer.nn.ffn import (
 from fastformer.nn.layer_norm import LayerNorm, eps_reasons
 
 _TORCH_ACTIVATIONS = ("relu", "gelu")
-_NORM_TYPES = (nn.LayerNorm, LayerNorm, reference.LayerNorm)
+# fastformer LayerNorm only: a torch.nn or reference one is a child swap left alone (exclude,
+# include), and its computation stays its own, as a left MultiheadAttention's does.
+_NORM_TYPES = (LayerNorm,)
 
 
 def _adopt_children(module: nn.Module) -> None:
@@ -69,7 +71,9 @@ def _finish_layer(
 def _norm_reasons(norm: nn.Module, drop: nn.Module) -> list[str]:
     """Why `norm(residual + drop(x))` cannot be one dropout_add_layer_norm op ([] = it can)."""
     reasons = []
-    if not is_plain(norm, _NORM_TYPES) or len(norm.normalized_shape) != 1:
+    if is_plain(norm, (nn.LayerNorm, reference.LayerNorm)) and not isinstance(norm, LayerNorm):
+        reasons.append(f"{type(norm).__module__}.LayerNorm is not fastformer's (left by swap)")
+    elif not is_plain(norm, _NORM_TYPES) or len(norm.normalized_shape) != 1:
         reasons.append(f"{type(norm).__name__} is not a plain 1-D LayerNorm without hooks")
     else:
         reasons += eps_reasons(norm.eps)
