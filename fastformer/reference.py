@@ -93,6 +93,11 @@ def _apply_keep_mask(x: Tensor, keep_mask: Tensor | None, dropout_p: float, name
         )
     if keep_mask.dtype != torch.bool:
         raise TypeError(f"{name} must be a bool tensor (True = keep), got {keep_mask.dtype}")
+    if torch.broadcast_shapes(keep_mask.shape, x.shape) != x.shape:  # it must not widen x
+        raise ValueError(
+            f"{name} of shape {tuple(keep_mask.shape)} does not broadcast to the dropped "
+            f"tensor's shape {tuple(x.shape)}"
+        )
     scale = 1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0
     return x * keep_mask.to(x.dtype) * scale
 

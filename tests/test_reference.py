@@ -298,6 +298,13 @@ def test_ffn_errors():
         ref.ffn(x, w1, None, w2, None, "relu", dropout_p=0.1)
     with pytest.raises(ValueError, match="activation"):
         ref.ffn(x, w1, None, w2, None, "tanh")
+    # A (tokens, d_ff) mask of a 3-D x broadcast into (4, 4, 6) in silence, or failed deep in
+    # torch (ffn_keep_mask's shape, which its docstring fed as is).
+    x3, keep = torch.randn(4, 1, 4), torch.ones(4, 6, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"keep_mask of shape \(4, 6\) does not broadcast"):
+        ref.ffn(x3, w1, None, w2, None, "relu", 0.1, keep_mask=keep)
+    out = ref.ffn(x3, w1, None, w2, None, "relu", 0.1, keep_mask=keep.view(4, 1, 6))
+    assert out.shape == (4, 1, 4)
 
 
 # --------------------------------------------------------------------------- mask helpers

@@ -93,7 +93,8 @@ def ffn_keep_mask(
     """The op's dropout keep-mask, regenerated in plain PyTorch (for tests and the reference).
 
     Returns a bool tensor ``(tokens, d_ff)``: True where
-    ``element_uniform(seed, t * d_ff + j) >= dropout_p``. Feed it to
+    ``element_uniform(seed, t * d_ff + j) >= dropout_p``, tokens in the row-major order of x's
+    leading dims. Feed it, viewed as ``(*x.shape[:-1], d_ff)``, to
     ``fastformer.reference.ffn(..., keep_mask=...)`` to reproduce a call that drew ``seed``.
     """
     offsets = torch.arange(tokens * d_ff, dtype=torch.int64, device=device).view(tokens, d_ff)
