@@ -48,7 +48,8 @@ class ParityResult:
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max|a - b| in float64; inf when either holds a NaN where the other does not."""
+    """max|a - b| in float64; inf when either holds a NaN (a NaN is never a match, even where
+    both have one); 0 where both hold the same infinity."""
     if a.shape != b.shape:
         raise ValueError(f"shape mismatch: {tuple(a.shape)} vs {tuple(b.shape)}")
     a64, b64 = a.detach().double().cpu(), b.detach().double().cpu()

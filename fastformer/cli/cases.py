@@ -26,8 +26,8 @@ kind that the model runs or that tells the kernels apart (12 cases):
 - ffn (3): 512->2048 at dropout 0 and 0.1, 4096->16384 at dropout 0.
 
 A CPU-only machine gets a reduced grid sized to finish the default `bench` within minutes on
-two cores, the same with or without `full`; `quick` is smaller still (tests) and wins over
-`full`.
+two cores, the same with or without `full`. `quick` (2 cases an op, on a GPU a subset of the
+default grid) is smaller still and wins over `full`.
 """
 
 from __future__ import annotations
@@ -219,18 +219,18 @@ def attention_cases(device_type: str, quick: bool, full: bool = False) -> list[A
     """GPU: batch*seq = 16384, heads*dim = 2048 (the default grid: 5 of the full grid's 30
     cases); CPU: batch*seq = 1024, heads*dim = 256."""
     if device_type == "cuda":
-        if not quick and not full:
-            return [
-                AttentionCase(8, 32, 2048, 64),
-                AttentionCase(2, 32, 8192, 64),
-                AttentionCase(8, 32, 2048, 64, causal=True),
-                AttentionCase(8, 16, 2048, 128),
-                AttentionCase(8, 32, 2048, 64, causal=True, padding=0.25, dropout_p=0.1),
-            ]
+        default = [
+            AttentionCase(8, 32, 2048, 64),
+            AttentionCase(2, 32, 8192, 64),
+            AttentionCase(8, 32, 2048, 64, causal=True),
+            AttentionCase(8, 16, 2048, 128),
+            AttentionCase(8, 32, 2048, 64, causal=True, padding=0.25, dropout_p=0.1),
+        ]
         if quick:
-            seqs, dims = (1024, 4096), (64,)
-        else:
-            seqs, dims = (512, 1024, 2048, 4096, 8192, 16384), (64, 128)
+            return [default[0], default[-1]]
+        if not full:
+            return default
+        seqs, dims = (512, 1024, 2048, 4096, 8192, 16384), (64, 128)
         # Key padding 25% and dropout 0.1 at seq 2048, apart and together with causal (the
         # decoder's self-attention in training).
         extra = [
@@ -253,10 +253,12 @@ def layer_norm_cases(device_type: str, quick: bool, full: bool = False) -> list[
     CPU: 4096 rows, hidden 256..4096."""
     if device_type == "cuda":
         rows = 16384
-        if not quick and not full:
-            plain = [LayerNormCase(rows, h) for h in (1024, 4096, 16384)]
-            return plain + [LayerNormCase(rows, 1024, fused=True, dropout_p=0.1)]
-        hidden = (1024, 8192) if quick else (512, 1024, 2048, 4096, 8192, 16384)
+        fused_1024 = LayerNormCase(rows, 1024, fused=True, dropout_p=0.1)
+        if quick:
+            return [LayerNormCase(rows, 1024), fused_1024]
+        if not full:
+            return [*(LayerNormCase(rows, h) for h in (1024, 4096, 16384)), fused_1024]
+        hidden = (512, 1024, 2048, 4096, 8192, 16384)
     elif quick:
         return [LayerNormCase(256, 256), LayerNormCase(256, 256, fused=True, dropout_p=0.1)]
     else:
@@ -269,10 +271,12 @@ def ffn_cases(device_type: str, quick: bool, full: bool = False) -> list[FfnCase
     """GPU: 16384 tokens, 512->2048 and 4096->16384, dropout 0 and 0.1 (the default grid: 3 of
     the full grid's 4 cases, no dropout at 4096->16384); CPU: 512 tokens."""
     if device_type == "cuda":
-        if not quick and not full:
-            small = [FfnCase(16384, 512, 2048, dropout_p=p) for p in (0.0, 0.1)]
+        small = [FfnCase(16384, 512, 2048, dropout_p=p) for p in (0.0, 0.1)]
+        if quick:
+            return small
+        if not full:
             return small + [FfnCase(16384, 4096, 16384)]
-        shapes = ((512, 2048),) if quick else ((512, 2048), (4096, 16384))
+        shapes = ((512, 2048), (4096, 16384))
         return [FfnCase(16384, d, f, dropout_p=p) for d, f in shapes for p in (0.0, 0.1)]
     if quick:
         return [FfnCase(64, 64, 256), FfnCase(64, 64, 256, dropout_p=0.1)]

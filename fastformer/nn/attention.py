@@ -192,15 +192,16 @@ class MultiheadAttention(nn.MultiheadAttention):
     Same constructor, forward signature, parameters (`in_proj_weight`/`in_proj_bias`, or
     `q_proj_weight`/`k_proj_weight`/`v_proj_weight` when kdim/vdim differ, `out_proj`) and
     initialisation. Shapes: query (L, B, E) ((B, L, E) if batch_first, (L, E) unbatched),
-    key/value (S, B, kdim/vdim); returns (output like query, None).
+    key/value (S, B, kdim/vdim); returns (output like query, None), or with need_weights=True
+    torch.nn's (output, attention weights).
 
     Fast path (all float dtypes the op takes): packed or separate projections, self-, cross- or
     general attention, bool or float key_padding_mask and attn_mask ((L, S) or (B*H, L, S)),
     is_causal, dropout (this module's `dropout` in training mode). Falls back to
-    torch.nn.MultiheadAttention.forward (same results, reasons in `fallback_reasons` and
-    `fastformer.explain`) for: need_weights=True (the fused kernel never forms the attention
-    weights; note torch's default is True — pass need_weights=False), add_bias_kv,
-    add_zero_attn, nested-tensor inputs.
+    torch.nn.MultiheadAttention.forward (same results; `fastformer.explain` says why, and
+    `fallback_reasons` lists the configuration's reasons) for: need_weights=True (the fused
+    kernel never forms the attention weights; note torch's default is True — pass
+    need_weights=False), add_bias_kv, add_zero_attn, head dims over 256, nested-tensor inputs.
 
     A query row whose keys are all masked gives 0 here, as torch.nn does with need_weights=False
     (its SDPA path); with need_weights=True both give NaN (this module falls back to torch.nn).
