@@ -293,8 +293,9 @@ def _resolved_seed(seed, Seed, HAS_DROPOUT: tl.constexpr):
     # seed < 0: the seed is at Seed, drawn on the device inside CUDA graph capture so that each
     # replay uses a new one; otherwise it is the launch argument itself and Seed is not read.
     if HAS_DROPOUT:
-        # The launch's -1 is typed int32 and the loaded seed int64: Triton 3.6 refused the
-        # branch until both were int64 (H200, 2026-11-30: every captured dropout call failed).
+        # A launch argument in int32's range is typed int32 and the loaded seed int64: Triton
+        # 3.6 refused the branch until both were int64 (H200, 2026-11-30: every captured
+        # dropout call failed with the -1 of then).
         seed = seed.to(tl.int64)
         if seed < 0:
             seed = tl.load(Seed)
@@ -1466,12 +1467,18 @@ def _padding(
 _SEED_DUMMY: dict[torch.device, torch.Tensor] = {}
 
 
+# The seed argument that sends the kernels to Seed: negative, and of int64's class, as host
+# seeds in [2**32, 2**63) are. Triton types a do_not_specialize int by its range, so -1 (int32)
+# made other kernels: the first captured call compiled and loaded 3 of them inside capture.
+_SEED_IN_MEMORY = -(2**62)
+
+
 def _seed_args(seed: int | torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:
     """(Seed pointer, seed argument) of a launch: an int seed is passed as the argument; a
     seed tensor (drawn on the device inside CUDA graph capture) is read by the kernels from
-    memory, which the argument -1 tells them."""
+    memory, which the argument `_SEED_IN_MEMORY` tells them."""
     if isinstance(seed, torch.Tensor):
-        return seed, -1
+        return seed, _SEED_IN_MEMORY
     dummy = _SEED_DUMMY.get(device)
     if dummy is None:
         dummy = torch.zeros((), dtype=torch.int64, device=device)

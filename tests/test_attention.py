@@ -1913,7 +1913,7 @@ for kernel in ("fwd", "dq", "dkdv"):
     sig, ce, attrs = A._compile_inputs(
         kernel, torch.float16, 64, cfg, A.CHECK_VARIANTS["dropout"], 0
     )
-    sig["seed"] = "i32"  # what Triton types the -1 of a launch inside CUDA graph capture
+    sig["seed"] = "i32"  # a seed in int32's range (capture's -1 before 2026-12-02)
     src = triton.compiler.ASTSource(A.KERNELS[kernel], sig, ce, attrs)
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
@@ -1922,6 +1922,20 @@ for kernel in ("fwd", "dq", "dkdv"):
 
 
 def test_dropout_kernels_compile_with_an_int32_seed_argument(tmp_path):
-    """Inside CUDA graph capture the kernels get seed -1 (typed int32) and read the seed from
-    device memory (int64): Triton 3.6 refused that branch on an H200 until both were int64."""
+    """A seed argument in int32's range (inside CUDA graph capture, until 2026-12-02, the -1
+    that sends the kernels to the seed in device memory, int64): Triton 3.6 refused that
+    branch on an H200 until both were int64."""
     assert _run_sm90(_INT32_SEED_SCRIPT, tmp_path).split() == ["fwd", "dq", "dkdv"]
+
+
+def test_device_seed_argument_has_the_type_of_host_seeds():
+    # Triton types a do_not_specialize int by its range: capture's -1 was int32 where host
+    # seeds are int64, so the first captured call compiled and loaded its own kernels inside
+    # the capture.
+    from triton.runtime.jit import mangle_type
+
+    from fastformer.kernels import attention as kernels
+
+    _, arg = kernels._seed_args(torch.zeros((), dtype=torch.int64), torch.device("cpu"))
+    host = {mangle_type(rng.draw_seed()) for _ in range(8)}  # each < 2**31 with p = 2**-32
+    assert arg < 0 and host == {mangle_type(arg)} == {"i64"}
