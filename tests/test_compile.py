@@ -241,50 +241,78 @@ def test_attention_head_dims_share_one_dynamic_graph():
     assert counters["stats"]["unique_graphs"] == 1
 
 
-def _forward_ad_cases():
+def _transform_cases(dropout_p: float):
     from fastformer.ops.attention import scaled_dot_product_attention
     from fastformer.ops.ffn import ffn
     from fastformer.ops.layer_norm import dropout_add_layer_norm, layer_norm
 
     w1, b1, w2 = torch.randn(12, E), torch.randn(12), torch.randn(E, 12)
     w, r = torch.randn(E), torch.randn(B, H, S, E)
+    p = dropout_p
     return {
-        "layer_norm": (lambda x: layer_norm(x, (E,), w, None), 0.0),
-        # its mask comes from a custom op that draws the seed at run time: dropout works
-        "dropout_add_layer_norm": (lambda x: dropout_add_layer_norm(x, r, w, None, 1e-5, 0.3), 0),
-        "ffn": (lambda x, p=0.0: ffn(x, w1, b1, w2, None, "gelu", p), 0.3),
-        "attention": (
-            lambda x, p=0.0: scaled_dot_product_attention(x, x, x, dropout_p=p, is_causal=True),
-            0.3,
-        ),
+        "layer_norm": lambda x: layer_norm(x, (E,), w, None),
+        "dropout_add_layer_norm": lambda x: dropout_add_layer_norm(x, r, w, None, 1e-5, p),
+        "ffn": lambda x: ffn(x, w1, b1, w2, None, "gelu", p),
+        "attention": lambda x: scaled_dot_product_attention(x, x, x, dropout_p=p, is_causal=True),
     }
 
 
+def _transforms(fn):
+    def loss(x):
+        return fn(x).square().sum()
+
+    return {
+        "jvp": lambda x, t: torch.func.jvp(fn, (x,), (t,)),
+        "grad": lambda x, t: torch.func.grad(loss)(x),
+        "jacrev": lambda x, t: torch.func.jacrev(loss)(x),
+        "vmap_grad": lambda x, t: torch.vmap(torch.func.grad(loss))(torch.stack([x, t])),
+    }
+
+
+@pytest.mark.parametrize("transform", ["jvp", "grad", "jacrev", "vmap_grad"])
 @pytest.mark.parametrize("op", ["layer_norm", "dropout_add_layer_norm", "ffn", "attention"])
-def test_compiled_forward_ad_matches_eager(op):
-    # Compiled, the ops were their custom ops, which have no forward-mode rule: jvp's tangents
-    # came out zero, silently. Attention's and the FFN's dropout there would bake a host seed
-    # into the graph: a clear error.
-    fn, refused_p = _forward_ad_cases()[op]
+def test_compiled_transforms_match_eager(op, transform):
+    # Compiled, the ops ran their custom ops under a torch.func transform: jvp's tangents came
+    # out zero, silently (no forward-mode rule), and grad, jacrev and vmap refused them
+    # (autograd.Function without setup_context). Dynamo saw a transform never: the functorch
+    # stack's peek is an object it wraps, never None. Dropout (not under vmap: eager refuses
+    # randomness="different" and compiled refuses "error" and "same"): the compiled mask's seed
+    # is drawn at run time, the same draw as eager's after the same manual_seed.
+    p = 0.0 if transform == "vmap_grad" else 0.3
+    fn = _transforms(_transform_cases(p)[op])[transform]
     # (B, H, S, E) for attention too. Not views of one tensor: forward AD of a view under
     # jvp fails on such inputs (AOT autograd; a torch INTERNAL ASSERT with F.linear alone).
-    x, tangent = torch.randn(B, H, S, E), torch.randn(B, H, S, E)
-
-    def jvp(x, tangent):
-        return torch.func.jvp(fn, (x,), (tangent,))
-
+    x, t = torch.randn(B, H, S, E), torch.randn(B, H, S, E)
     torch.manual_seed(0)
-    expected = jvp(x, tangent)
+    expected = fn(x, t)
     torch.manual_seed(0)
-    got = torch.compile(jvp, fullgraph=True, backend="aot_eager")(x, tangent)
-    assert expected[1].abs().max() > 0.1
+    got = torch.compile(fn, fullgraph=True, backend="aot_eager")(x, t)
+    assert expected[-1].abs().max() > 0.1
     torch.testing.assert_close(got, expected, **TOL)
-    if refused_p:
+    torch.manual_seed(1)
+    again = torch.compile(fn, fullgraph=True, backend="aot_eager")(x, t)
+    assert (p == 0 or op == "layer_norm") == bool(torch.equal(again[-1], got[-1]))
+
+
+@pytest.mark.parametrize("op", ["dropout_add_layer_norm", "ffn", "attention"])
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+def test_compiled_vmap_with_dropout_follows_randomness(op):
+    # Compiled, each sample of a vmap draws its own mask (the mask's custom op has no vmap
+    # rule): right for "different"; "error" did not raise and "same" gave different masks.
+    fn = _transform_cases(0.5)[op]
+    x = torch.randn(B, H, S, E).expand(2, B, H, S, E)
+
+    def run(randomness):
         torch._dynamo.reset()
-        compiled = torch.compile(lambda x, t: torch.func.jvp(lambda x: fn(x, refused_p), (x,), (t,)),
-                                 fullgraph=True, backend="aot_eager")  # fmt: skip
-        with pytest.raises(RuntimeError, match="forward-mode AD .* inside torch.compile"):
-            compiled(x, tangent)
+        return torch.compile(torch.vmap(fn, randomness=randomness), fullgraph=True,
+                             backend="aot_eager")(x)  # fmt: skip
+
+    out = run("different")
+    assert not torch.equal(out[0], out[1])
+    with pytest.raises(RuntimeError, match="randomness error mode"):
+        run("error")
+    with pytest.raises(RuntimeError, match="randomness='same'.* inside torch.compile"):
+        run("same")
 
 
 def test_backend_choices_are_no_guard_of_a_compiled_graph():

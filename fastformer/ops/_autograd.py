@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
+from torch._functorch.pyfunctorch import coerce_cinterpreter
 
 _TRANSFORMS = torch._C._functorch.peek_interpreter_stack
 
@@ -113,33 +114,50 @@ def traced() -> bool:
 
 def under_transform() -> bool:
     """Whether a torch.func transform (grad, vjp, jvp, jacrev, jacfwd, vmap, ...) or a
-    forward-mode AD level (`torch.autograd.forward_ad.dual_level`) is active.
+    forward-mode AD level (`torch.autograd.forward_ad.dual_level`) is active, eagerly or
+    inside torch.compile.
 
-    The ops' kernels have reverse-mode autograd only (C++ nodes, custom ops, Functions without
-    setup_context or jvp): under a transform they would raise, and forward-mode AD would pass
-    through them without their tangents, a silent zero. The ops then compute with the
+    The ops' kernels have reverse-mode autograd only (C++ nodes, custom ops and Functions
+    without setup_context or jvp): under a transform they would raise, and forward-mode AD would
+    pass through them without their tangents, a silent zero. The ops then compute with the
     reference's PyTorch operations and the same dropout mask, which every transform handles.
     """
-    # The forward-AD level first: dynamo traces that read; the functorch stack's peek it wraps
-    # as an object that is never None.
-    return _forward_ad._current_level >= 0 or _TRANSFORMS() is not None
+    # type(), not `is not None`: dynamo wraps the functorch stack's peek as an object that is
+    # never None (compiled calls took this path always, or never), but folds its type.
+    return _forward_ad._current_level >= 0 or type(_TRANSFORMS()) is not type(None)
 
 
-def compiled_forward_ad() -> bool:
-    """Whether torch.compile traces forward-mode AD (torch.func.jvp / jacfwd, or a
-    forward_ad.dual_level). The custom ops have no forward-mode rule: their traced outputs had
-    zero tangents, silently. The ops take `under_transform`'s path there instead."""
-    return torch.compiler.is_compiling() and _forward_ad._current_level >= 0
+def _vmap_randomness() -> tuple[str, ...]:
+    """The `randomness` of every active torch.vmap level, innermost first; dynamo folds it
+    (the interpreter's key and randomness are constants to it; `lower` looks under a level)."""
+    top = _TRANSFORMS()
+    if type(top) is type(None):
+        return ()
+    interpreter = coerce_cinterpreter(top)
+    with interpreter.lower():
+        below = _vmap_randomness()
+    vmap = interpreter.key() == torch._C._functorch.TransformType.Vmap
+    return ((interpreter.randomness(),) if vmap else ()) + below
 
 
-def refuse_compiled_dropout(op: str, dropout_p: float) -> None:
-    """Under `compiled_forward_ad`, a reference path with dropout would bake its host-drawn seed
-    into the graph (one mask forever): a clear error instead (without fullgraph, dynamo then
-    runs the call eagerly, where the transform path draws a seed per call)."""
-    if dropout_p > 0 and torch.compiler.is_compiling():
+def refuse_compiled_vmap_dropout(op: str) -> None:
+    """For a dropout mask drawn by a custom op inside torch.compile under a transform: vmap
+    runs such an op once a sample (it has no vmap rule), each drawing its own seed, so every
+    sample gets its own mask. Right for randomness="different"; "error" must raise, as torch's
+    dropout does, and "same" cannot be honoured: clear errors (without fullgraph, dynamo then
+    runs the call eagerly, where the ops follow `randomness`)."""
+    levels = _vmap_randomness()
+    if "error" in levels:
         raise RuntimeError(
-            f"{op} with dropout_p > 0 under forward-mode AD (torch.func.jvp / jacfwd) inside "
-            "torch.compile is not supported: run the transform eagerly, or use dropout 0"
+            f"vmap: called random operation while in randomness error mode ({op} with "
+            "dropout_p > 0). Please either use the 'same' or 'different' randomness flags on "
+            "vmap or perform the randomness operation out of vmap"
+        )
+    if "same" in levels:
+        raise RuntimeError(
+            f"{op} with dropout_p > 0 under torch.vmap(randomness='same') inside torch.compile "
+            "is not supported (compiled, each sample draws its own mask): run the vmap "
+            "eagerly, or use randomness='different'"
         )
 
 

@@ -52,10 +52,9 @@ from fastformer.ops._autograd import (
     DRAWS_A_SEED,
     autocast_off,
     check_dense,
-    compiled_forward_ad,
     first_order,
     positive_float,
-    refuse_compiled_dropout,
+    refuse_compiled_vmap_dropout,
     traced,
     type_name,
     under_transform,
@@ -156,15 +155,15 @@ def scaled_dot_product_attention_with_lse(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
     )
     args = (query, key, value, attn_mask, key_padding_mask, float(dropout_p), bool(is_causal))
-    if traced() and not compiled_forward_ad():
+    if under_transform():  # eager or compiled
+        return _transformed(*args, _resolve_scale(scale, query.shape[-1]))
+    if traced():
         # The op resolves a None scale itself: 1 / sqrt(D) of a symbolic head dim is a guard on
         # D (dynamic=True recompiled per head dim).
         out, lse = torch.ops.fastformer.attention(*args, scale)[:2]
         return out, lse
     resolved = _resolve_scale(scale, query.shape[-1])
-    if under_transform():
-        out, lse = _transformed(*args, resolved)
-    elif torch.is_grad_enabled() and _any_requires_grad(query, key, value, attn_mask):
+    if torch.is_grad_enabled() and _any_requires_grad(query, key, value, attn_mask):
         out, lse = _AttentionFunction.apply(*args, resolved)
     else:
         out, lse = _forward(*args, resolved, like_query=True)[:2]
@@ -176,8 +175,10 @@ def _transformed(q, k, v, attn_mask, kpm, dropout_p, is_causal, scale):
     """The reference's function with the kernels' dropout mask (`under_transform`), in float32
     for 16-bit inputs as the kernels compute."""
     keep = None
-    refuse_compiled_dropout(_OP_NAME, dropout_p)
-    if dropout_p > 0:
+    if dropout_p > 0 and traced():  # a seed drawn at run time, not one baked into a graph
+        refuse_compiled_vmap_dropout(_OP_NAME)
+        keep = _drawn_keep_mask_op(q.detach(), k.shape[2], dropout_p)
+    elif dropout_p > 0:  # drawn here, where vmap sees the draw and applies its randomness
         seed = rng.host_call_seed(q.device, dropout_p, "attention")
         b, h, lq, _ = q.shape
         keep = dropout_keep_mask(seed, b, h, lq, k.shape[2], dropout_p, device=q.device)
@@ -188,6 +189,22 @@ def _transformed(q, k, v, attn_mask, kpm, dropout_p, is_causal, scale):
         dropout_mask=keep, return_lse=True,
     )  # fmt: skip
     return out.to(q.dtype), lse.to(lse_dtype(q.dtype))
+
+
+@torch.library.custom_op(
+    "fastformer::attention_drawn_keep_mask", mutates_args=(), tags=DRAWS_A_SEED
+)
+def _drawn_keep_mask_op(query: Tensor, seq_k: int, dropout_p: float) -> Tensor:
+    """Draws a seed when it runs (also under torch.compile) and returns the (B, H, Lq, seq_k)
+    keep-mask the kernels would use with it: `_transformed`'s dropout inside torch.compile."""
+    seed = rng.draw_seed(query.device)
+    b, h, lq, _ = query.shape
+    return dropout_keep_mask(seed, b, h, lq, seq_k, dropout_p, device=query.device)
+
+
+@_drawn_keep_mask_op.register_fake
+def _(query, seq_k, dropout_p):
+    return query.new_empty(*query.shape[:3], seq_k, dtype=torch.bool)
 
 
 def _any_requires_grad(*tensors: Tensor | None) -> bool:

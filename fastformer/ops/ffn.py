@@ -48,9 +48,8 @@ from fastformer.ops._autograd import (
     autocast_off,
     check_dense,
     check_devices,
-    compiled_forward_ad,
     first_order,
-    refuse_compiled_dropout,
+    refuse_compiled_vmap_dropout,
     traced,
     type_name,
     under_transform,
@@ -278,11 +277,11 @@ def ffn(
         or (b2 is not None and b2.requires_grad)
     )
     dropout_p = float(dropout_p)
-    if traced() and not compiled_forward_ad():
+    if under_transform():  # eager or compiled
+        return _transformed(x, w1, b1, w2, b2, activation, dropout_p)
+    if traced():
         out = _ffn_op(_rows(x), w1, b1, w2, b2, activation, dropout_p, needs_grad)[0]
         return out.view(*x.shape[:-1], w2.shape[0])
-    if under_transform():
-        return _transformed(x, w1, b1, w2, b2, activation, dropout_p)
     if needs_grad and _backend(x) == "cpp":  # eager autograd in C++ (csrc/autograd.cpp)
         seed = rng.call_seed(x.device, dropout_p)
         fused = _fused_epilogue(x, activation, True)
@@ -297,13 +296,31 @@ def ffn(
 def _transformed(x, w1, b1, w2, b2, activation: str, dropout_p: float) -> Tensor:
     """The reference's function with the kernels' dropout mask (`under_transform`)."""
     keep = None
-    refuse_compiled_dropout("ffn", dropout_p)
-    if dropout_p > 0:
-        seed = rng.host_call_seed(x.device, dropout_p, "ffn")
-        d_ff = w1.shape[0] // 2 if activation in GATED_ACTIVATIONS else w1.shape[0]
-        tokens = math.prod(x.shape[:-1])
-        keep = ffn_keep_mask(seed, tokens, d_ff, dropout_p, x.device).view(*x.shape[:-1], d_ff)
+    d_ff = w1.shape[0] // 2 if activation in GATED_ACTIVATIONS else w1.shape[0]
+    if dropout_p > 0 and traced():  # a seed drawn at run time, not one baked into a graph
+        refuse_compiled_vmap_dropout("ffn")
+        keep = _drawn_keep_mask_op(x.detach(), d_ff, dropout_p)
+    elif dropout_p > 0:  # drawn here, where vmap sees the draw and applies its randomness
+        keep = _keep_mask_like(rng.host_call_seed(x.device, dropout_p, "ffn"), x, d_ff, dropout_p)
     return reference.ffn(x, w1, b1, w2, b2, activation, dropout_p, keep_mask=keep)
+
+
+def _keep_mask_like(seed: int, x: Tensor, d_ff: int, dropout_p: float) -> Tensor:
+    """`ffn_keep_mask` viewed as (*x.shape[:-1], d_ff)."""
+    tokens = math.prod(x.shape[:-1])
+    return ffn_keep_mask(seed, tokens, d_ff, dropout_p, x.device).view(*x.shape[:-1], d_ff)
+
+
+@torch.library.custom_op("fastformer::ffn_drawn_keep_mask", mutates_args=(), tags=DRAWS_A_SEED)
+def _drawn_keep_mask_op(x: Tensor, d_ff: int, dropout_p: float) -> Tensor:
+    """Draws a seed when it runs (also under torch.compile) and returns the (..., d_ff)
+    keep-mask the kernels would use with it: `_transformed`'s dropout inside torch.compile."""
+    return _keep_mask_like(rng.draw_seed(x.device), x, d_ff, dropout_p)
+
+
+@_drawn_keep_mask_op.register_fake
+def _(x, d_ff, dropout_p):
+    return x.new_empty(*x.shape[:-1], d_ff, dtype=torch.bool)
 
 
 def _rows(t: Tensor) -> Tensor:

@@ -45,9 +45,9 @@ from fastformer.ops._autograd import (
     DRAWS_A_SEED,
     check_dense,
     check_devices,
-    compiled_forward_ad,
     first_order,
     positive_float,
+    refuse_compiled_vmap_dropout,
     traced,
     type_name,
     under_transform,
@@ -415,7 +415,7 @@ def _run_cpp(
         rms,
         store_pre,
     )
-    if traced():  # (`_run` sends compiled forward AD to the torch path)
+    if traced():
         out, pre = _layer_norm_op(*args)[:2]
     elif grad:  # eager autograd in C++ (csrc/autograd.cpp): no Python in the backward
         seed = rng.seed_tensor(rng.call_seed(x.device, dropout_p))
@@ -433,10 +433,12 @@ def _keep_mask(x: Tensor, dropout_p: float) -> Tensor:
     seed when it runs (also under torch.compile); under a torch.func transform the seed is drawn
     here, where vmap sees the draw and applies its `randomness` (the custom op ran once a sample
     through vmap's fallback, a new mask each, whatever randomness said)."""
-    if torch.compiler.is_compiling() or not under_transform():
-        return _keep_mask_op(x.detach(), dropout_p)
-    seed = rng.host_call_seed(x.device, dropout_p, "dropout_add_layer_norm")
-    return dropout_add_layer_norm_keep_mask(seed, x.shape, dropout_p, device=x.device)
+    if under_transform() and not traced():
+        seed = rng.host_call_seed(x.device, dropout_p, "dropout_add_layer_norm")
+        return dropout_add_layer_norm_keep_mask(seed, x.shape, dropout_p, device=x.device)
+    if under_transform():
+        refuse_compiled_vmap_dropout("dropout_add_layer_norm")
+    return _keep_mask_op(x.detach(), dropout_p)
 
 
 def _run_torch(
@@ -474,7 +476,7 @@ def _run_torch(
 
 def _run(x, shape, weight, bias, residual, eps, dropout_p, rms, prenorm):
     args = (weight, bias, residual, eps, dropout_p, rms, prenorm)
-    if compiled_forward_ad() or (not torch.compiler.is_compiling() and under_transform()):
+    if under_transform():  # eager or compiled
         return _run_torch(x, shape, *args)
     if select_by_key(OP, (x.device.type, x.dtype), lambda: x) == "cpp":
         return _run_cpp(x, math.prod(shape), *args)
