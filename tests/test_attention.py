@@ -871,7 +871,10 @@ def test_opcheck(monkeypatch, backend):
     op = torch.ops.fastformer.attention.default
     torch.library.opcheck(op, (q, k, v, _attn_mask(c), _key_padding(c), 0.0, True, 0.25))
     torch.library.opcheck(op, (q, k, v, None, None, 0.0, False, 0.25))
+    torch.library.opcheck(op, (q, k, v, None, None, 0.0, False, None))  # scale 1 / sqrt(D)
     q, k, v = (t.detach() for t in (q, k, v))  # the backward op itself has no autograd
+    # the keep-mask of compiled torch.func transforms (p = 0: every draw keeps all)
+    torch.library.opcheck(torch.ops.fastformer.attention_drawn_keep_mask.default, (q, 12, 0.0))
     backward = torch.ops.fastformer.attention_backward.default
     for mask in (None, _attn_mask(c).detach()):
         # The forward's row statistics: kept for float32 inputs and float masks, the 8 bytes a

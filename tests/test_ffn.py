@@ -427,6 +427,9 @@ def test_opcheck():
     seed = torch.tensor(99)
     grad_out = torch.randn_like(out)
     torch.library.opcheck(torch.ops.fastformer.ffn_forward.default, (*plain, "swiglu", 0.4, 99))
+    # the keep-mask of compiled torch.func transforms (p = 0: every draw keeps all)
+    drawn = torch.ops.fastformer.ffn_drawn_keep_mask.default
+    torch.library.opcheck(drawn, (x.detach().view(-1, 2, x.shape[-1]), 7, 0.0))
     torch.library.opcheck(
         torch.ops.fastformer.ffn_backward.default,
         (grad_out, plain[0], plain[1], plain[3], saved, "swiglu", 0.4, 99),
