@@ -93,13 +93,21 @@ def _apply_keep_mask(x: Tensor, keep_mask: Tensor | None, dropout_p: float, name
         )
     if keep_mask.dtype != torch.bool:
         raise TypeError(f"{name} must be a bool tensor (True = keep), got {keep_mask.dtype}")
-    if torch.broadcast_shapes(keep_mask.shape, x.shape) != x.shape:  # it must not widen x
+    if not _broadcasts_to(keep_mask.shape, x.shape):
         raise ValueError(
             f"{name} of shape {tuple(keep_mask.shape)} does not broadcast to the dropped "
             f"tensor's shape {tuple(x.shape)}"
         )
     scale = 1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0
     return x * keep_mask.to(x.dtype) * scale
+
+
+def _broadcasts_to(shape: Sequence[int], target: Sequence[int]) -> bool:
+    """Whether `shape` broadcasts to `target` without widening it."""
+    try:
+        return torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:
+        return False
 
 
 def _draw_keep_mask(shape: Sequence[int], p: float, like: Tensor) -> Tensor:
@@ -1040,9 +1048,11 @@ class PositionalEncoding(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # The float64 table again after .double() / .to(torch.float64): converting the
-        # float32 one left it 3e-8 off the formula.
+        # float32 one left it 3e-8 off the formula. Only then: other applications (moves,
+        # share_memory) keep the buffer they made.
+        was = self.pe.dtype
         super()._apply(fn, recurse)
-        if self.pe.dtype == torch.float64 and not self.pe.is_meta:
+        if self.pe.dtype == torch.float64 != was and not self.pe.is_meta:
             self.pe = _sinusoids(*self.pe.shape, device=self.pe.device)
         return self
 

@@ -315,6 +315,26 @@ def test_compiled_vmap_with_dropout_follows_randomness(op):
         run("same")
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])  # meta: the fakes check too
+@pytest.mark.parametrize(
+    "op, args, message",
+    [
+        ("attention", ((2, 3, 4), 5, 0.1), "query must be 4-D"),
+        ("attention", ((1, 2, 3, 4), -1, 0.1), "seq_k must be >= 0"),
+        ("attention", ((1, 2, 3, 4), 5, -1.0), r"dropout_p must be in \[0, 1\)"),
+        ("ffn", ((3, 4), -2, 0.1), "d_ff must be >= 0"),
+        ("ffn", ((3, 4), 5, 1.5), r"dropout_p must be in \[0, 1\)"),
+    ],
+)
+def test_drawn_keep_mask_ops_check_their_inputs(device, op, args, message):
+    # Public ops (torch.ops.fastformer.*): the fakes returned shapes, the kernels crashed or
+    # dropped every element (p = 1.5).
+    shape, size, p = args
+    fn = getattr(torch.ops.fastformer, f"{op}_drawn_keep_mask")
+    with pytest.raises(ValueError, match=message):
+        fn(torch.empty(shape, device=device), size, p)
+
+
 def test_backend_choices_are_no_guard_of_a_compiled_graph():
     # The traced backend choice read the op's choice cache: dynamo guarded on the cache, and
     # each change to it (its first fill, a reset past its limit) compiled the graph again.

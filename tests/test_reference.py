@@ -305,6 +305,8 @@ def test_ffn_errors():
         ref.ffn(x3, w1, None, w2, None, "relu", 0.1, keep_mask=keep)
     out = ref.ffn(x3, w1, None, w2, None, "relu", 0.1, keep_mask=keep.view(4, 1, 6))
     assert out.shape == (4, 1, 4)
+    with pytest.raises(ValueError, match=r"keep_mask of shape \(8, 6\) does not broadcast"):
+        ref.ffn(torch.randn(2, 4, 4), w1, None, w2, None, "relu", 0.1, keep_mask=keep.repeat(2, 1))
 
 
 # --------------------------------------------------------------------------- mask helpers
@@ -338,6 +340,8 @@ def test_positional_encoding_formula():
     assert (pe(x)[1] - x[1] - formula).abs().max() < 1e-5
     # After .double() the table is the float64 formula, not the float32 one converted (3e-8).
     assert (pe.double().pe[:length] - formula).abs().max() < 1e-14
+    table = pe.pe
+    assert pe.share_memory().pe is table and table.is_shared()  # only a dtype change rebuilds
 
 
 # --------------------------------------------------------------------------- modules vs torch.nn

@@ -70,9 +70,14 @@ def first_order(op: str) -> Callable:
     return wrap
 
 
+# The device types with autocast in torch 2.11 to 2.14: torch.amp.is_autocast_available calls
+# into C, which dynamo 2.11 cannot trace (compiled torch.func transforms of the ops failed).
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "hpu", "mps", "mtia", "xla", "ipu", "privateuseone")
+
+
 def autocast_on(device_type: str) -> bool:
     """Whether autocast is on for `device_type`; False for device types without autocast."""
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    return device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type)
 
 
 def autocast_off(fn: Callable) -> Callable:
@@ -156,8 +161,8 @@ def refuse_compiled_vmap_dropout(op: str) -> None:
     if "same" in levels:
         raise RuntimeError(
             f"{op} with dropout_p > 0 under torch.vmap(randomness='same') inside torch.compile "
-            "is not supported (compiled, each sample draws its own mask): run the vmap "
-            "eagerly, or use randomness='different'"
+            "(or another traced call) is not supported (traced, each sample draws its own "
+            "mask): run the vmap eagerly, or use randomness='different'"
         )
 
 

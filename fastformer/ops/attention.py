@@ -197,6 +197,7 @@ def _transformed(q, k, v, attn_mask, kpm, dropout_p, is_causal, scale):
 def _drawn_keep_mask_op(query: Tensor, seq_k: int, dropout_p: float) -> Tensor:
     """Draws a seed when it runs (also under torch.compile) and returns the (B, H, Lq, seq_k)
     keep-mask the kernels would use with it: `_transformed`'s dropout inside torch.compile."""
+    _check_drawn_keep_mask(query, seq_k, dropout_p)
     seed = rng.draw_seed(query.device)
     b, h, lq, _ = query.shape
     return dropout_keep_mask(seed, b, h, lq, seq_k, dropout_p, device=query.device)
@@ -204,7 +205,18 @@ def _drawn_keep_mask_op(query: Tensor, seq_k: int, dropout_p: float) -> Tensor:
 
 @_drawn_keep_mask_op.register_fake
 def _(query, seq_k, dropout_p):
+    _check_drawn_keep_mask(query, seq_k, dropout_p)
     return query.new_empty(*query.shape[:3], seq_k, dtype=torch.bool)
+
+
+def _check_drawn_keep_mask(query: Tensor, seq_k: int, dropout_p: float) -> None:
+    fn = "attention_drawn_keep_mask"
+    if query.dim() != 4:
+        raise ValueError(f"{fn}: query must be 4-D (batch, heads, seq, head_dim), got shape "
+                         f"{tuple(query.shape)}")  # fmt: skip
+    if seq_k < 0:
+        raise ValueError(f"{fn}: seq_k must be >= 0, got {seq_k}")
+    _check_dropout_p(fn, dropout_p)
 
 
 def _any_requires_grad(*tensors: Tensor | None) -> bool:

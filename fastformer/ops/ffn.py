@@ -315,12 +315,22 @@ def _keep_mask_like(seed: int, x: Tensor, d_ff: int, dropout_p: float) -> Tensor
 def _drawn_keep_mask_op(x: Tensor, d_ff: int, dropout_p: float) -> Tensor:
     """Draws a seed when it runs (also under torch.compile) and returns the (..., d_ff)
     keep-mask the kernels would use with it: `_transformed`'s dropout inside torch.compile."""
+    _check_drawn_keep_mask(x, d_ff, dropout_p)
     return _keep_mask_like(rng.draw_seed(x.device), x, d_ff, dropout_p)
 
 
 @_drawn_keep_mask_op.register_fake
 def _(x, d_ff, dropout_p):
+    _check_drawn_keep_mask(x, d_ff, dropout_p)
     return x.new_empty(*x.shape[:-1], d_ff, dtype=torch.bool)
+
+
+def _check_drawn_keep_mask(x: Tensor, d_ff: int, dropout_p: float) -> None:
+    if x.dim() < 1:
+        raise ValueError("ffn_drawn_keep_mask: x must have at least 1 dimension, got 0")
+    if d_ff < 0:
+        raise ValueError(f"ffn_drawn_keep_mask: d_ff must be >= 0, got {d_ff}")
+    rng.check_dropout_p("ffn_drawn_keep_mask", dropout_p)
 
 
 def _rows(t: Tensor) -> Tensor:
