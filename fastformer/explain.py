@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
 from torch import nn
 
 from fastformer.nn import _record
@@ -63,10 +64,15 @@ def explain(module: nn.Module, *inputs, **kwargs) -> Explanation:
     call and every reason a faster backend (or the fused path) did not run.
 
     Returns an Explanation: a str (print it) with `.records` for programs. The forward runs
-    exactly as a normal call would (grad mode and train/eval mode untouched; dropout draws
-    random numbers as usual).
+    as a normal call would (grad mode and train/eval mode untouched; dropout draws random
+    numbers as usual), but eagerly: a compiled module's code runs uncompiled (the backends
+    chosen are the same), so that the recording neither breaks nor stays in its graphs.
     """
-    with _record.recording() as store:
+    # force_eager: compiled, the recording graph-broke the trace (fullgraph raised) and
+    # the broken graphs served every later call (4 graphs a call of a Transformer, 1 before).
+    # A torch.compile(module) wrapper is reported as the module it wraps.
+    module = getattr(module, "_orig_mod", module)
+    with _record.recording() as store, torch.compiler.set_stance("force_eager"):
         handle = nn.modules.module.register_module_forward_pre_hook(_unswapped_hook(store))
         _record.OWN_HOOKS.add(handle.id)
         try:

@@ -335,6 +335,59 @@ def test_drawn_keep_mask_ops_check_their_inputs(device, op, args, message):
         fn(torch.empty(shape, device=device), size, p)
 
 
+def test_global_module_hooks_added_after_compiling_do_not_recompile():
+    # Profilers and activation loggers register a new global hook per window: the fused
+    # layers' hook check was a guard, and each new hook recompiled the graph, up to the
+    # recompile limit (fullgraph: an error from the eighth window). torch.nn's compiled
+    # modules run on without them (dynamo skips module hook guards); so do fastformer's now.
+    from torch._dynamo.utils import counters
+
+    layer = nn.TransformerEncoderLayer(E, H, FF, 0.0, batch_first=True)
+    swap(layer)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    x = torch.randn(B, S, E)
+    counters.clear()
+    compiled(x)
+    for _ in range(10):
+        hook = nn.modules.module.register_module_forward_hook(lambda *args: None)
+        try:
+            compiled(x)
+        finally:
+            hook.remove()
+    assert counters["stats"]["unique_graphs"] == 1
+    # A hook there when the graph is traced runs in it, on the unfused sub-modules.
+    torch._dynamo.reset()
+    calls = []
+    hook = nn.modules.module.register_module_forward_hook(lambda mod, *_: calls.append(mod))
+    try:
+        torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    finally:
+        hook.remove()
+    assert any(m is layer.linear1 for m in calls)
+
+
+def test_explain_of_a_compiled_model_leaves_its_graph_alone():
+    # explain traced the compiled model with its recording on: fullgraph raised, and without
+    # it the broken graphs (4 a call of this Transformer) served every later call.
+    from fastformer import explain
+
+    model = nn.Transformer(E, H, 1, 1, FF, 0.0, batch_first=True)
+    swap(model)
+    runs = []
+
+    def counting(gm, _):
+        return lambda *args: runs.append(1) or gm(*args)
+
+    compiled = torch.compile(model, fullgraph=True, backend=counting)
+    src, tgt = torch.randn(B, S, E), torch.randn(B, T, E)
+    compiled(src, tgt)
+    text = explain(compiled, src, tgt)
+    assert text.startswith("fastformer.explain(Transformer)") and "attention ->" in text, text
+    runs.clear()
+    compiled(src, tgt)
+    assert len(runs) == 1
+
+
 def test_backend_choices_are_no_guard_of_a_compiled_graph():
     # The traced backend choice read the op's choice cache: dynamo guarded on the cache, and
     # each change to it (its first fill, a reset past its limit) compiled the graph again.
