@@ -59,6 +59,7 @@ def _format(root: nn.Module, records: list[_record.Record]) -> str:
     return "\n".join(lines)
 
 
+@torch.compiler.disable  # called inside a compiled function: its set_stance cannot be traced
 def explain(module: nn.Module, *inputs, **kwargs) -> Explanation:
     """Run `module(*inputs, **kwargs)` once and report, per submodule, the backend of every op
     call and every reason a faster backend (or the fused path) did not run.

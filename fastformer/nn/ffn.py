@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import module as _module
@@ -67,15 +66,6 @@ def _runs_hooks(module: nn.Module) -> bool:
         return True
     if module._backward_hooks or module._backward_pre_hooks:
         return True
-    return _global_hooks_run()
-
-
-@torch.compiler.assume_constant_result
-def _global_hooks_run() -> bool:
-    """Whether global module hooks run with every module call. Compiled, a constant of the
-    trace, as dynamo takes torch.nn's hooks (torch._dynamo.config.skip_nnmodule_hook_guards):
-    hooks registered later neither run nor recompile (a guard on them recompiled the graph for
-    each new one, up to the recompile limit, where torch.nn's compiled modules run on)."""
     if _module._global_forward_hooks or _module._global_backward_hooks:
         return True
     if _module._global_backward_pre_hooks:

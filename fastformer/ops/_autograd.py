@@ -70,9 +70,18 @@ def first_order(op: str) -> Callable:
     return wrap
 
 
-# The device types with autocast in torch 2.11 to 2.14: torch.amp.is_autocast_available calls
-# into C, which dynamo 2.11 cannot trace (compiled torch.func transforms of the ops failed).
-_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "hpu", "mps", "mtia", "xla", "ipu", "privateuseone")
+def _autocast_devices() -> tuple[str, ...]:
+    names = ("cpu", "cuda", "xpu", "hpu", "mps", "mtia", "maia", "xla", "ipu", "privateuseone")
+    found = [d for d in names if torch.amp.is_autocast_available(d)]
+    renamed = torch._C._get_privateuse1_backend_name()  # "npu" and the like
+    if renamed not in names and torch.amp.is_autocast_available(renamed):
+        found.append(renamed)
+    return tuple(found)
+
+
+# The device types with autocast, asked once: torch.amp.is_autocast_available calls into C,
+# which dynamo 2.11 cannot trace (compiled torch.func transforms of the ops failed).
+_AUTOCAST_DEVICES = _autocast_devices()
 
 
 def autocast_on(device_type: str) -> bool:
