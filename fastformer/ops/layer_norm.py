@@ -430,9 +430,10 @@ def _run_cpp(
 
 def _keep_mask(x: Tensor, dropout_p: float) -> Tensor:
     """The keep-mask of the torch backend's dropout: through the custom op, which draws its
-    seed when it runs (also under torch.compile); under a torch.func transform the seed is drawn
-    here, where vmap sees the draw and applies its `randomness` (the custom op ran once a sample
-    through vmap's fallback, a new mask each, whatever randomness said)."""
+    seed when it runs (also under torch.compile). Eagerly under a torch.func transform the seed
+    is drawn here, where vmap sees the draw and applies its `randomness` (the custom op runs once
+    a sample through vmap's fallback, a new mask each: traced, that is only right for
+    randomness="different", see `refuse_compiled_vmap_dropout`)."""
     if under_transform() and not traced():
         seed = rng.host_call_seed(x.device, dropout_p, "dropout_add_layer_norm")
         return dropout_add_layer_norm_keep_mask(seed, x.shape, dropout_p, device=x.device)
