@@ -71,7 +71,7 @@ def _finish_layer(
 def _norm_reasons(norm: nn.Module, drop: nn.Module) -> list[str]:
     """Why `norm(residual + drop(x))` cannot be one dropout_add_layer_norm op ([] = it can)."""
     reasons = []
-    if is_plain(norm, (nn.LayerNorm, reference.LayerNorm)) and not isinstance(norm, LayerNorm):
+    if is_plain(norm, (nn.LayerNorm, reference.LayerNorm)):  # exact types: not fastformer's
         reasons.append(f"{type(norm).__module__}.LayerNorm is not fastformer's (left by swap)")
     elif not is_plain(norm, _NORM_TYPES) or len(norm.normalized_shape) != 1:
         reasons.append(f"{type(norm).__name__} is not a plain 1-D LayerNorm without hooks")

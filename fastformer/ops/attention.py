@@ -155,14 +155,14 @@ def scaled_dot_product_attention_with_lse(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
     )
     args = (query, key, value, attn_mask, key_padding_mask, float(dropout_p), bool(is_causal))
-    if under_transform():  # eager or compiled
-        return _transformed(*args, _resolve_scale(scale, query.shape[-1]))
-    if traced():
+    if traced() and not under_transform():
         # The op resolves a None scale itself: 1 / sqrt(D) of a symbolic head dim is a guard on
         # D (dynamic=True recompiled per head dim).
         out, lse = torch.ops.fastformer.attention(*args, scale)[:2]
         return out, lse
     resolved = _resolve_scale(scale, query.shape[-1])
+    if under_transform():  # eager or compiled
+        return _transformed(*args, resolved)
     if torch.is_grad_enabled() and _any_requires_grad(query, key, value, attn_mask):
         out, lse = _AttentionFunction.apply(*args, resolved)
     else:

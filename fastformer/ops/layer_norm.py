@@ -434,10 +434,10 @@ def _keep_mask(x: Tensor, dropout_p: float) -> Tensor:
     is drawn here, where vmap sees the draw and applies its `randomness` (the custom op runs once
     a sample through vmap's fallback, a new mask each: traced, that is only right for
     randomness="different", see `refuse_compiled_vmap_dropout`)."""
-    if under_transform() and not traced():
-        seed = rng.host_call_seed(x.device, dropout_p, "dropout_add_layer_norm")
-        return dropout_add_layer_norm_keep_mask(seed, x.shape, dropout_p, device=x.device)
     if under_transform():
+        if not traced():
+            seed = rng.host_call_seed(x.device, dropout_p, "dropout_add_layer_norm")
+            return dropout_add_layer_norm_keep_mask(seed, x.shape, dropout_p, device=x.device)
         refuse_compiled_vmap_dropout("dropout_add_layer_norm")
     return _keep_mask_op(x.detach(), dropout_p)
 
