@@ -818,6 +818,40 @@ def test_cpu_16bit_is_float32_math_rounded_once(dtype, cols, weight_scale):
     assert torch.equal(dx, dx32.to(dtype)) and torch.equal(dw, dw32) and torch.equal(db, db32)
 
 
+def _float16_store_cases() -> torch.Tensor:
+    """float32 values around every finite float16 h: h itself, the halfway points to both
+    neighbours (ties round to even) and a float32 ulp either side of them; the overflow edge;
+    inf, NaN and signed zeros."""
+    h = torch.arange(0, 0x7C00, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    up = torch.nextafter(h.half(), torch.tensor(float("inf"), dtype=torch.float16)).float()
+    mid = (h + up) / 2  # exact in float32
+    inf32 = torch.tensor(float("inf"))
+    near = [mid, torch.nextafter(mid, inf32), torch.nextafter(mid, -inf32)]
+    edge = torch.tensor([65504.0, 65519.99, 65520.0, 1e30, float("inf"), float("nan"), 0.0])
+    values = torch.cat([h, *near, edge])
+    return torch.cat([values, -values])
+
+
+def test_cpu_float16_conversions_match_torch_for_every_value():
+    # The float16 kernels convert 8 lanes at a time (F16C where the CPU has it): loads of every
+    # float16 bit pattern give the pattern back through the fused op's pre output, and stores of
+    # a bias-only output (weight 0: out = bias, in float32) round every tie, subnormal and
+    # overflow as torch's conversion does (the load side's -0 is above).
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.float16).reshape(-1, 64)  # 64: whole vectors, no scalar tail
+    pre = ln.dropout_add_layer_norm(x, None, None, None, prenorm=True)[1]
+    same = (pre.view(torch.int16) == bits.view(-1, 64)) | (pre.isnan() & x.isnan())
+    assert bool(same.all()), f"{int((~same).sum())} float16 values changed by a load and store"
+    bias = _float16_store_cases()
+    bias = torch.cat([bias, bias.new_zeros(-bias.numel() % 64)])  # whole vectors
+    x, weight = torch.randn(2, bias.numel()).half(), torch.zeros(bias.numel())
+    out = ln.layer_norm(x, bias.numel(), weight, bias)
+    expected = bias.half().expand_as(out)
+    ok = (out.view(torch.int16) == expected.view(torch.int16)) | (out.isnan() & expected.isnan())
+    ok |= (out == 0) & (expected == 0)  # 0 * xhat + -0 is +0 where xhat >= 0: not a conversion
+    assert bool(ok.all()), (bias[~ok.all(0)], out[0][~ok.all(0)])
+
+
 # --------------------------------------------------------------------------- launch overrides
 
 
