@@ -1551,15 +1551,24 @@ def _empty_like_order(q: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """An empty (B, H, L, Dv) tensor whose batch, head and sequence dims lie in memory in the
     order of q's (say (B, L, H, Dv) for heads split off a (B, L, H * D) projection), so that the
     caller merges the heads of the output back with a view, not a copy (as torch's SDPA)."""
-    strides = q.stride()
-    if strides[0] >= strides[1] >= strides[2]:  # (B, H, L) order already (ties keep it)
+    order = _memory_order(q.stride()[:3], q.shape[:3])
+    if order == (0, 1, 2):
         return q.new_empty(shape)
-    order = sorted(range(3), key=strides.__getitem__, reverse=True)  # outermost first; stable
-    out = q.new_empty(*(shape[i] for i in order), shape[3]).permute(*_INVERSE[tuple(order)], 3)
+    out = q.new_empty(*(shape[i] for i in order), shape[3]).permute(*_INVERSE[order], 3)
     # Dense: every offset is below numel, so only a large one needs the slice's extent.
     if out.numel() < INT32_LIMIT or slice_extent(out) < INT32_LIMIT:
         return out
     return q.new_empty(shape)
+
+
+def _memory_order(strides: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """The dims in memory order, outermost first (ties keep their order). An expanded
+    (stride 0) or size-1 dim says nothing of the layout, so it keeps its place in (B, H, L)
+    relative to the others: an expanded batch had made the output's batch innermost."""
+    laid = sorted((i for i in range(3) if strides[i] and sizes[i] > 1), key=lambda i: -strides[i])
+    for i in (i for i in range(3) if i not in laid):
+        laid.insert(next((j for j, d in enumerate(laid) if d > i), len(laid)), i)
+    return tuple(laid)
 
 
 # The inverse of each order of the (B, H, L) dims: out.permute(*_INVERSE[order]) maps a tensor

@@ -1313,6 +1313,20 @@ def test_output_buffer_takes_the_query_s_order_of_dims(order):
             assert out.is_contiguous() and device == "meta"
 
 
+@pytest.mark.parametrize("expanded", [0, 1, 2])
+def test_output_of_an_expanded_query_is_contiguous(expanded):
+    # A query broadcast along batch, heads or sequence (stride 0) has no memory order of that
+    # dim to keep: the output is contiguous, as torch's SDPA gives it, with the same values.
+    sizes = [3, 2, 5]
+    one = list(sizes)
+    one[expanded] = 1
+    q = _randn((*one, 8)).expand(*sizes, 8)
+    k, v = _randn((*sizes[:2], 7, 8), seed=1), _randn((*sizes[:2], 7, 8), seed=2)
+    out = attn.scaled_dot_product_attention(q, k, v)
+    assert out.is_contiguous(), out.stride()
+    torch.testing.assert_close(out, ref.scaled_dot_product_attention(q, k, v))
+
+
 def test_gradient_buffers_share_storage_only_for_a_packed_projection():
     # grads_like: one buffer for q, k, v split off one packed projection (or k, v), with their
     # strides; never for tensors that alias each other or leave gaps between them.
