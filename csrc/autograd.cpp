@@ -206,11 +206,13 @@ struct FfnFunction : public torch::autograd::Function<FfnFunction> {
                                bool fused_epilogue, const OptTensor& device_seed) {
     auto [out, saved] = handle<FfnFwd>().call(x.contiguous(), w1, b1, w2, b2, activation,
                                               dropout_p, seed, fused_epilogue, device_seed);
+    ctx->save_for_backward({x, w1, w2, saved, device_seed.value_or(at::Tensor())});
     // b1 only for first_order to tie the gradients to: with x, w1 and w2 frozen, a
     // create_graph=True db1 came back as a constant (a gradient penalty silently dropped).
-    // db2 is grad_out summed: a constant then, correctly.
-    ctx->save_for_backward({x, w1, w2, saved, device_seed.value_or(at::Tensor()),
-                            b1.value_or(at::Tensor())});
+    // db2 is grad_out summed: a constant then, correctly. Kept outside save_for_backward: db1
+    // never reads it, and an in-place update of b1 after the forward must not fail the
+    // backward (torch's linear does not save its bias either).
+    ctx->saved_data["b1"] = b1.value_or(at::Tensor());
     ctx->saved_data["activation"] = std::string(activation);
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["seed"] = seed;
@@ -236,7 +238,9 @@ struct FfnFunction : public torch::autograd::Function<FfnFunction> {
       if (ctx->saved_data["has_b1"].toBool()) results[2] = db1;
       if (ctx->saved_data["has_b2"].toBool()) results[4] = db2;
     }
-    return first_order("FFN", std::move(results), grads, saved);
+    variable_list tied = saved;
+    tied.push_back(ctx->saved_data["b1"].toTensor());
+    return first_order("FFN", std::move(results), grads, tied);
   }
 };
 

@@ -105,6 +105,37 @@ def test_ffn_second_derivative_raises_when_only_biases_train(monkeypatch, backen
         (out.sum() + sum(g.pow(2).sum() for g in grads)).backward()
 
 
+@pytest.mark.parametrize("path", ["default", "torch", "custom_op"])
+def test_ffn_backward_allows_an_in_place_update_of_b1(monkeypatch, path):
+    # torch's linear does not save its bias, so updating b1 in place between the forward and the
+    # backward (an EMA, a bias tied elsewhere) leaves torch's backward alone. The FFN kept b1 for
+    # the create_graph tie above only, but saved it for backward, which then raised "modified by
+    # an inplace operation". w1, which the backward reads, still makes it raise, as in torch.
+    monkeypatch.delenv("FASTFORMER_BACKEND_FFN", raising=False)
+    if path == "torch":
+        monkeypatch.setenv("FASTFORMER_BACKEND_FFN", "torch")
+    x, w1, w2 = (_randn(*s, seed=i) for i, s in enumerate([(4, 8), (16, 8), (8, 16)]))
+    b1, b2 = _randn(16, seed=3), _randn(8, seed=4)
+    inputs = (x, w1, b1, w2, b2)
+
+    def run():
+        if path == "custom_op":
+            return torch.ops.fastformer.ffn(*inputs, "gelu", 0.0, True)[0]
+        return ffn.ffn(*inputs, "gelu")
+
+    expected = torch.autograd.grad(run().sum(), inputs)
+    out = run()
+    with torch.no_grad():
+        b1.add_(1.0)
+    for got, want in zip(torch.autograd.grad(out.sum(), inputs), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    out = run()
+    with torch.no_grad():
+        w1.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(out.sum(), inputs)
+
+
 def test_raw_layer_norm_op_second_derivative_raises():
     # fastformer::layer_norm's backward calls layer_norm_bwd, which has no autograd: torch
     # warned and a second derivative came back as zeros.

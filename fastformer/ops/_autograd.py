@@ -47,8 +47,10 @@ def first_order(op: str) -> Callable:
 
     Outside ``create_graph=True`` it only calls the backward. Inside, it runs the backward
     without recording a graph and returns its results through a node that depends on the
-    incoming gradients and the saved tensors that require grad, so that differentiating
-    them raises a RuntimeError naming `op` rather than giving wrong second derivatives.
+    incoming gradients and the saved tensors that require grad (and ``ctx.tied``, inputs kept
+    for the tie alone, outside save_for_backward and its in-place checks), so that
+    differentiating them raises a RuntimeError naming `op` rather than giving wrong second
+    derivatives.
     """
 
     def wrap(backward: Callable) -> Callable:
@@ -58,9 +60,8 @@ def first_order(op: str) -> Callable:
                 return backward(ctx, *grads)
             with torch.no_grad():
                 results = backward(ctx, *grads)
-            tied = [
-                t for t in (*grads, *ctx.saved_tensors) if isinstance(t, Tensor) and t.requires_grad
-            ]
+            candidates = (*grads, *ctx.saved_tensors, *getattr(ctx, "tied", ()))
+            tied = [t for t in candidates if isinstance(t, Tensor) and t.requires_grad]
             if not tied:
                 return results
             return _SecondDerivative.apply(op, len(tied), *tied, *results)

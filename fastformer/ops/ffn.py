@@ -478,7 +478,7 @@ def _ffn_grad_op_fake(grad_out, x, w1, w2, saved, seed, activation, dropout_p, o
 def _setup_context(ctx, inputs, output) -> None:
     x, w1, b1, w2, b2, activation, dropout_p = inputs[:7]
     _, saved, seed = output
-    ctx.save_for_backward(x, w1, w2, saved, seed, b1)  # b1: for first_order's tie
+    ctx.save_for_backward(x, w1, w2, saved, seed)
     _keep_options(ctx, activation, dropout_p, b1, b2)
     # saved and seed are bookkeeping outputs: no gradient flows into them, and autograd should
     # not materialize a zero (tokens, width) tensor for them at every backward.
@@ -489,6 +489,12 @@ def _keep_options(ctx, activation: str, dropout_p: float, b1, b2) -> None:
     ctx.set_materialize_grads(False)
     ctx.activation, ctx.dropout_p = activation, dropout_p
     ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
+    # b1 only so that first_order ties the gradients to it: with everything else frozen, a
+    # create_graph=True db1 came back as a constant (a silently dropped penalty); db2 is
+    # grad_out summed, a constant then, correctly. Not saved for backward: db1 never reads it,
+    # and an in-place update of b1 after the forward must not fail the backward (torch's
+    # linear does not save its bias either).
+    ctx.tied = () if b1 is None else (b1,)
 
 
 def _input_grads(ctx, grads: tuple[Tensor, ...]) -> tuple:
@@ -508,7 +514,7 @@ def _check_saved(saved: Tensor) -> None:
 def _backward(ctx, grad_out, _grad_saved, _grad_seed):
     if grad_out is None:  # grads are not materialized: nothing flowed into `out`
         return (None,) * 8
-    x, w1, w2, saved, seed, _b1 = ctx.saved_tensors
+    x, w1, w2, saved, seed = ctx.saved_tensors
     _check_saved(saved)
     grads = _ffn_grad_op(grad_out, x, w1, w2, saved, seed, ctx.activation, ctx.dropout_p)
     return (*_input_grads(ctx, grads), None)  # needs_grad gets None too
@@ -526,10 +532,7 @@ class _FfnFunction(torch.autograd.Function):
     def forward(ctx, x, w1, b1, w2, b2, activation, dropout_p):
         inputs = (x, w1, b1, w2, b2, activation, dropout_p)
         out, saved, ctx.seed = _forward(*inputs, needs_grad=True, backend="torch")
-        # b1 only so that first_order ties the gradients to it: with everything else frozen, a
-        # create_graph=True db1 came back as a constant (a silently dropped penalty). db2 is
-        # grad_out summed: a constant then, correctly.
-        ctx.save_for_backward(x, w1, w2, saved, b1)
+        ctx.save_for_backward(x, w1, w2, saved)
         _keep_options(ctx, activation, dropout_p, b1, b2)
         return out
 
@@ -538,7 +541,7 @@ class _FfnFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         if grad_out is None:
             return (None,) * 7
-        x, w1, w2, saved, _b1 = ctx.saved_tensors
+        x, w1, w2, saved = ctx.saved_tensors
         _check_saved(saved)
         args = (grad_out, x, w1, w2, saved, ctx.seed, ctx.activation, ctx.dropout_p)
         return _input_grads(ctx, _grad(*args, backend="torch"))
