@@ -890,6 +890,30 @@ def test_explain_reports_backends_and_unswapped_modules():
     assert "mask -> applied as given" in text and "pass is_causal=True" in text, text
 
 
+def test_explain_records_only_its_own_thread():
+    # The recording was a process global: calls another thread made meanwhile (another model)
+    # were listed as "?" modules of the explained one.
+    import threading
+
+    other, started, stop = fnn.LayerNorm(E), threading.Event(), threading.Event()
+
+    def busy():
+        x = torch.randn(B, S, E)
+        while not stop.is_set():
+            other(x)
+            started.set()
+
+    thread = threading.Thread(target=busy)
+    thread.start()
+    try:
+        started.wait()
+        text = explain(fnn.LayerNorm(E), torch.randn(B, S, E))
+    finally:
+        stop.set()
+        thread.join()
+    assert len(text.records) == 1 and all(r.module is not other for r in text.records)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_cuda_transformer_parity_bf16(norm_first, monkeypatch):
@@ -1012,3 +1036,68 @@ def test_dropout_closer_to_1_than_the_ops_take_runs_torch_nns_path(kind, p):
     if kind == "attention" or p > 0.9999:
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
     assert outs[1].shape == x.shape and torch.isfinite(outs[1]).all()
+
+
+def test_torch_jit_script_refuses_every_module_with_one_clear_error():
+    # TorchScript cannot compile modules that call the ops from Python; it failed with type
+    # errors from deep inside them (or "Can't redefine method" on a second try). Each module,
+    # and a swapped torch.nn model, now names itself and the ways out.
+    modules = [
+        fnn.LayerNorm(E), fnn.RMSNorm(E), fnn.FeedForward(E, 32), fnn.MultiheadAttention(E, H),
+        fnn.TransformerEncoderLayer(E, H, 32), fnn.TransformerDecoderLayer(E, H, 32),
+        fnn.Transformer(E, H, 1, 1, 32),
+    ]  # fmt: skip
+    swapped = nn.Sequential(nn.Linear(E, E), nn.LayerNorm(E))
+    fastformer.swap(swapped)
+    for module in [*modules, swapped]:
+        with pytest.raises(RuntimeError, match="torch.jit.script cannot compile fastformer.nn"):
+            torch.jit.script(module)
+
+
+@pytest.mark.parametrize(
+    "op", ["attention", "ffn", "dropout_add_layer_norm", "encoder_layer"]
+)  # fmt: skip
+def test_torch_jit_trace_refuses_dropout(op):
+    # A trace would record the call's dropout seed as a constant: one mask for every call of a
+    # traced training model (found: FeedForward and dropout-add-LayerNorm did so in silence;
+    # attention raised an unrelated error).
+    from fastformer.ops import attention, ffn, layer_norm
+
+    x = torch.randn(2, 4, E)
+    q = x.view(2, 4, H, E // H).transpose(1, 2)
+    w1, w2 = torch.randn(32, E), torch.randn(E, 32)
+    calls = {
+        "attention": lambda: attention.scaled_dot_product_attention(q, q, q, dropout_p=0.5),
+        "ffn": lambda: ffn.ffn(x, w1, None, w2, None, "relu", 0.5),
+        "dropout_add_layer_norm": lambda: layer_norm.dropout_add_layer_norm(
+            x, x, None, None, dropout_p=0.5
+        ),
+        "encoder_layer": lambda: fnn.TransformerEncoderLayer(E, H, 32, 0.5).train()(x),
+    }
+    with pytest.raises(RuntimeError, match="cannot be recorded by torch.jit.trace"):
+        torch.jit.trace(calls[op], (), check_trace=False)
+    calls[op]()  # eager calls are unaffected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_jit_trace_keeps_rows_without_keys_at_zero(monkeypatch, dtype):
+    # The torch backend skipped zeroing rows that every mask leaves without a key when the
+    # example had none: a trace then froze that choice, and such rows came out NaN.
+    from fastformer.ops import attention
+
+    monkeypatch.setenv("FASTFORMER_BACKEND_ATTENTION", "torch")
+    q, k, v = (torch.randn(2, H, 5, 8, generator=torch.Generator().manual_seed(i)).to(dtype)
+               for i in range(3))  # fmt: skip
+    lse = attention.scaled_dot_product_attention_with_lse
+    for name, mask in (("key_padding_mask", torch.zeros(2, 5, dtype=torch.bool)),
+                       ("attn_mask", torch.zeros(5, 5))):  # fmt: skip
+
+        def fn(q, k, v, m, name=name):
+            return lse(q, k, v, **{name: m})
+
+        traced = torch.jit.trace(fn, (q, k, v, mask), check_trace=False)
+        emptied = mask.clone()
+        emptied[1] = True if mask.dtype == torch.bool else float("-inf")
+        for got, want in zip(traced(q, k, v, emptied), fn(q, k, v, emptied)):
+            assert not got.isnan().any(), name
+            torch.testing.assert_close(got, want, rtol=0, atol=0)

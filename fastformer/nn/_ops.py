@@ -22,6 +22,17 @@ from fastformer.ops import layer_norm as _layer_norm
 _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
+def refuse_script(module: nn.Module) -> nn.Module:
+    """`__prepare_scriptable__` of the fastformer.nn modules: torch.jit.script asks it of every
+    module it compiles, so a swapped model fails with this message, not a TorchScript type
+    error deep inside the module (the modules call the ops from Python)."""
+    raise RuntimeError(
+        f"torch.jit.script cannot compile {type(module).__module__}.{type(module).__qualname__}: "
+        "fastformer's modules call their ops from Python. Use torch.compile or torch.export, or "
+        "keep torch.nn modules where TorchScript is needed (state_dicts load both ways)"
+    )
+
+
 def _autocast_dtype(t: Tensor) -> torch.dtype | None:
     """The autocast dtype for `t`'s device, or None when autocast is off there."""
     if _ANY_AUTOCAST is not None and not _ANY_AUTOCAST():

@@ -7,6 +7,7 @@ torch.compile, which guards on it).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,19 +31,21 @@ class Record:
 
 
 _store: list[Record] | None = None
+_owner: int | None = None  # the thread that records
 # Ids of the global module hooks fastformer itself registers (explain's): they do not make a
 # sub-module "hooked" (fastformer.nn.ffn.is_plain), so explain reports the normal path.
 OWN_HOOKS: set[int] = set()
 
 
 def active() -> bool:
-    """True while `fastformer.explain` records a forward pass."""
-    return _store is not None
+    """True while `fastformer.explain` records a forward pass in this thread."""
+    return _store is not None and threading.get_ident() == _owner
 
 
 def note(module: nn.Module, what: str, runs: str, reasons: list[tuple[str, list[str]]]) -> None:
-    """Record one call; a no-op unless recording."""
-    if _store is None:
+    """Record one call; a no-op unless recording, and for calls other threads make meanwhile
+    (explain's report would list another model's modules)."""
+    if _store is None or threading.get_ident() != _owner:
         return
     frozen = tuple((name, tuple(why)) for name, why in reasons)
     _store.append(Record(module, what, runs, frozen))
@@ -51,9 +54,10 @@ def note(module: nn.Module, what: str, runs: str, reasons: list[tuple[str, list[
 @contextmanager
 def recording() -> Iterator[list[Record]]:
     """Collect the records of every fastformer module call made inside the block."""
-    global _store
-    previous, _store = _store, []
+    global _store, _owner
+    previous, _store = (_store, _owner), []
+    _owner = threading.get_ident()
     try:
         yield _store
     finally:
-        _store = previous
+        _store, _owner = previous

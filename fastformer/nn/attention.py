@@ -207,6 +207,8 @@ class MultiheadAttention(nn.MultiheadAttention):
     (its SDPA path); with need_weights=True both give NaN (this module falls back to torch.nn).
     """
 
+    __prepare_scriptable__ = _ops.refuse_script
+
     # is_causal with attn_mask is torch.nn's hint (see sdpa_masks); ReferenceMultiheadAttention
     # turns it off.
     _causal_hint: bool = True

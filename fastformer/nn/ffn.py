@@ -159,6 +159,8 @@ class FeedForward(nn.Module):
     Input (..., d_model) in float32/float16/bfloat16; output (..., d_model), same dtype.
     """
 
+    __prepare_scriptable__ = _ops.refuse_script
+
     def __init__(
         self,
         d_model: int,

@@ -42,6 +42,8 @@ class LayerNorm(nn.LayerNorm):
     Nested tensors fall back to torch.nn.
     """
 
+    __prepare_scriptable__ = _ops.refuse_script
+
     @property
     def fallback_reasons(self) -> list[str]:
         """Configuration reasons for torch.nn's path ([] = fused): an eps the op refuses."""
@@ -62,6 +64,8 @@ class RMSNorm(nn.RMSNorm):
     device, dtype) and parameter `weight`. Input (..., *normalized_shape); output same shape
     and dtype. Nested tensors fall back to torch.nn.
     """
+
+    __prepare_scriptable__ = _ops.refuse_script
 
     @property
     def fallback_reasons(self) -> list[str]:

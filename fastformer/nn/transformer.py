@@ -165,6 +165,8 @@ class TransformerEncoderLayer(nn.TransformerEncoderLayer):
     Nested-tensor input falls back to torch.nn.
     """
 
+    __prepare_scriptable__ = _ops.refuse_script
+
     def __init__(
         self,
         d_model: int,
@@ -228,6 +230,8 @@ class TransformerDecoderLayer(nn.TransformerDecoderLayer):
     (or per head (B*nhead, ., .)), key padding masks (B, T) / (B, S); tgt_is_causal /
     memory_is_causal as is_causal of the encoder layer.
     """
+
+    __prepare_scriptable__ = _ops.refuse_script
 
     def __init__(
         self,
@@ -320,6 +324,8 @@ class TransformerEncoder(nn.TransformerEncoder):
     src (S, B, E) / (B, S, E) -> same shape.
     """
 
+    __prepare_scriptable__ = _ops.refuse_script
+
     def __init__(
         self,
         encoder_layer: nn.Module,
@@ -351,6 +357,8 @@ class TransformerDecoder(nn.TransformerDecoder):
     (`layers`), then `norm` if given. tgt_is_causal=None as is_causal=None of the encoder.
     tgt (T, B, E), memory (S, B, E) (batch first if batch_first) -> like tgt."""
 
+    __prepare_scriptable__ = _ops.refuse_script
+
     def forward(
         self,
         tgt: Tensor,
@@ -379,6 +387,8 @@ class Transformer(nn.Transformer):
     "gelu_tanh", "silu", "swiglu" and "geglu". src (S, B, E), tgt (T, B, E) (batch first if
     batch_first) -> (T, B, E).
     """
+
+    __prepare_scriptable__ = _ops.refuse_script
 
     def __init__(
         self,

@@ -619,7 +619,7 @@ def _rows_without_key(mask: Tensor | None, lq: int, lk: int, is_causal: bool):
     if is_causal:
         visible = visible & torch.ones(lq, lk, dtype=torch.bool).tril()
     empty = ~visible.any(-1)
-    return empty if bool(empty.any()) else None
+    return empty if torch.jit.is_tracing() or bool(empty.any()) else None  # a trace keeps both
 
 
 def _flash_inputs(*tensors: Tensor) -> list[Tensor]:
@@ -699,7 +699,9 @@ def _softmax(scores: Tensor, with_lse: bool = False):
     row_max = scores.amax(-1)
     empty = torch.isneginf(row_max)
     probs = torch.softmax(scores, -1)
-    if probs.device.type != "cpu" or bool(empty.any()):  # a pass saved; no GPU sync
+    # A pass saved on CPU where no row is empty; a GPU or a torch.jit.trace (which would keep
+    # the branch taken for its example) always fills.
+    if probs.device.type != "cpu" or torch.jit.is_tracing() or bool(empty.any()):
         probs.masked_fill_(empty[..., None], 0.0)
     if not with_lse:
         return probs

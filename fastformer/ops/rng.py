@@ -231,6 +231,14 @@ def _refuse_batched_draw(draw: torch.Tensor) -> None:
 
 
 def _host_seed(device: torch.device) -> int:
+    if torch.jit.is_tracing():
+        # The seed is a Python int: the trace would record it as a constant.
+        raise RuntimeError(
+            "fastformer's dropout cannot be recorded by torch.jit.trace: the trace would keep "
+            "this call's seed as a constant and drop the same elements on every call. Trace in "
+            "eval mode (dropout 0), or use torch.export or torch.compile, which draw a new seed "
+            "each call"
+        )
     if device.type == "cuda":
         if torch._C._functorch.peek_interpreter_stack() is not None:
             # Under a torch.func transform: a draw vmap sees, for its `randomness` (the seed
