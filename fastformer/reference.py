@@ -1047,13 +1047,15 @@ class PositionalEncoding(nn.Module):
         self.register_buffer("pe", pe.to(torch.get_default_dtype()), persistent=False)
 
     def _apply(self, fn, recurse=True):
-        # The float64 table again after .double() / .to(torch.float64): converting the
-        # float32 one left it 3e-8 off the formula. Only then: other applications (moves,
-        # share_memory) keep the buffer they made.
-        was = self.pe.dtype
+        # The table again where an application cannot carry it over: after .double() /
+        # .to(torch.float64) (converting the float32 one left it 3e-8 off the formula) and off
+        # the meta device (to_empty() leaves memory uninitialized; being non-persistent, the
+        # state_dict does not fill it). Other applications (moves, share_memory) keep the
+        # buffer they made.
+        was, was_meta = self.pe.dtype, self.pe.is_meta
         super()._apply(fn, recurse)
-        if self.pe.dtype == torch.float64 != was and not self.pe.is_meta:
-            self.pe = _sinusoids(*self.pe.shape, device=self.pe.device)
+        if (self.pe.dtype == torch.float64 != was or was_meta) and not self.pe.is_meta:
+            self.pe = _sinusoids(*self.pe.shape, device=self.pe.device).to(self.pe.dtype)
         return self
 
     def forward(self, x: Tensor) -> Tensor:

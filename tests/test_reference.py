@@ -342,6 +342,12 @@ def test_positional_encoding_formula():
     assert (pe.double().pe[:length] - formula).abs().max() < 1e-14
     table = pe.pe
     assert pe.share_memory().pe is table and table.is_shared()  # only a dtype change rebuilds
+    # Built on the meta device, then materialized: to_empty() left pe uninitialized (pe is not
+    # in the state_dict, so loading one cannot fill it); the table is rebuilt there.
+    with torch.device("meta"):
+        lazy = ref.PositionalEncoding(d_model, dropout=0.0, max_len=50)
+    lazy.to_empty(device="cpu")
+    assert torch.equal(lazy.pe, ref.PositionalEncoding(d_model, max_len=50).pe)
 
 
 # --------------------------------------------------------------------------- modules vs torch.nn
