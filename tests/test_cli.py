@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib
 import importlib.util
 import json
 import math
@@ -467,8 +468,17 @@ def test_model_variants_compile_layers_by_default_and_whole_models_and_graphs_wi
     assert torch.equal(full[B.COMPILE_WHOLE].weight, eager.weight)
     on_cpu = B.model_variants(eager, fast, {}, cpu, full=True)
     assert {on_cpu[name] for name in compiled} == {"not measured on CPU (GPU only)"}
+    # a swap that raised is an error (exit 1), not a skip; listed once for all its variants
     failed = B.model_variants(eager, None, {"error": "swap failed"}, cuda, full=True)
-    assert failed["fastformer"] == failed[B.FAST_COMPILED] == "swap failed"
+    assert failed["fastformer"] == {"error": "swap failed"}
+    assert failed[B.FAST_COMPILED] == {"error": "swap failed", "same_as": "fastformer"}
+    model = {"variants": {**failed, B.COMPILE_LAYERS: {"skipped": "GPU only"}}}
+    assert R.fastformer_errors({"model": model}) == ["model fastformer: swap failed"]
+    # a raise while measuring the swapped model compiled is fastformer's too
+    model["variants"][B.FAST_COMPILED] = {"error": "RuntimeError: boom"}
+    assert R.fastformer_errors({"model": model})[1:] == [
+        f"model {B.FAST_COMPILED}: RuntimeError: boom"
+    ]
 
 
 @pytest.mark.filterwarnings("ignore:.*nested:UserWarning")  # torch.nn's own
@@ -544,6 +554,25 @@ def test_bench_exits_1_when_fastformer_raises(monkeypatch, tmp_path, capsys):
     rows = json.loads((tmp_path / "results.json").read_text())["ops"]["layer_norm"]["cases"]
     plain = [r for r in rows if not r["params"]["fused"]]
     assert plain and all("deliberately broken" in r["impls"]["fastformer"]["error"] for r in plain)
+
+
+def test_bench_exits_1_when_fastformer_swap_raises(monkeypatch, tmp_path, capsys):
+    # The swap's exception was stored as a skip: bench exited 0 with no fastformer figure.
+    swap_module = importlib.import_module("fastformer.swap")  # the module, not its function
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("swap exploded")
+
+    monkeypatch.setattr(swap_module, "swap", broken)
+    argv = ["bench", "--quick", "--model", "tiny", "--device", "cpu", "--threads", "1"]
+    assert main([*argv, "--ops", "", "--out", str(tmp_path)]) == 1
+    assert "model fastformer: fastformer.swap failed: RuntimeError: swap exploded" in (
+        capsys.readouterr().err
+    )
+    variants = json.loads((tmp_path / "results.json").read_text())["model"]["variants"]
+    assert "swap exploded" in variants["fastformer"]["error"]
+    # a real skip stays a skip
+    assert variants[B.COMPILE_LAYERS] == {"skipped": "not measured on CPU (GPU only)"}
 
 
 def test_cpu_model_is_reduced_gpu_model_is_the_paper_s():
@@ -666,6 +695,12 @@ def _model(tokens_per_s: float) -> dict:
         (["bench", "--out", "{tmp}/dir_png"], "speedup_ffn.png there is a folder"),
         (["bench", "--out", "{tmp}/dir_tmp"], "results.json.tmp there is a folder"),
         (["bench", "--results", "{old}", "--ops", "ffn", "--quick"], "do nothing"),
+        # an AttributeError traceback when compared
+        (["bench", "--compare", "{tmp}/config_str.json"], "config is 'x', not an object"),
+        (["bench", "--compare", "{tmp}/manifest_list.json"], "manifest is [], not an object"),
+        (["bench", "--compare", "{tmp}/schema2.json"], "has results.json schema 2; this"),
+        (["bench", "--out", ""], "--out '': expected a folder"),  # was the default folder
+        (["bench", "--no-model", "--model", "tiny"], "--model tiny does nothing"),
         (["check", "--ops", ","], "no op given"),
     ],
 )
@@ -690,6 +725,9 @@ def test_usage_errors_before_any_measurement(argv, message, tmp_path, monkeypatc
     string_ms["ops"]["ffn"]["cases"][0]["impls"]["fastformer"]["ms"] = 10**400
     (tmp_path / "bigint.json").write_text(json.dumps(string_ms))
     (tmp_path / "null_model.json").write_text(json.dumps({**partial, "model": None}))
+    (tmp_path / "config_str.json").write_text(json.dumps({**partial, "config": "x"}))
+    (tmp_path / "manifest_list.json").write_text(json.dumps({**partial, "manifest": []}))
+    (tmp_path / "schema2.json").write_text(json.dumps({**partial, "schema": 2}))
     monkeypatch.setattr(B, "measure", lambda *a: pytest.fail("measured before checking"))
     old = tmp_path / "old.json"
     old.write_text(json.dumps({**partial, "manifest": dict.fromkeys(R.REQUIRED_MANIFEST)}))
@@ -722,6 +760,71 @@ def test_fail_if_slower_fails_when_nothing_of_fastformer_was_compared(bench_run,
     assert main([*args, "--compare", str(other_path), "--fail-if-slower", "0"]) == 1
     assert "nothing was compared" in capsys.readouterr().err
     assert main([*args, "--compare", str(out / "results.json"), "--fail-if-slower", "0"]) == 0
+
+
+def _fast_ms_rows(results: dict) -> list[dict]:
+    """The op rows of `results` whose fastformer figure is a judged time."""
+    rows = [row for data in results["ops"].values() for row in data["cases"]]
+    return [r for r in rows if "ms" in r["impls"]["fastformer"] and r["mode"] != "bwd"]
+
+
+@pytest.mark.parametrize("gap", ["case", "null", "zero"])
+def test_fail_if_slower_fails_on_a_fastformer_figure_without_a_new_one(
+    gap, bench_run, tmp_path, capsys
+):
+    # A case the new run lacks, or a fastformer time that is null (NaN) or 0 in it, was dropped
+    # from the comparison without a word: --fail-if-slower passed what it never compared.
+    _, out = bench_run
+    new = json.loads((out / "results.json").read_text())
+    row = _fast_ms_rows(new)[0]
+    key = f"{row['case']}.{row['mode']}.fastformer.ms"
+    if gap == "case":
+        for data in new["ops"].values():
+            data["cases"] = [r for r in data["cases"] if r["case"] != row["case"]]
+    else:
+        row["impls"]["fastformer"]["ms"] = None if gap == "null" else 0
+    path = tmp_path / "new.json"
+    path.write_text(json.dumps(new))
+    args = ["bench", "--results", str(path), "--out", str(tmp_path / "r")]
+    old = str(out / "results.json")
+    assert main([*args, "--compare", old]) == 0
+    shown = {"case": "missing", "null": "null", "zero": "0"}[gap]
+    text = capsys.readouterr().out
+    assert "fastformer figure(s) in one run only" in text and f"{key}: old " in text, text
+    assert re.search(rf"{re.escape(key)}: old [0-9.e+-]+, new {shown}\n", text), text
+    assert main([*args, "--compare", old, "--fail-if-slower", "1000"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "have no valid figure in this run" in err, err
+    # a fastformer figure the new run adds is listed, but nothing of the old run was lost
+    assert (
+        main(
+            [
+                "bench",
+                "--results",
+                old,
+                "--out",
+                str(tmp_path / "r2"),
+                "--compare",
+                str(path),
+                "--fail-if-slower",
+                "1000",
+            ]
+        )
+        == 0
+    )
+    assert re.search(rf"{re.escape(key)}: old {shown}, new [0-9.e+-]+\n", capsys.readouterr().out)
+
+
+def test_unpaired_lists_only_fastformer_figures():
+    old = {"ops": {"ffn": {"cases": [_row(2.0, 4.0)]}}, "model": _model(100.0)}
+    new = {"ops": {"ffn": {"cases": []}}, "model": _model(None)}
+    lone = R.unpaired(old, new)
+    assert [(u.key, u.old, u.lost) for u in lone] == [
+        ("ffn.c.fwd.fastformer.ms", 2.0, True),
+        ("model.fastformer.train_tokens_per_s", 100.0, True),
+    ]
+    assert math.isnan(lone[1].new) and lone[0].new is None
+    assert not any(u.lost for u in R.unpaired(new, old))
 
 
 _UNREADABLE = {
@@ -902,6 +1005,7 @@ def test_interrupted_bench_keeps_partial_results_and_exits_130(tmp_path, monkeyp
     assert "interrupted; partial results in" in capsys.readouterr().err
     results = json.loads((tmp_path / "results.json").read_text())
     assert any(n.startswith("interrupted") for n in results["config"]["notes"])
+    assert results["partial"] is True
 
 
 def test_bench_interrupted_before_measuring_says_nothing_was_saved(tmp_path, monkeypatch, capsys):
@@ -919,6 +1023,66 @@ def test_bench_interrupted_before_measuring_says_nothing_was_saved(tmp_path, mon
     (tmp_path / "results.json").write_text("{}")  # an earlier run's
     assert main([*argv, str(tmp_path)]) == 130
     assert "(its results.json is an earlier run's)" in capsys.readouterr().err
+
+
+def test_bench_marks_its_results_partial_until_it_ends(tmp_path, monkeypatch, capsys):
+    # A run killed by SIGTERM (`timeout`) left a results.json that read as complete.
+    seen = []
+
+    def one_save(op, *args, **kwargs):
+        args[5]({"cases": []})  # save(out), as after a case
+        seen.append(json.loads((tmp_path / "results.json").read_text())["partial"])
+
+    monkeypatch.setattr(B, "bench_op", one_save)
+    argv = ["bench", "--quick", "--no-model", "--device", "cpu", "--ops", "ffn", "--out"]
+    assert main([*argv, str(tmp_path)]) == 1  # the stub measured nothing
+    assert seen == [True]
+    assert json.loads((tmp_path / "results.json").read_text())["partial"] is False
+    capsys.readouterr()
+    # a file saved mid-run: re-rendering or comparing it says so, one line each
+    killed = json.loads((tmp_path / "results.json").read_text())
+    killed["partial"] = True
+    path = tmp_path / "killed.json"
+    path.write_text(json.dumps(killed))
+    main(["bench", "--results", str(path), "--compare", str(path), "--out", str(tmp_path / "r")])
+    lines = [line for line in capsys.readouterr().err.splitlines() if "partial run" in line]
+    assert sorted(line.split()[2] for line in lines) == ["--compare", "--results"], lines
+    main(["bench", "--results", str(tmp_path / "results.json"), "--out", str(tmp_path / "r")])
+    assert "partial" not in capsys.readouterr().err
+
+
+def test_out_holding_the_compare_file_is_refused(bench_run, tmp_path, monkeypatch, capsys):
+    # The first save overwrote the baseline it was to be compared with.
+    _, out = bench_run
+    base = tmp_path / "base"
+    base.mkdir()
+    text = (out / "results.json").read_text()
+    (base / "results.json").write_text(text)
+    monkeypatch.setattr(B, "measure", lambda *a: pytest.fail("measured before checking"))
+    argv = ["bench", "--quick", "--model", "tiny", "--device", "cpu"]
+    spelled = str(tmp_path / "base" / ".." / "base")
+    for extra in ([], ["--results", str(out / "results.json")]):
+        args = ["bench", *extra] if extra else argv
+        assert main([*args, "--compare", str(base / "results.json"), "--out", spelled]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "which this run would overwrite" in err, err
+    assert (base / "results.json").read_text() == text
+
+
+def test_rerun_into_a_folder_removes_the_earlier_runs_plots(bench_run, tmp_path):
+    # A re-used --out kept the plots of ops this run did not measure, as if they were its own.
+    _, out = bench_run
+    folder = tmp_path / "r"
+    assert main(["bench", "--results", str(out / "results.json"), "--out", str(folder)]) == 0
+    assert (folder / "speedup_layer_norm.png").exists() and (folder / "model.png").exists()
+    (folder / "mine.png").write_bytes(PNG_MAGIC)  # not bench's: kept
+    ffn_only = json.loads((out / "results.json").read_text())
+    ffn_only["ops"] = {"ffn": ffn_only["ops"]["ffn"]}
+    del ffn_only["model"]
+    path = tmp_path / "ffn.json"
+    path.write_text(json.dumps(ffn_only))
+    assert main(["bench", "--results", str(path), "--out", str(folder)]) == 0
+    assert sorted(p.name for p in folder.glob("*.png")) == ["mine.png", "speedup_ffn.png"]
 
 
 def test_check_exits_quietly_when_its_reader_goes_away():
@@ -1080,7 +1244,8 @@ def test_bench_max_seconds_measures_nothing_new_after_the_limit(monkeypatch, tmp
     monkeypatch.setenv("FASTFORMER_BACKEND_ATTENTION", "torch")
     argv = ["bench", "--quick", "--model", "tiny", "--device", "cpu", "--threads", "1"]
     argv += ["--ops", "layer_norm", "--out", str(tmp_path), "--max-seconds", "1e-9"]
-    assert main(argv) == 0
+    assert main(argv) == 1  # as `check`: a run that measured nothing fails
+    assert "bench: nothing was measured before --max-seconds" in capsys.readouterr().err
     results = json.loads((tmp_path / "results.json").read_text())
     variants = results["model"]["variants"]
     assert variants["eager"] == variants["fastformer"] == {"skipped": B.NOT_RUN}, variants
@@ -1157,16 +1322,24 @@ def test_default_gpu_grid_keeps_the_representative_cases():
     }
 
 
-def test_bench_full_is_recorded_in_the_results_and_the_report(bench_run, tmp_path):
+def test_bench_full_is_recorded_in_the_results_and_the_report(bench_run, tmp_path, monkeypatch):
     _, out = bench_run
     assert json.loads((out / "results.json").read_text())["config"]["full"] is False
-    argv = ["bench", "--quick", "--full", "--no-model", "--device", "cpu", "--threads", "1"]
+    stages = []
+    monkeypatch.setattr(B, "bench_model", lambda *a, **k: stages.append(k))
+    argv = ["bench", "--quick", "--full", "--model", "tiny", "--device", "cpu", "--threads", "1"]
     argv += ["--ops", "layer_norm", "--cases", "add", "--out", str(tmp_path)]
-    assert main(argv) == 0
+    # --quick wins over --full, so it measures what a --quick run does: it was refused
+    # ("full False vs True") against one
+    assert main([*argv, "--compare", str(out / "results.json")]) == 0
+    assert stages == [{"full": False}]  # nor the --full model variants on a GPU
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["config"]["full"] is True and results["config"]["quick"] is True
-    # --quick wins over --full: the report names the grid that was measured.
+    assert results["config"]["full"] is False and results["config"]["quick"] is True
+    # the report names the grid that was measured
     assert "grid: quick (1 case)" in (tmp_path / "report.md").read_text()
+    # a run recorded before this rule (quick and full both true) compares too
+    old = {"config": {"quick": True, "full": True}}
+    assert R.incomparable(old, {"config": {"quick": True, "full": False}}) == []
 
 
 def test_full_grid_is_not_cut_by_the_default_deadline():

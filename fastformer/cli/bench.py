@@ -392,16 +392,19 @@ NOTES = {
 
 
 def model_variants(eager, fast, swap_info: dict, device, full: bool) -> dict[str, Any]:
-    """name -> model to measure, or why it is not measured (the compiled ones are copies)."""
+    """name -> model to measure, why it is not measured (a skip), or its record when
+    fastformer.swap raised (an error, not a skip: exit 1). The compiled ones are copies."""
     variants: dict[str, Any] = {"eager": eager, TORCH_NN: torch_nn_twin(eager)}
-    variants[FAST] = fast if fast is not None else swap_info["error"]
+    variants[FAST] = fast if fast is not None else {"error": swap_info["error"]}
     gpu_only = "not measured on CPU (GPU only)"
     for name in NOTES if full else [COMPILE_LAYERS]:
         model = fast if name.startswith(FAST) else eager
         if device.type != "cuda":
             variants[name] = gpu_only
+        elif model is None:  # the same swap error: fastformer_errors lists it once
+            variants[name] = {"error": swap_info["error"], "same_as": FAST}
         else:
-            variants[name] = copy.deepcopy(model) if model is not None else swap_info["error"]
+            variants[name] = copy.deepcopy(model)
     return variants
 
 
@@ -459,6 +462,8 @@ def bench_model(
     for name, model in variants.items():
         if isinstance(model, str):
             out["variants"][name] = {"skipped": model}
+        elif isinstance(model, dict):
+            out["variants"][name] = model
         elif pacer.expired():
             out["variants"][name] = {"skipped": NOT_RUN}
         else:
@@ -669,7 +674,7 @@ def measure(
     dtype = resolve_dtype(args.dtype, device)
     ops = parse_ops(args.ops)
     budget = budget_for(device, args.quick)
-    full = args.full
+    full = _full(args)
     only = parse_cases(args.cases, ops, device, args.quick, full)
     case, reduced = C.model_case(args.model, device.type)
     notes = [reduced] if reduced and not args.no_model else []
@@ -689,6 +694,9 @@ def measure(
         },
         "backends": op_backends(),
         "ops": {},
+        # Until the run ends: a run killed (SIGTERM, `timeout`) between two saves left a file
+        # that read as complete.
+        "partial": True,
     }
     start = time.perf_counter()
     pacer, limit = _pacer(budget, device, args, start)
@@ -723,6 +731,7 @@ def measure(
     if pacer.expired():
         notes.append(f"time limit: nothing new was measured after {args.max_seconds:g} s")
     results["wall_s"] = time.perf_counter() - start
+    results["partial"] = False
     return results
 
 
@@ -747,6 +756,10 @@ def _check_args(args: argparse.Namespace) -> None:
         given = [f"--{name.replace('_', '-')}" for name in _MEASURING if _given(args, name)]
         if given:
             raise UsageError(f"--results re-renders a run without measuring: {given} do nothing")
+    if args.no_model and _given(args, "model"):
+        raise UsageError(f"--no-model skips the model stage: --model {args.model} does nothing")
+    if args.out == "":  # Path("") is the current folder; "" read as no --out at all
+        raise UsageError("--out '': expected a folder (omit --out for bench-results/<timestamp>)")
 
 
 # The options that only shape a measurement, with their defaults (False / None otherwise).
@@ -761,10 +774,16 @@ def _given(args: argparse.Namespace, name: str) -> bool:
     return getattr(args, name) not in (_MEASURING_DEFAULTS.get(name), None, False)
 
 
-def _out_dir(text: str | None) -> tuple[Path, bool]:
+def _out_dir(text: str | None, compare: str | None = None) -> tuple[Path, bool]:
     """--out (default bench-results/<timestamp>) and whether it was created now: a path that
     cannot be a folder, or one that cannot be written, fails before anything is measured."""
     out = Path(text) if text else default_out_dir()
+    if compare and (out / report.RESULTS_JSON).resolve() == Path(compare).resolve():
+        # the first save would overwrite the baseline, before anything was compared
+        raise UsageError(
+            f"--out {str(out)!r} holds the --compare file {compare!r}, which this run would "
+            "overwrite; expected another folder"
+        )
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -786,7 +805,7 @@ def _out_dir(text: str | None) -> tuple[Path, bool]:
 def _results(args: argparse.Namespace, out_dir: Path, argv: list[str] | None) -> dict | None:
     """--results loaded, or a new measurement (None when interrupted)."""
     if args.results:
-        return report.load(Path(args.results), "--results", complete=True)
+        return _load(args.results, "--results", complete=True)
     threads = torch.get_num_threads()
     try:
         if args.threads:
@@ -797,6 +816,24 @@ def _results(args: argparse.Namespace, out_dir: Path, argv: list[str] | None) ->
         return None
     finally:  # main() may run in-process (tests): leave torch as it was
         torch.set_num_threads(threads)
+
+
+def _load(text: str, option: str, complete: bool = False) -> dict[str, Any]:
+    """report.load, with a warning when the file is a partial run (its gaps are no change)."""
+    data = report.load(Path(text), option, complete=complete)
+    note = report.partial_note(data, f"{option} {text!r}")
+    if note:
+        print(f"bench: {note}", file=sys.stderr)
+    return data
+
+
+def _remove_stale_plots(out_dir: Path, written: list[Path]) -> None:
+    """Delete the plots of an earlier run in a re-used --out folder that this run did not write
+    (another op's, the model's): they read as this run's. Only bench's own file names."""
+    for name in report.output_names(list(C.OPS)):
+        path = out_dir / name
+        if path.suffix == ".png" and path not in written and path.is_file():
+            path.unlink()
 
 
 def _say_interrupted(out_dir: Path, saved: bool) -> None:
@@ -820,8 +857,13 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": str(resolve_dtype(args.dtype, device)).replace("torch.", ""),
         "device": str(device),
         "quick": args.quick,
-        "full": args.full,
+        "full": _full(args),
     }
+
+
+def _full(args: argparse.Namespace) -> bool:
+    """--full as measured: --quick wins (its grid and model variants are the same either way)."""
+    return args.full and not args.quick
 
 
 def _check_comparable(args: argparse.Namespace, old: dict) -> None:
@@ -847,18 +889,18 @@ def _check_comparable(args: argparse.Namespace, old: dict) -> None:
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Measure (or load --results), write results.json + report.md + plots, print the table,
-    compare with --compare. Exit 1 when fastformer raised, on a model parity failure or on a
-    --fail-if-slower regression (results are written in every case)."""
+    compare with --compare. Exit 1 when fastformer raised, on a model parity failure, when
+    nothing was measured, or when --fail-if-slower fails (results are written in every case)."""
     _check_args(args)
     if args.results is None:  # --results measures nothing: no setting matters
         check_settings()
     if importlib.util.find_spec("matplotlib") is None:  # the plots come after the measuring
         raise UsageError("bench writes PNG plots with matplotlib, which is not installed")
     # Every file argument is checked before anything is measured (minutes on a GPU).
-    old = report.load(Path(args.compare), "--compare") if args.compare else None
+    old = _load(args.compare, "--compare") if args.compare else None
     if old is not None:
         _check_comparable(args, old)
-    out_dir, created = _out_dir(args.out)
+    out_dir, created = _out_dir(args.out, args.compare)
     try:
         results = _results(args, out_dir, argv)
     except UsageError:  # found while measuring (a case filter that matches nothing, ...)
@@ -868,8 +910,18 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if results is None:
         return 130
     paths = report.write_all(out_dir, results)
+    _remove_stale_plots(out_dir, paths)
     print(report.terminal_table(results))
     print(f"\nwrote {', '.join(str(p) for p in paths)}")
+    code = _failures(results)
+    if old is not None:
+        code = max(code, _compared(args, old, results))
+    return code
+
+
+def _failures(results: dict[str, Any]) -> int:
+    """1, each cause on stderr, when fastformer raised, the model parity failed, or nothing was
+    measured (`check` fails a run that checked nothing too); else 0."""
     code = 0
     errors = report.fastformer_errors(results)
     if errors:
@@ -879,23 +931,50 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if parity.get("passed") is False:
         print("bench: model parity FAILED:\n  " + "\n  ".join(parity["failed"]), file=sys.stderr)
         code = 1
-    if old is not None:
-        changes = report.compare(old, results)
-        print("\n" + report.format_changes(changes, args.fail_if_slower))
-        if args.fail_if_slower is not None:
-            slower = report.regressions(changes, args.fail_if_slower)
-            if not any(c.own for c in changes):  # a regression check that checked nothing
-                print(
-                    f"bench: --fail-if-slower: no figure of fastformer's in common with "
-                    f"{args.compare}: nothing was compared",
-                    file=sys.stderr,
-                )
-                code = 1
-            if slower:
-                print(
-                    f"bench: {len(slower)} figure(s) of fastformer slower by more than "
-                    f"{args.fail_if_slower:g}%",
-                    file=sys.stderr,
-                )
-                code = 1
+    nothing = report.nothing_measured(results)
+    if nothing:
+        print(f"bench: {nothing}", file=sys.stderr)
+        code = 1
+    return code
+
+
+def _compared(args: argparse.Namespace, old: dict, results: dict[str, Any]) -> int:
+    """Print the change of every figure since --compare's run, and fastformer's figures that
+    have no counterpart; 1 when --fail-if-slower fails."""
+    changes = report.compare(old, results)
+    lone = report.unpaired(old, results)
+    print("\n" + report.format_changes(changes, args.fail_if_slower))
+    if lone:
+        print(report.format_unpaired(lone))
+    if args.fail_if_slower is None:
+        return 0
+    return _judged(args, changes, [u for u in lone if u.lost])
+
+
+def _judged(args: argparse.Namespace, changes: list, lost: list) -> int:
+    """--fail-if-slower's verdict: 1 on a regression, on a figure of the old run without a
+    valid new one (its change is unknown), or when nothing of fastformer's was compared."""
+    code = 0
+    if not any(c.own for c in changes):  # a regression check that checked nothing
+        print(
+            f"bench: --fail-if-slower: no figure of fastformer's in common with "
+            f"{args.compare}: nothing was compared",
+            file=sys.stderr,
+        )
+        code = 1
+    if lost:
+        print(
+            f"bench: --fail-if-slower: {len(lost)} fastformer figure(s) of {args.compare} have "
+            "no valid figure in this run (missing, null or 0): their change is unknown",
+            file=sys.stderr,
+        )
+        code = 1
+    slower = report.regressions(changes, args.fail_if_slower)
+    if slower:
+        print(
+            f"bench: {len(slower)} figure(s) of fastformer slower by more than "
+            f"{args.fail_if_slower:g}%",
+            file=sys.stderr,
+        )
+        code = 1
     return code

@@ -45,6 +45,9 @@ REQUIRED_VARIANT = (
 
 def missing_fields(results: dict[str, Any]) -> list[str]:
     """Names of required fields absent from `results` (empty when complete)."""
+    for key in ("config", "manifest"):  # compare() reads them with .get: an AttributeError
+        if key in results and not isinstance(results[key], dict):
+            raise TypeError(f"{key} is {results[key]!r}, not an object")
     missing = [k for k in REQUIRED_TOP if k not in results]
     missing += [f"manifest.{k}" for k in REQUIRED_MANIFEST if k not in results.get("manifest", {})]
     model = results.get("model")
@@ -68,16 +71,40 @@ def missing_fields(results: dict[str, Any]) -> list[str]:
 def fastformer_errors(results: dict[str, Any]) -> list[str]:
     """Every exception fastformer itself raised during the run (model variant or op case)."""
     errors = []
-    model = results.get("model", {})
-    var = model.get("variants", {}).get(FAST, {})
-    if "error" in var:
-        errors.append(f"model: {var['error']}")
+    for name, var in results.get("model", {}).get("variants", {}).items():
+        # same_as: the swap error of a variant built on the swapped model, listed once
+        if name.split("+")[0] == FAST and "error" in var and "same_as" not in var:
+            errors.append(f"model {name}: {var['error']}")
     for op, data in results.get("ops", {}).items():
         for row in data["cases"]:
             res = row["impls"].get(FAST, {})
             if "error" in res and "same_as" not in res:  # a derived row's copy: listed once
                 errors.append(f"{op} {row['case']} {row['mode']}: {res['error']}")
     return errors
+
+
+def nothing_measured(results: dict[str, Any]) -> str | None:
+    """Why a run timed nothing, or None when it timed something (a run past --max-seconds may
+    list every figure as not run)."""
+    entries = list((results.get("model") or {}).get("variants", {}).values())
+    for data in results.get("ops", {}).values():
+        entries += [res for row in data["cases"] for res in row["impls"].values()]
+    if any("ms" in e or "train_step_ms" in e for e in entries):
+        return None
+    if any("not_run" in e or str(e.get("skipped")).startswith("not run") for e in entries):
+        return "nothing was measured before --max-seconds: every figure is not run"
+    return "nothing was measured: see the report for each figure's reason"
+
+
+def partial_note(results: dict[str, Any], where: str) -> str | None:
+    """A warning that `results` is a run that did not end (killed or interrupted), or None: its
+    missing figures were never measured, not dropped."""
+    if not results.get("partial"):
+        return None
+    return (
+        f"warning: {where} is a partial run (killed or interrupted before it ended): the "
+        "figures it did not reach are missing"
+    )
 
 
 def load(path: Path, option: str = "results file", complete: bool = False) -> dict[str, Any]:
@@ -93,8 +120,13 @@ def load(path: Path, option: str = "results file", complete: bool = False) -> di
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UsageError(f"{where} is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+    if not isinstance(data, dict) or "schema" not in data:
         raise UsageError(f"{where} is not a fastformer bench results.json (schema {SCHEMA})")
+    if data["schema"] != SCHEMA:
+        raise UsageError(
+            f"{where} has results.json schema {data['schema']!r}; this fastformer reads "
+            f"schema {SCHEMA}"
+        )
     try:
         missing = missing_fields(data)
         figures(data)
@@ -643,7 +675,7 @@ class Figure:
     @property
     def usable(self) -> bool:
         """Whether it can be compared: a positive, finite number (NaN and null are not)."""
-        return self.value is not None and 0 < self.value < math.inf
+        return _usable(self.value)
 
 
 def figures(results: dict[str, Any]) -> dict[str, Figure]:
@@ -713,15 +745,76 @@ def compare(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
     return changes
 
 
+@dataclass(frozen=True)
+class Unpaired:
+    """A figure of fastformer's own with a usable value in one run only (`old` or `new`: the
+    value of each run, None where it has no such figure, NaN for null)."""
+
+    key: str
+    old: float | None
+    new: float | None
+
+    @property
+    def lost(self) -> bool:
+        """Whether the old run's figure has no usable counterpart: its change is unknown."""
+        return _usable(self.old)
+
+
+def _usable(value: float | None) -> bool:
+    return value is not None and 0 < value < math.inf
+
+
+def unpaired(old: dict[str, Any], new: dict[str, Any]) -> list[Unpaired]:
+    """fastformer's own figures that `compare` cannot pair: absent from a run, null or 0 in it
+    (a case the new run lacks was dropped silently and passed --fail-if-slower)."""
+    a, b = figures(old), figures(new)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        fa, fb = a.get(key), b.get(key)
+        own = any(f.own for f in (fa, fb) if f)
+        if own and (fa is not None and fa.usable) != (fb is not None and fb.usable):
+            out.append(Unpaired(key, _value(fa), _value(fb)))
+    return out
+
+
+def _value(figure: Figure | None) -> float | None:
+    if figure is None:
+        return None
+    return math.nan if figure.value is None else figure.value
+
+
+def format_unpaired(items: list[Unpaired]) -> str:
+    """The figures `unpaired` found, one line each."""
+    lines = [f"compare: {len(items)} fastformer figure(s) in one run only (not compared):"]
+    for u in items:
+        lines.append(f"  {u.key}: old {_shown(u.old)}, new {_shown(u.new)}")
+    return "\n".join(lines)
+
+
+def _shown(value: float | None) -> str:
+    if value is None:
+        return "missing"
+    return "null" if math.isnan(value) else f"{value:.4g}"
+
+
 # The settings two runs must share for --compare to pair their figures: the figure keys name
 # the op, case and implementation only.
 _SHARED_SETTINGS = ("model", "dtype", "device", "quick", "full")
 
 
+def _shared(run: dict[str, Any]) -> dict[str, Any]:
+    """The _SHARED_SETTINGS of a run, `full` as measured: --quick wins over --full (a run before
+    this rule recorded --quick --full as full)."""
+    cfg = {k: (run.get("config") or {}).get(k) for k in _SHARED_SETTINGS}
+    if cfg["quick"] is True and cfg["full"] is not None:
+        cfg["full"] = False
+    return cfg
+
+
 def incomparable(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """How two runs' settings differ (those both record), and their GPUs: their figures then
     measure different things ([] = comparable)."""
-    a, b = old.get("config") or {}, new.get("config") or {}
+    a, b = _shared(old), _shared(new)
     diffs = [
         f"{k} {a[k]!r} vs {b[k]!r}"
         for k in _SHARED_SETTINGS
