@@ -258,7 +258,10 @@ def swap(
     Returns:
         A SwapReport; `print(report)` shows a table. The module objects and their Parameter
         objects are unchanged (`p is q`), and so are the state_dict keys (RuntimeError, with
-        the model restored, otherwise).
+        the model restored, otherwise). A module's class changes: a swapped torch.nn module
+        is still an instance of its torch.nn class, a swapped `fastformer.reference` one is
+        not of its reference class (test `isinstance` against torch.nn classes, e.g. to leave
+        norms out of weight decay).
     """
     include = None if include is None else list(include)
     exclude = None if exclude is None else list(exclude)

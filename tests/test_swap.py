@@ -436,6 +436,38 @@ def test_hooks_of_the_activation_module_run_as_in_torch_nn(layer_cls):
     assert "activation GELU runs hooks" in fast.fallback_reasons[0]
 
 
+def test_swapped_reference_attention_calls_its_out_proj():
+    # The reference's attention calls out_proj as a module (torch.nn's reads its weight): the
+    # swapped one ran F.linear on out_proj's weight, so out_proj's hooks never ran and a pruned
+    # out_proj used a stale weight (a no-grad forward off by 0.5; training it raised).
+    from torch.nn.utils import prune
+
+    layers = []
+    for swapped in (False, True):
+        torch.manual_seed(0)
+        layer = reference.TransformerEncoderLayer(E, H, FF, 0.0, batch_first=True)
+        prune.l1_unstructured(layer.self_attn.out_proj, "weight", 0.5)
+        calls = []
+        layer.self_attn.out_proj.register_forward_hook(lambda *args, calls=calls: calls.append(1))
+        if swapped:
+            swap(layer)
+        layers.append((layer, calls))
+    x = torch.randn(B, S, E)
+    outs = []
+    for layer, calls in layers:
+        optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+        for _ in range(2):  # the pruned weight follows weight_orig through training
+            optimizer.zero_grad()
+            layer(x).square().mean().backward()
+            optimizer.step()
+        with torch.no_grad():
+            layer.self_attn.out_proj.weight_orig.mul_(2.0)
+            outs.append(layer(x))
+        assert len(calls) == 3
+    assert isinstance(layers[1][0].self_attn, ReferenceMultiheadAttention)
+    torch.testing.assert_close(outs[1], outs[0])
+
+
 def test_inference_mode_and_torch_export():
     """A swapped model runs under torch.inference_mode, and torch.export keeps its ops as the
     fastformer custom ops; both give the torch.nn model's outputs."""

@@ -213,6 +213,7 @@ class MultiheadAttention(nn.MultiheadAttention):
     # turns it off.
     _causal_hint: bool = True
     _fallback = "torch.nn"  # what runs where the fused path does not (explain's record)
+    _calls_out_proj = False  # torch.nn reads out_proj's parameters, never calls it
 
     @property
     def fallback_reasons(self) -> list[str]:
@@ -370,10 +371,11 @@ class MultiheadAttention(nn.MultiheadAttention):
         )  # fmt: skip
         p = self.dropout if self.training else 0.0
         out = _ops.attention(self, q, k, v, mask, p, causal, kpm)
-        proj = child(self, "out_proj")
-        out = nn.functional.linear(
-            _merge_heads(out, batch_first), param(proj, "weight"), param(proj, "bias")
-        )
+        merged, proj = _merge_heads(out, batch_first), child(self, "out_proj")
+        if self._calls_out_proj:
+            out = proj(merged)
+        else:
+            out = nn.functional.linear(merged, param(proj, "weight"), param(proj, "bias"))
         return (out if batched else out.squeeze(0)), None
 
 
@@ -394,6 +396,10 @@ class ReferenceMultiheadAttention(MultiheadAttention):
 
     _causal_hint = False
     _fallback = "the reference"  # what runs where the fused path does not (`_torch_forward`)
+    # The reference calls its out_proj (torch.nn does not): its hooks, a prune mask or an
+    # old-style weight_norm run. F.linear on its weight skipped them: a pruned out_proj used a
+    # stale weight, and training it raised.
+    _calls_out_proj = True
 
     def forward(
         self,
