@@ -41,7 +41,12 @@ def _unswapped_hook(store: list[_record.Record]):
 
 def _format(root: nn.Module, records: list[_record.Record]) -> str:
     """Records grouped by module (in order of first call); repeated calls counted."""
-    names = {id(m): name for name, m in root.named_modules()}
+    # A compiled child (torch.compile's wrapper) holds the module that runs as `_orig_mod`:
+    # named as the child the user set.
+    names = {
+        id(m): ".".join(p for p in name.split(".") if p != "_orig_mod")
+        for name, m in root.named_modules()
+    }
     grouped: dict[int, tuple[nn.Module, Counter]] = {}
     for r in records:
         entry = grouped.setdefault(id(r.module), (r.module, Counter()))

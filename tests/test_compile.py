@@ -385,6 +385,10 @@ def test_explain_of_a_compiled_model_leaves_its_graph_alone():
     # explain inside a compiled function runs eagerly (dynamo refused its set_stance)
     records = torch.compile(lambda x: len(explain(model, x, tgt).records), backend="aot_eager")
     assert records(src) > 0
+    # A compiled child is named as the child, not "encoder._orig_mod.layers.0...".
+    model.encoder = torch.compile(model.encoder, backend=counting)
+    text = explain(model, src, tgt)
+    assert "encoder.layers.0.self_attn (" in text and "_orig_mod" not in text, text
 
 
 def test_backend_choices_are_no_guard_of_a_compiled_graph():
