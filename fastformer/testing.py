@@ -70,7 +70,11 @@ def parity(
     ref_lp: torch.Tensor,
     atol_floor: float | None = None,
 ) -> ParityResult:
-    """Apply the parity rule to one tensor; `atol_floor` defaults by the dtype of `ref_lp`."""
+    """Apply the parity rule to one tensor; `atol_floor` defaults by the dtype of `ref_lp`.
+    Bool and integer tensors (masks, indices) must be equal to `ref_lp`."""
+    if not ref_lp.is_floating_point():
+        same = fast.shape == ref_lp.shape and torch.equal(fast.cpu(), ref_lp.cpu())
+        return ParityResult(name, 0.0 if same else math.inf, 0.0)
     floor = ATOL_FLOOR.get(ref_lp.dtype, 1e-5) if atol_floor is None else atol_floor
     magnitude = float(ref64.detach().abs().max()) if ref64.numel() else 0.0
     if math.isfinite(magnitude):
@@ -83,7 +87,10 @@ def parity(
 
 
 def assert_parity(results: Sequence[ParityResult]) -> None:
-    """Raise AssertionError listing every failed comparison."""
+    """Raise AssertionError listing every failed comparison (or that there was none: a
+    comparison of nothing proves nothing)."""
+    if not results:
+        raise AssertionError("parity failed: nothing was compared")
     failed = [str(r) for r in results if not r.passed]
     if failed:
         raise AssertionError("parity failed:\n  " + "\n  ".join(failed))
@@ -123,6 +130,33 @@ def _run(fn: Callable, inputs: Sequence[Any], cotangents: list[torch.Tensor] | N
     return outs, grads, cotangents
 
 
+def _grad_labels(inputs: Sequence[Any], names: Sequence[str] | None) -> list[str]:
+    """The label of each differentiable input's gradient (compare_with_reference's `names`)."""
+    wanted = [isinstance(x, torch.Tensor) and x.requires_grad for x in inputs]
+    if names is None:
+        return [f"grad[{i}]" for i in range(sum(wanted))]
+    if len(names) == sum(wanted):
+        return list(names)
+    if len(names) == len(inputs):
+        return [name for name, w in zip(names, wanted) if w]
+    # zip with fewer labels than gradients would leave gradients unchecked
+    raise ValueError(
+        f"names: {len(names)} given for {len(inputs)} inputs, {sum(wanted)} of which require "
+        "grad; expected a name for each input or for each that requires grad"
+    )
+
+
+def _modified_inputs(inputs: Sequence[Any], before: list[torch.Tensor | None]):
+    """A failed result for each tensor input `fast_fn` changed in place (the reference would
+    then run on other values, and the caller's tensor is corrupted)."""
+    changed = [
+        i
+        for i, (x, b) in enumerate(zip(inputs, before))
+        if b is not None and not torch.equal(x.detach().nan_to_num(), b.nan_to_num())
+    ]
+    return [ParityResult(f"input[{i}] modified in place", math.inf, 0.0) for i in changed]
+
+
 def compare_with_reference(
     fast_fn: Callable,
     ref_fn: Callable,
@@ -135,22 +169,38 @@ def compare_with_reference(
     """Parity of `fast_fn(*inputs)` with `ref_fn` for every output and every input gradient.
 
     Tensors in `inputs` that require grad get their gradients compared (non-leaf views such as
-    a transposed tensor are fine). Floating inputs are cast to float64 for `ref64`; `ref_lp` runs
-    the reference on the inputs as given. `names` labels the differentiable inputs.
+    a transposed tensor are fine; a tensor passed twice stays one tensor for the reference).
+    Floating inputs are cast to float64 for `ref64`; `ref_lp` runs the reference on the inputs
+    as given. Outputs must also have `ref_lp`'s dtype, and `fast_fn` must leave its inputs as
+    they were. The cotangents are fixed (seeded normal draws). `names` labels the
+    differentiable inputs: one name each, or one for every input (those of inputs that need no
+    gradient, a None weight say, are left out); `ref_device` runs the reference there
+    (say "cpu" for a GPU op). Returns one ParityResult per output and gradient, for
+    `assert_parity`.
     """
+    labels = _grad_labels(inputs, names)
+    before = [x.detach().clone() if isinstance(x, torch.Tensor) else None for x in inputs]
     fast_outs, fast_grads, cot = _run(fast_fn, inputs, None)
+    results = _modified_inputs(inputs, before)
 
-    def on_ref_device(x: Any, dtype: torch.dtype | None) -> Any:
-        y = _cast_like(x, dtype)
-        if ref_device is not None and isinstance(y, torch.Tensor):
-            y = y.detach().to(ref_device).requires_grad_(x.requires_grad)
-        return y
+    def on_ref_device(dtype: torch.dtype | None) -> list[Any]:
+        converted: dict[int, Any] = {}  # by identity: the same tensor twice stays one
+        for x in inputs:
+            if id(x) not in converted:
+                y = _cast_like(x, dtype)
+                if ref_device is not None and isinstance(y, torch.Tensor):
+                    y = y.detach().to(ref_device).requires_grad_(x.requires_grad)
+                converted[id(x)] = y
+        return [converted[id(x)] for x in inputs]
 
-    outs64, grads64, _ = _run(ref_fn, [on_ref_device(x, torch.float64) for x in inputs], cot)
-    outs_lp, grads_lp, _ = _run(ref_fn, [on_ref_device(x, None) for x in inputs], cot)
-    diff_count = len(fast_grads)
-    labels = list(names) if names is not None else [f"grad[{i}]" for i in range(diff_count)]
-    results = [
+    outs64, grads64, _ = _run(ref_fn, on_ref_device(torch.float64), cot)
+    outs_lp, grads_lp, _ = _run(ref_fn, on_ref_device(None), cot)
+    results += [
+        ParityResult(f"out[{i}] dtype {f.dtype} vs {lp.dtype}", math.inf, 0.0)
+        for i, (f, lp) in enumerate(zip(fast_outs, outs_lp))
+        if f.dtype != lp.dtype
+    ]
+    results += [
         parity(f"out[{i}]" if len(fast_outs) > 1 else "out", f, r, lp, atol_floor)
         for i, (f, r, lp) in enumerate(zip(fast_outs, outs64, outs_lp))
     ]
