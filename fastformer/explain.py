@@ -8,6 +8,7 @@ kind `fastformer.swap` would replace are listed as such.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 
 import torch
@@ -86,6 +87,14 @@ def explain(module: nn.Module, *inputs, **kwargs) -> Explanation:
         finally:
             handle.remove()
             _record.OWN_HOOKS.discard(handle.id)
-    text = Explanation(_format(module, store))
-    text.records = list(store)
+    records = _own(module, store)
+    text = Explanation(_format(module, records))
+    text.records = records
     return text
+
+
+def _own(root: nn.Module, records: list[_record.Record]) -> list[_record.Record]:
+    """The records of this call: those made in this thread, or by `root`'s modules in others
+    (a forward that runs branches in a thread pool); not those of other threads' models."""
+    ids, me = {id(m) for m in root.modules()}, threading.get_ident()
+    return [r for r in records if r.thread == me or id(r.module) in ids]

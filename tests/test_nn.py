@@ -890,10 +890,21 @@ def test_explain_reports_backends_and_unswapped_modules():
     assert "mask -> applied as given" in text and "pass is_causal=True" in text, text
 
 
-def test_explain_records_only_its_own_thread():
+def test_explain_records_its_model_and_not_other_threads_models():
     # The recording was a process global: calls another thread made meanwhile (another model)
-    # were listed as "?" modules of the explained one.
+    # were listed as "?" modules of the explained one. Calls of the explained model's own
+    # modules from worker threads (branches run in a pool) still count.
     import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    class Branches(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = fnn.LayerNorm(E), fnn.LayerNorm(E)
+
+        def forward(self, x):
+            with ThreadPoolExecutor(2) as pool:
+                return sum(pool.map(lambda m: m(x), (self.a, self.b)))
 
     other, started, stop = fnn.LayerNorm(E), threading.Event(), threading.Event()
 
@@ -906,12 +917,16 @@ def test_explain_records_only_its_own_thread():
     thread = threading.Thread(target=busy)
     thread.start()
     try:
-        started.wait()
+        assert started.wait(timeout=60)
         text = explain(fnn.LayerNorm(E), torch.randn(B, S, E))
+        branches = explain(Branches(), torch.randn(B, S, E))
     finally:
         stop.set()
         thread.join()
     assert len(text.records) == 1 and all(r.module is not other for r in text.records)
+    assert (
+        len(branches.records) == 2 and "a (LayerNorm)" in branches and "b (LayerNorm)" in branches
+    )
 
 
 @pytest.mark.cuda
