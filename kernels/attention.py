@@ -1562,10 +1562,13 @@ def _empty_like_order(q: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _memory_order(strides: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, ...]:
-    """The dims in memory order, outermost first (ties keep their order). An expanded
-    (stride 0) or size-1 dim says nothing of the layout, so it keeps its place in (B, H, L)
-    relative to the others: an expanded batch had made the output's batch innermost."""
-    laid = sorted((i for i in range(3) if strides[i] and sizes[i] > 1), key=lambda i: -strides[i])
+    """The dims in memory order, outermost first (ties keep their order). A size-1 dim says
+    nothing of the layout, so it keeps its place in (B, H, L) relative to the others. An
+    expanded (stride 0) query is no projection's split to merge back: (B, H, L), contiguous as
+    torch's SDPA output (an expanded batch had made the output's batch innermost)."""
+    if any(s == 0 and n > 1 for s, n in zip(strides, sizes)):
+        return (0, 1, 2)
+    laid = sorted((i for i in range(3) if sizes[i] > 1), key=lambda i: -strides[i])
     for i in (i for i in range(3) if i not in laid):
         laid.insert(next((j for j, d in enumerate(laid) if d > i), len(laid)), i)
     return tuple(laid)

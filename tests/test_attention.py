@@ -1313,14 +1313,18 @@ def test_output_buffer_takes_the_query_s_order_of_dims(order):
             assert out.is_contiguous() and device == "meta"
 
 
+@pytest.mark.parametrize("seq_first", [False, True])
 @pytest.mark.parametrize("expanded", [0, 1, 2])
-def test_output_of_an_expanded_query_is_contiguous(expanded):
-    # A query broadcast along batch, heads or sequence (stride 0) has no memory order of that
-    # dim to keep: the output is contiguous, as torch's SDPA gives it, with the same values.
+def test_output_of_an_expanded_query_is_contiguous(expanded, seq_first):
+    # A query broadcast along batch, heads or sequence (stride 0) is no projection's split to
+    # merge back: the output is contiguous, as torch's SDPA gives it, with the same values.
     sizes = [3, 2, 5]
     one = list(sizes)
     one[expanded] = 1
-    q = _randn((*one, 8)).expand(*sizes, 8)
+    if seq_first:  # laid out (L, B, H, D) before the expansion
+        q = _randn((one[2], one[0], one[1], 8)).permute(1, 2, 0, 3).expand(*sizes, 8)
+    else:
+        q = _randn((*one, 8)).expand(*sizes, 8)
     k, v = _randn((*sizes[:2], 7, 8), seed=1), _randn((*sizes[:2], 7, 8), seed=2)
     out = attn.scaled_dot_product_attention(q, k, v)
     assert out.is_contiguous(), out.stride()
