@@ -445,14 +445,16 @@ def test_swapped_reference_attention_calls_its_out_proj():
     layers = []
     for swapped in (False, True):
         torch.manual_seed(0)
-        layer = reference.TransformerEncoderLayer(E, H, FF, 0.0, batch_first=True)
+        layer = reference.TransformerEncoderLayer(E, H, FF, 0.0, batch_first=False)
         prune.l1_unstructured(layer.self_attn.out_proj, "weight", 0.5)
         calls = []
-        layer.self_attn.out_proj.register_forward_hook(lambda *args, calls=calls: calls.append(1))
+        layer.self_attn.out_proj.register_forward_hook(
+            lambda module, args, out, calls=calls: calls.append(tuple(args[0].shape))
+        )
         if swapped:
             swap(layer)
         layers.append((layer, calls))
-    x = torch.randn(B, S, E)
+    x = torch.randn(S, B, E)
     outs = []
     for layer, calls in layers:
         optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
@@ -463,7 +465,7 @@ def test_swapped_reference_attention_calls_its_out_proj():
         with torch.no_grad():
             layer.self_attn.out_proj.weight_orig.mul_(2.0)
             outs.append(layer(x))
-        assert len(calls) == 3
+        assert calls == [(B, S, E)] * 3  # batch first, as the reference calls it
     assert isinstance(layers[1][0].self_attn, ReferenceMultiheadAttention)
     torch.testing.assert_close(outs[1], outs[0])
 

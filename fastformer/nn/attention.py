@@ -371,10 +371,12 @@ class MultiheadAttention(nn.MultiheadAttention):
         )  # fmt: skip
         p = self.dropout if self.training else 0.0
         out = _ops.attention(self, q, k, v, mask, p, causal, kpm)
-        merged, proj = _merge_heads(out, batch_first), child(self, "out_proj")
-        if self._calls_out_proj:
-            out = proj(merged)
+        proj = child(self, "out_proj")
+        if self._calls_out_proj:  # on (B, L, E), as the reference: its hooks see that shape
+            out = proj(_merge_heads(out, True))
+            out = out if batch_first else out.transpose(0, 1)
         else:
+            merged = _merge_heads(out, batch_first)
             out = nn.functional.linear(merged, param(proj, "weight"), param(proj, "bias"))
         return (out if batched else out.squeeze(0)), None
 
