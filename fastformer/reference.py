@@ -1055,8 +1055,14 @@ class PositionalEncoding(nn.Module):
         was, was_meta = self.pe.dtype, self.pe.is_meta
         super()._apply(fn, recurse)
         if (self.pe.dtype == torch.float64 != was or was_meta) and not self.pe.is_meta:
-            self.pe = _sinusoids(*self.pe.shape, device=self.pe.device).to(self.pe.dtype)
+            self.reset_parameters()
         return self
+
+    def reset_parameters(self) -> None:
+        """Recompute the table `pe` in its dtype and on its device (after `to_empty()` from a
+        device other than meta, say: no state_dict fills a non-persistent buffer)."""
+        if not self.pe.is_meta:
+            self.pe = _sinusoids(*self.pe.shape, device=self.pe.device).to(self.pe.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         seq_len = x.shape[1] if self.batch_first else x.shape[0]

@@ -259,9 +259,10 @@ def swap(
         A SwapReport; `print(report)` shows a table. The module objects and their Parameter
         objects are unchanged (`p is q`), and so are the state_dict keys (RuntimeError, with
         the model restored, otherwise). A module's class changes: a swapped torch.nn module
-        is still an instance of its torch.nn class, a swapped `fastformer.reference` one is
-        not of its reference class (test `isinstance` against torch.nn classes, e.g. to leave
-        norms out of weight decay).
+        is still an instance of its torch.nn class; a swapped `fastformer.reference` one is no
+        longer an instance of its reference class and becomes one of the torch.nn class (an
+        `isinstance` filter, say norms left out of weight decay, can change its verdict
+        across a swap: build such lists after it).
     """
     include = None if include is None else list(include)
     exclude = None if exclude is None else list(exclude)

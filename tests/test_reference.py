@@ -348,6 +348,9 @@ def test_positional_encoding_formula():
         lazy = ref.PositionalEncoding(d_model, dropout=0.0, max_len=50)
     lazy.to_empty(device="cpu")
     assert torch.equal(lazy.pe, ref.PositionalEncoding(d_model, max_len=50).pe)
+    lazy.pe.fill_(7.0)  # as to_empty() from another device leaves it: reset_parameters mends
+    lazy.reset_parameters()
+    assert torch.equal(lazy.pe, ref.PositionalEncoding(d_model, max_len=50).pe)
 
 
 # --------------------------------------------------------------------------- modules vs torch.nn
