@@ -145,6 +145,10 @@ def test_check_quick_passes(capsys):
     assert ran == {"attention", "layer_norm", "rms_norm", "dropout_add_layer_norm", "ffn"}
     # the dropout cases are part of the grid and pass with the regenerated keep-mask
     assert any("drop" in r["case"] and r["status"] == "pass" for r in out["rows"])
+    # each op's keep-mask helper is checked against the scheme; one case of each op in float16
+    masks = {r["op"] for r in out["rows"] if r["case"].startswith("dropout-mask-")}
+    assert masks == {"attention", "dropout_add_layer_norm", "ffn"}
+    assert {r["op"] for r in out["rows"] if r["dtype"] == "float16"} == ran
 
 
 def test_check_exits_1_when_a_kernel_is_broken(monkeypatch, capsys):
@@ -152,7 +156,9 @@ def test_check_exits_1_when_a_kernel_is_broken(monkeypatch, capsys):
     code = main(["check", "--quick", "--ops", "ffn"])
     text = capsys.readouterr().out
     assert code == 1
-    verdicts = [line.split()[-1] for line in text.splitlines() if line.startswith("ffn ")]
+    # every parity row (the keep-mask rows compare no output)
+    lines = [line for line in text.splitlines() if line.startswith("ffn ")]
+    verdicts = [line.split()[-1] for line in lines if "dropout-mask-" not in line]
     assert verdicts and set(verdicts) == {"FAIL"}
 
 
@@ -164,7 +170,8 @@ def test_check_json_stays_strict_json_when_a_case_fails(monkeypatch, capsys):
     monkeypatch.setattr(ffn_mod, "ffn", lambda *a, **k: real(*a, **k) * math.nan)
     assert main(["check", "--quick", "--json", "--ops", "ffn"]) == 1
     out = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(c))
-    assert {r["status"] for r in out["rows"] if r["status"] != "skip"} == {"FAIL"}
+    parity = [r for r in out["rows"] if not r["case"].startswith("dropout-mask-")]
+    assert {r["status"] for r in parity if r["status"] != "skip"} == {"FAIL"}
     assert any(r["error"] is None for r in out["rows"])
 
 
@@ -202,9 +209,11 @@ def test_a_forced_backend_that_cannot_run_here(monkeypatch, capsys):
     message = "FASTFORMER_BACKEND_FFN='cpp' cannot run here: not built here (test)"
     assert main(["bench", "--quick", "--no-model"]) == 2
     assert message in capsys.readouterr().err
-    assert main(["check", "--quick", "--ops", "ffn", "--max-seconds", "5"]) == 0
-    err = capsys.readouterr().err
+    # check warns and goes on; C++ kernels that cannot run are an ERROR row of their own
+    assert main(["check", "--quick", "--ops", "ffn", "--max-seconds", "5"]) == 1
+    out, err = capsys.readouterr()
     assert f"warning: {message}" in err, err
+    assert "cpp      cpu   -         (all)" in out and "ERROR  (the C++ kernels cannot run" in out
 
 
 @pytest.mark.parametrize(
@@ -311,6 +320,262 @@ def test_check_shard_past_the_grid_passes_with_nothing_to_check(capsys):
     assert main(["check", "--quick", "--ops", "rms_norm", "--shard", "50/50"]) == 0
     err = capsys.readouterr().err
     assert "shard 50/50 holds no case (the grid has" in err and "skip" not in err, err
+
+
+@pytest.mark.skipif(not _op_available("attention"), reason="fastformer.ops.attention missing")
+def test_check_interpret_without_triton_interpret_in_the_environment():
+    # conftest sets TRITON_INTERPRET for the whole run; without it, `check --interpret` set the
+    # variable in-process after torch had imported triton, and every Triton row raised
+    # "Cannot call @triton.jit'd outside of the scope of a kernel". One Triton case suffices.
+    from fastformer.cli.check import op_grid
+
+    entries = op_grid("attention", torch.device("cpu"), True, True)[0]
+    first = next(i for i, (backend, _, _) in enumerate(entries) if backend == "triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    argv = ["check", "--quick", "--interpret", "--ops", "attention", "--json"]
+    argv += ["--shard", f"{first + 1}/{len(entries)}"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastformer", *argv], env=env, capture_output=True, text=True
+    )
+    rows = json.loads(proc.stdout)["rows"] if proc.stdout.startswith("{") else []
+    assert [(r["backend"], r["status"]) for r in rows] == [("triton", "pass")], proc.stdout
+    assert proc.returncode == 0, proc.stderr
+
+
+def _without_extension(monkeypatch) -> None:
+    """fastformer._C failing to load, as in an environment where it was never built."""
+    import fastformer._ext as ext
+    import fastformer.ops.layer_norm as ln
+
+    error = "fastformer._C is not built (No module named 'fastformer._C'; simulated)"
+    monkeypatch.setattr(ext, "_load", lambda: (None, error))
+    monkeypatch.setattr(ln, "_EXTENSION_ERROR", error)  # read once, at import
+
+
+def test_check_fails_when_the_cpp_extension_does_not_load(monkeypatch, capsys):
+    # The cpp rows were `skip` and check exited 0: a CI job went green without the C++ kernels.
+    _without_extension(monkeypatch)
+    assert main(["check", "--quick", "--ops", "rms_norm,ffn", "--json"]) == 1
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    cpp = [r for r in rows if r["backend"] == "cpp"]
+    assert [r["op"] for r in cpp] == ["rms_norm", "ffn"]
+    assert all(r["status"] == "ERROR" and "simulated" in r["message"] for r in cpp), cpp
+    assert {r["status"] for r in rows if r["backend"] != "cpp"} == {"pass"}
+    # A user whose runs force another backend does not need the extension.
+    monkeypatch.setenv("FASTFORMER_BACKEND_LAYER_NORM", "torch")
+    assert main(["check", "--quick", "--ops", "rms_norm", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["status"] for r in rows if r["backend"] == "cpp"] == ["skip"]
+
+
+def _one_mask_for_every_row(op: str):
+    """(module, name, helper): a keep-mask helper of `op` that reuses the mask of the first
+    batch row and head (attention) or of the first row (ffn, dropout_add_layer_norm)
+    everywhere. It keeps the right share."""
+    import fastformer.ops.attention as attn
+    import fastformer.ops.ffn as ffn
+    import fastformer.ops.layer_norm as ln
+
+    if op == "attention":
+        real = attn.dropout_keep_mask
+
+        def helper(seed, b, h, lq, lk, p, device=None):
+            return real(seed, 1, 1, lq, lk, p, device=device).expand(b, h, lq, lk)
+
+        return attn, "dropout_keep_mask", helper
+    if op == "ffn":
+        real_ffn = ffn.ffn_keep_mask
+        return (
+            ffn,
+            "ffn_keep_mask",
+            lambda s, t, f, p, device=None: real_ffn(s, 1, f, p, device).expand(t, f),
+        )
+    real_ln = ln.dropout_add_layer_norm_keep_mask
+    return (
+        ln,
+        "dropout_add_layer_norm_keep_mask",
+        lambda s, shape, p, *, device=None: real_ln(s, shape[-1:], p, device=device).expand(shape),
+    )
+
+
+@pytest.mark.parametrize("op", ["attention", "ffn", "dropout_add_layer_norm"])
+def test_check_catches_a_keep_mask_reused_for_every_row(op, monkeypatch, capsys):
+    # The dropout cases feed the reference the op's own helper, which attention's torch backend
+    # also uses: a helper giving every batch row and head one mask passed every case.
+    monkeypatch.setattr(*_one_mask_for_every_row(op))
+    assert main(["check", "--quick", "--ops", op, "--json"]) == 1
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    masks = [r for r in rows if r["case"].startswith("dropout-mask-")]
+    assert masks and all(r["status"] == "FAIL" for r in masks), masks
+    assert all("differ from the Philox scheme" in r["message"] for r in masks)
+
+
+def _attention_off_when(when):
+    """attention whose output is 1% off for the calls `when(q, v, mask, causal, scale, gqa,
+    kpm)` holds for."""
+    import fastformer.ops.attention as attn
+
+    real = attn.scaled_dot_product_attention
+
+    def wrong(q, k, v, mask=None, p=0.0, causal=False, scale=None, gqa=False, **kw):
+        out = real(q, k, v, mask, p, causal, scale, gqa, **kw)
+        hit = when(q, v, mask, causal, scale, gqa, kw.get("key_padding_mask"))
+        return out * 1.01 if hit else out
+
+    return attn, "scaled_dot_product_attention", wrong
+
+
+def _is_float(mask) -> bool:
+    return mask is not None and mask.is_floating_point()
+
+
+def _is_bool(mask) -> bool:
+    return mask is not None and mask.dtype == torch.bool
+
+
+def _detached_float_mask():
+    import fastformer.ops.attention as attn
+
+    real = attn.scaled_dot_product_attention
+    return (
+        attn,
+        "scaled_dot_product_attention",
+        lambda q, k, v, m=None, *a, **kw: real(
+            q, k, v, m.detach() if _is_float(m) else m, *a, **kw
+        ),
+    )
+
+
+def _lse_off():
+    import fastformer.ops.attention as attn
+
+    real = attn.scaled_dot_product_attention_with_lse
+
+    def wrong(*args, **kw):
+        out, lse = real(*args, **kw)
+        return out, lse + 1e-3
+
+    return attn, "scaled_dot_product_attention_with_lse", wrong
+
+
+def _norm_off_when(name: str, when):
+    """`fastformer.ops.layer_norm.<name>` 1% off for the calls `when(*args)` holds for."""
+    import fastformer.ops.layer_norm as ln
+
+    real = getattr(ln, name)
+
+    def wrong(*args, **kw):
+        out = real(*args, **kw)
+        if not when(*args, **kw):
+            return out
+        return (out[0] * 1.01, out[1]) if isinstance(out, tuple) else out * 1.01
+
+    return ln, name, wrong
+
+
+def _rms_default_eps_1e6():
+    import fastformer.ops.layer_norm as ln
+
+    real = ln.rms_norm
+    return (
+        ln,
+        "rms_norm",
+        lambda x, s, w=None, eps=None: real(x, s, w, 1e-6 if eps is None else eps),
+    )
+
+
+def _ffn_off_when(when):
+    import fastformer.ops.ffn as ffn
+
+    real = ffn.ffn
+
+    def wrong(x, w1, b1, w2, b2, *rest):
+        out = real(x, w1, b1, w2, b2, *rest)
+        return out * 1.01 if when(x, b1, b2) else out
+
+    return ffn, "ffn", wrong
+
+
+# Bugs of one feature each, and the full grid's cases that must catch them: a mutation the
+# hunt of `check` found the full grid passed.
+FEATURE_BUGS = {
+    "float mask gradient": ("attention", "-grad", _detached_float_mask),
+    "scale": ("attention", "-scale", lambda: _attention_off_when(lambda *a: a[4] is not None)),
+    "value head dim": (
+        "attention",
+        "v48",
+        lambda: _attention_off_when(lambda q, v, *a: v.shape[-1] != q.shape[-1]),
+    ),
+    "GQA + key padding + bool": (
+        "attention",
+        "kv2",
+        lambda: _attention_off_when(
+            lambda q, v, m, c, s, gqa, kpm: gqa and _is_bool(m) and kpm is not None
+        ),
+    ),
+    "key padding + float": (
+        "attention",
+        "key_padding+float",
+        lambda: _attention_off_when(lambda q, v, m, c, s, g, kpm: _is_float(m) and kpm is not None),
+    ),
+    "causal + float": (
+        "attention",
+        "causal+float",
+        lambda: _attention_off_when(lambda q, v, m, causal, *a: causal and _is_float(m)),
+    ),
+    "strided + key padding": (
+        "attention",
+        "strided",
+        lambda: _attention_off_when(lambda q, *a: not q.is_contiguous() and a[-1] is not None),
+    ),
+    "lse": ("attention", "-lse", _lse_off),
+    "residual + dropout, no prenorm": (
+        "dropout_add_layer_norm",
+        "x129-drop0.1",
+        lambda: _norm_off_when(
+            "dropout_add_layer_norm",
+            lambda x, r, w, b, eps=1e-5, p=0.0, prenorm=False: r is not None and p and not prenorm,
+        ),
+    ),
+    "layer_norm without affine": (
+        "layer_norm",
+        "-noaffine",
+        lambda: _norm_off_when("layer_norm", lambda x, s, w=None, *a, **k: w is None),
+    ),
+    "float32 weights": (
+        "layer_norm",
+        "-w32",
+        lambda: _norm_off_when("layer_norm", lambda x, s, w=None, *a, **k: w.dtype != x.dtype),
+    ),
+    "rms_norm eps=None": ("rms_norm", "-epsNone", _rms_default_eps_1e6),
+    "ffn one bias": (
+        "ffn",
+        "only",
+        lambda: _ffn_off_when(lambda x, b1, b2: (b1 is None) != (b2 is None)),
+    ),
+    "ffn strided x": ("ffn", "strided", lambda: _ffn_off_when(lambda x, *b: not x.is_contiguous())),
+}
+
+
+@pytest.mark.parametrize("bug", list(FEATURE_BUGS))
+def test_full_check_grid_catches_a_bug_of_one_feature(bug, monkeypatch, capsys):
+    import fastformer.cli.check as C
+
+    op, name, mutation = FEATURE_BUGS[bug]
+    for each, cases in list(C.CASE_BUILDERS.items()):  # --ops layer_norm is the whole family
+        monkeypatch.setitem(
+            C.CASE_BUILDERS,
+            each,
+            lambda quick, cases=cases: [c for c in cases(quick) if name in c.name],
+        )
+    argv = ["check", "--ops", op, "--device", "cpu", "--json"]
+    assert main(argv) == 0, capsys.readouterr().out  # the real kernels pass these cases
+    ran = [r for r in json.loads(capsys.readouterr().out)["rows"] if r["status"] != "skip"]
+    monkeypatch.setattr(*mutation())
+    assert main(argv) == 1
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    failed = {r["case"] for r in rows if r["status"] == "FAIL"}
+    assert ran and failed, rows
 
 
 # --------------------------------------------------------------------------- bench
@@ -768,19 +1033,20 @@ def _fast_ms_rows(results: dict) -> list[dict]:
     return [r for r in rows if "ms" in r["impls"]["fastformer"] and r["mode"] != "bwd"]
 
 
-@pytest.mark.parametrize("gap", ["case", "null", "zero"])
+@pytest.mark.parametrize("gap", ["not_run", "null", "zero"])
 def test_fail_if_slower_fails_on_a_fastformer_figure_without_a_new_one(
     gap, bench_run, tmp_path, capsys
 ):
-    # A case the new run lacks, or a fastformer time that is null (NaN) or 0 in it, was dropped
-    # from the comparison without a word: --fail-if-slower passed what it never compared.
+    # A case the new run did not get to, or a fastformer time that is null (NaN) or 0 in it, was
+    # dropped from the comparison without a word: --fail-if-slower passed what it never
+    # compared. (A case the new run leaves out, by --ops or --cases, is listed only: the next
+    # test.)
     _, out = bench_run
     new = json.loads((out / "results.json").read_text())
     row = _fast_ms_rows(new)[0]
     key = f"{row['case']}.{row['mode']}.fastformer.ms"
-    if gap == "case":
-        for data in new["ops"].values():
-            data["cases"] = [r for r in data["cases"] if r["case"] != row["case"]]
+    if gap == "not_run":
+        row["impls"]["fastformer"] = {"not_run": B.NOT_RUN}
     else:
         row["impls"]["fastformer"]["ms"] = None if gap == "null" else 0
     path = tmp_path / "new.json"
@@ -788,7 +1054,7 @@ def test_fail_if_slower_fails_on_a_fastformer_figure_without_a_new_one(
     args = ["bench", "--results", str(path), "--out", str(tmp_path / "r")]
     old = str(out / "results.json")
     assert main([*args, "--compare", old]) == 0
-    shown = {"case": "missing", "null": "null", "zero": "0"}[gap]
+    shown = {"not_run": "missing", "null": "null", "zero": "0"}[gap]
     text = capsys.readouterr().out
     assert "fastformer figure(s) in one run only" in text and f"{key}: old " in text, text
     assert re.search(rf"{re.escape(key)}: old [0-9.e+-]+, new {shown}\n", text), text
@@ -816,8 +1082,12 @@ def test_fail_if_slower_fails_on_a_fastformer_figure_without_a_new_one(
 
 
 def test_unpaired_lists_only_fastformer_figures():
+    # Lost (fails --fail-if-slower): a figure of a case or variant the new run has, without a
+    # valid value. A case the new run does not have (--ops, --cases, --no-model) is listed only.
+    not_run = _row(2.0, 4.0)
+    not_run["impls"]["fastformer"] = {"not_run": "time limit"}
     old = {"ops": {"ffn": {"cases": [_row(2.0, 4.0)]}}, "model": _model(100.0)}
-    new = {"ops": {"ffn": {"cases": []}}, "model": _model(None)}
+    new = {"ops": {"ffn": {"cases": [not_run]}}, "model": _model(None)}
     lone = R.unpaired(old, new)
     assert [(u.key, u.old, u.lost) for u in lone] == [
         ("ffn.c.fwd.fastformer.ms", 2.0, True),
@@ -825,6 +1095,14 @@ def test_unpaired_lists_only_fastformer_figures():
     ]
     assert math.isnan(lone[1].new) and lone[0].new is None
     assert not any(u.lost for u in R.unpaired(new, old))
+    subset = {"ops": {"ffn": {"cases": []}}}  # neither the case nor the model stage ran
+    assert [(u.key, u.lost) for u in R.unpaired(old, subset)] == [
+        ("ffn.c.fwd.fastformer.ms", False),
+        ("model.fastformer.train_tokens_per_s", False),
+    ]
+    assert "ffn.c.fwd.fastformer.ms: old 2, new not in this run" in R.format_unpaired(
+        R.unpaired(old, subset)
+    )
 
 
 _UNREADABLE = {

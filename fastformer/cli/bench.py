@@ -829,7 +829,8 @@ def _load(text: str, option: str, complete: bool = False) -> dict[str, Any]:
 
 def _remove_stale_plots(out_dir: Path, written: list[Path]) -> None:
     """Delete the plots of an earlier run in a re-used --out folder that this run did not write
-    (another op's, the model's): they read as this run's. Only bench's own file names."""
+    (another op's, the model's): they read as this run's. Only bench's own file names, and only
+    in a folder that held a results.json (a user's own model.png elsewhere is not bench's)."""
     for name in report.output_names(list(C.OPS)):
         path = out_dir / name
         if path.suffix == ".png" and path not in written and path.is_file():
@@ -901,6 +902,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if old is not None:
         _check_comparable(args, old)
     out_dir, created = _out_dir(args.out, args.compare)
+    # A folder an earlier bench run wrote (its results.json): only there are plots stale.
+    rerun = (out_dir / report.RESULTS_JSON).is_file()
     try:
         results = _results(args, out_dir, argv)
     except UsageError:  # found while measuring (a case filter that matches nothing, ...)
@@ -910,7 +913,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if results is None:
         return 130
     paths = report.write_all(out_dir, results)
-    _remove_stale_plots(out_dir, paths)
+    if rerun:
+        _remove_stale_plots(out_dir, paths)
     print(report.terminal_table(results))
     print(f"\nwrote {', '.join(str(p) for p in paths)}")
     code = _failures(results)

@@ -3,8 +3,10 @@
 Every op x backend x device x dtype x mask kind x dropout on/off x awkward shape is run through
 `fastformer.testing.compare_with_reference` (the parity rule of DESIGN.md: outputs and every
 gradient). Dropout cases predict the seed the op will draw (`torch.manual_seed` then
-`draw_seed`), regenerate its keep-mask with `fastformer.ops.rng` and feed it to the reference.
-One row per case; exit status 1 when any case fails or errors.
+`draw_seed`), regenerate its keep-mask with `fastformer.ops.rng` and feed it to the reference;
+keep-mask cases hold each op's mask helper to an independent spelling of the Philox scheme. One
+row per case; exit status 1 when any case fails or errors (a C++ extension that does not load is
+an ERROR row).
 
 Test-only hook: FASTFORMER_CHECK_BREAK=<op>[,<op>...] perturbs the fast output of those ops, so
 a test can prove that `check` catches a broken kernel.
@@ -14,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -44,12 +47,26 @@ OP_GROUPS["layer_norm"] = ["layer_norm", "rms_norm", "dropout_add_layer_norm"]
 
 @dataclass(frozen=True)
 class Case:
-    """One parity case: `build(module, device, dtype)` -> (fast_fn, ref_fn, inputs, names)."""
+    """One parity case: `build(module, device, dtype)` -> (fast_fn, ref_fn, inputs, names).
+    `quick_16bit`: a --quick grid on CPU (float32 only) runs this case in float16 too."""
 
     op: str
     name: str
     build: Callable[..., tuple[Callable, Callable, list, list[str]]]
     dropout: bool = False
+    quick_16bit: bool = False
+
+
+@dataclass(frozen=True)
+class KeepMaskCase:
+    """The op's keep-mask helper against an independent statement of the Philox scheme:
+    `masks(module, device)` -> (the helper's mask, the scheme's, on CPU). The dropout cases
+    feed the reference the op's own helper, so a helper wrong the same way as the op (one
+    mask reused for every batch row and head) passed them. Runs once per device."""
+
+    op: str
+    name: str
+    masks: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -110,6 +127,74 @@ def _seeded(fn: Callable) -> Callable:
     return run
 
 
+# --------------------------------------------------------------------------- keep-masks
+
+
+KEEP_MASK_SEEDS = (1234, 2**62 + 987654321)  # the second fills both 32-bit key words
+KEEP_MASK_PS = (0.4, 0.1)
+KEEP_MASK_SHAPES = {
+    "attention": [(2, 3, 5, 45), (3, 2, 9, 70)],  # (batch, heads, seq_q, seq_k)
+    "ffn": [(6, 45), (13, 70)],  # (tokens, d_ff)
+    "dropout_add_layer_norm": [(2, 3, 45), (5, 70)],
+}
+KEEP_MASK_HELPERS = {
+    "attention": lambda m, seed, shape, p, dev: m.dropout_keep_mask(seed, *shape, p, device=dev),
+    "ffn": lambda m, seed, shape, p, dev: m.ffn_keep_mask(seed, *shape, p, device=dev),
+    "dropout_add_layer_norm": lambda m, seed, shape, p, dev: m.dropout_add_layer_norm_keep_mask(
+        seed, shape, p, device=dev
+    ),
+}
+
+
+def _element_scheme(seed: int, shape: tuple[int, ...], p: float) -> torch.Tensor:
+    """The keep-mask of the C++/CUDA ops as fastformer.ops.rng states it, spelled out here:
+    element i (row-major) takes word i % 4 of philox4x32(seed, i // 4) as a uniform in [0, 1)
+    (Triton's uint_to_uniform_float) and is kept when that is >= p in float32."""
+    from fastformer.ops import rng
+
+    numel = math.prod(shape)
+    i = torch.arange(numel, dtype=torch.int64)
+    lane = torch.stack(rng.philox4x32(seed, i // 4), -1)[torch.arange(numel), i % 4]
+    signed = torch.where(lane >= 2**31, lane - 2**32, lane)
+    folded = torch.where(signed < 0, -signed - 1, signed)
+    uniform = folded.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32)
+    return (uniform >= torch.tensor(p, dtype=torch.float32)).view(shape)
+
+
+def _attention_scheme(seed: int, shape: tuple[int, ...], p: float) -> torch.Tensor:
+    """attention's keep-mask as its module docstring states it: key column j = 32 g + 8 w +
+    2 c + l of (b, h, i) takes half l of word w of philox4x32(seed, ((b * H + h) << 32) +
+    i * C + 4 g + c), C = 4 * ceil(Lk / 32), and is kept when >= round(p * 65536)."""
+    from fastformer.ops import rng
+
+    _, heads, _, seq_k = shape
+    bb, hh, ii, jj = torch.meshgrid(*(torch.arange(n) for n in shape), indexing="ij")
+    calls = 4 * -(-seq_k // 32)
+    g, w, c, half = jj // 32, jj // 8 % 4, jj // 2 % 4, jj % 2
+    counter = ((bb * heads + hh) << 32) + ii * calls + 4 * g + c
+    word = torch.stack(rng.philox4x32(seed, counter), -1).gather(-1, w[..., None])[..., 0]
+    return ((word >> (16 * half)) & 0xFFFF) >= round(p * 65536)
+
+
+def _keep_mask_cases(op: str) -> list[KeepMaskCase]:
+    """The op's keep-mask helper against the scheme for a few seeds and shapes (batch and
+    heads > 1: a mask reused across them fails)."""
+    scheme = _attention_scheme if op == "attention" else _element_scheme
+
+    def case(seed: int, shape: tuple[int, ...], p: float) -> KeepMaskCase:
+        def masks(module, device):
+            return KEEP_MASK_HELPERS[op](module, seed, shape, p, device), scheme(seed, shape, p)
+
+        return KeepMaskCase(op, f"dropout-mask-{'x'.join(map(str, shape))}-p{p:g}", masks)
+
+    return [case(*a) for a in zip(KEEP_MASK_SEEDS, KEEP_MASK_SHAPES[op], KEEP_MASK_PS)]
+
+
+def _with_16bit(cases: list[Case], op: str, name: str) -> list[Case]:
+    """`cases` with `op`'s case `name` marked to run in float16 in --quick on CPU too."""
+    return [replace(c, quick_16bit=True) if (c.op, c.name) == (op, name) else c for c in cases]
+
+
 # --------------------------------------------------------------------------- attention
 
 
@@ -127,78 +212,133 @@ ATTN_MASKS_FULL = ["none", "causal", "key_padding", "causal+key_padding", "bool"
 
 
 def _attention_masks(kind: str, b: int, lq: int, lk: int, device, dtype, gen):
-    """(attn_mask, is_causal, key_padding_mask) of a mask kind. With several batch rows, key
-    padding pads the last one entirely (fully masked rows must give 0, never NaN)."""
+    """(attn_mask, is_causal, key_padding_mask) of a mask kind ("causal+key_padding+bool": any
+    of causal, key_padding and one of bool or float). With several batch rows, key padding pads
+    the last one entirely (fully masked rows must give 0, never NaN)."""
     kpm = attn_mask = None
     if "key_padding" in kind:
         lengths = torch.randint(1, lk + 1, (b,), generator=gen)
         if b > 1:
             lengths[-1] = 0
         kpm = (torch.arange(lk)[None, :] >= lengths[:, None]).to(device)
-    if kind == "bool":
+    if "bool" in kind:
         attn_mask = (torch.rand(b, 1, lq, lk, generator=gen) > 0.3).to(device)
         attn_mask[..., 0, :] = False  # one fully masked query row
-    elif kind == "float":
+    elif "float" in kind:
         attn_mask = torch.randn(1, 1, lq, lk, generator=gen, dtype=torch.float64).to(device, dtype)
     return attn_mask, "causal" in kind, kpm
 
 
-def _attention_case(shape, mask: str, p: float, strided: bool, kv_heads: int = 0) -> Case:
-    b, h, lq, lk, d = shape
-    hkv = kv_heads or h  # fewer key/value heads: grouped-query attention (enable_gqa)
-    gqa = hkv != h
+@dataclass(frozen=True)
+class AttnSpec:
+    """One attention case: shape (b, h, lq, lk, d), mask kind (`_attention_masks`), dropout p,
+    a strided (non-contiguous) layout, fewer key/value heads (GQA), a value head dim, an
+    explicit scale, the float mask among the differentiable inputs, and the lse output of
+    scaled_dot_product_attention_with_lse."""
+
+    shape: tuple[int, int, int, int, int]
+    mask: str = "none"
+    p: float = 0.0
+    strided: bool = False
+    kv_heads: int = 0  # 0: as many as query heads
+    dv: int = 0  # 0: the query head dim
+    scale: float | None = None
+    mask_grad: bool = False
+    lse: bool = False
+
+    @property
+    def name(self) -> str:
+        b, h, lq, lk, d = self.shape
+        name = f"b{b}h{h}" + (f"kv{self.kv_heads}" if self.kv_heads else "")
+        name += f"q{lq}k{lk}d{d}" + (f"v{self.dv}" if self.dv else "") + f"-{self.mask}"
+        name += "-grad" if self.mask_grad else ""
+        name += (f"-drop{self.p:g}" if self.p else "") + ("-strided" if self.strided else "")
+        name += f"-scale{self.scale:g}" if self.scale is not None else ""
+        return name + ("-lse" if self.lse else "")
+
+
+def _qkv(spec: AttnSpec, device, dtype, gen) -> list[torch.Tensor]:
+    """q (b, h, lq, d), k (b, hkv, lk, d), v (b, hkv, lk, dv); strided: (B, L, H, D) storage
+    seen as (B, H, L, D), a non-contiguous view."""
+    b, h, lq, lk, d = spec.shape
+    hkv, dv = spec.kv_heads or h, spec.dv or d
+    shapes = [(b, h, lq, d), (b, hkv, lk, d), (b, hkv, lk, dv)]
+    if not spec.strided:
+        return [_randn(s, device, dtype, gen) for s in shapes]
+    return [_randn((s[0], s[2], s[1], s[3]), device, dtype, gen).transpose(1, 2) for s in shapes]
+
+
+def _attention_case(spec: AttnSpec) -> Case:
+    b, h, lq, lk, _ = spec.shape
+    gqa = spec.kv_heads not in (0, h)
 
     def build(module, device, dtype):
         gen = _gen()
-        if strided:  # (B, L, H, D) storage seen as (B, H, L, D): a non-contiguous view
-            q = _randn((b, lq, h, d), device, dtype, gen).transpose(1, 2)
-            k = _randn((b, lk, hkv, d), device, dtype, gen).transpose(1, 2)
-            v = _randn((b, lk, hkv, d), device, dtype, gen).transpose(1, 2)
-        else:
-            q = _randn((b, h, lq, d), device, dtype, gen)
-            k, v = (_randn((b, hkv, lk, d), device, dtype, gen) for _ in range(2))
-        attn_mask, causal, kpm = _attention_masks(mask, b, lq, lk, device, dtype, gen)
+        q, k, v = _qkv(spec, device, dtype, gen)
+        attn_mask, causal, kpm = _attention_masks(spec.mask, b, lq, lk, device, dtype, gen)
+        extra = [attn_mask.requires_grad_()] if spec.mask_grad else []
         keep = None
-        if p:
+        if spec.p:
             seed = _predicted_seed(device)
             keep = _keep_rate_checked(
-                module.dropout_keep_mask(seed, b, h, lq, lk, p, device=device), p
+                module.dropout_keep_mask(seed, b, h, lq, lk, spec.p, device=device), spec.p
             )
+        fast_op = (
+            module.scaled_dot_product_attention_with_lse
+            if spec.lse
+            else module.scaled_dot_product_attention
+        )
 
-        def fast(q, k, v):
-            return module.scaled_dot_product_attention(
-                q, k, v, attn_mask, p, causal, None, gqa, key_padding_mask=kpm
-            )
+        def fast(q, k, v, *m):
+            mask = m[0] if m else attn_mask
+            return fast_op(q, k, v, mask, spec.p, causal, spec.scale, gqa, key_padding_mask=kpm)
 
-        def ref(q, k, v):
+        def ref(q, k, v, *m):
             from fastformer import reference as R
 
-            m = (
-                attn_mask.to(q.dtype)
-                if attn_mask is not None and attn_mask.is_floating_point()
-                else attn_mask
-            )
+            mask = m[0] if m else attn_mask
+            if mask is not None and mask.is_floating_point():
+                mask = mask.to(q.dtype)
+            kw = {"key_padding_mask": kpm, "dropout_mask": keep, "return_lse": spec.lse}
             return R.scaled_dot_product_attention(
-                q, k, v, m, p, causal, None, gqa, key_padding_mask=kpm, dropout_mask=keep
+                q, k, v, mask, spec.p, causal, spec.scale, gqa, **kw
             )
 
-        return _seeded(fast), ref, [q, k, v], ["q", "k", "v"]
+        names = ["q", "k", "v"] + (["attn_mask"] if extra else [])
+        return _seeded(fast), ref, [q, k, v, *extra], names
 
-    name = f"b{b}h{h}" + (f"kv{hkv}" if gqa else "") + f"q{lq}k{lk}d{d}-{mask}"
-    name += f"-drop{p:g}" if p else ""
-    return Case("attention", name + ("-strided" if strided else ""), build, dropout=bool(p))
+    return Case("attention", spec.name, build, dropout=bool(spec.p))
+
+
+# The full grid's cases of features that the shape x mask grid leaves out.
+ATTN_FEATURES = [
+    AttnSpec((2, 4, 33, 33, 32), "causal", 0.0, kv_heads=2),
+    AttnSpec((2, 4, 33, 33, 32), "causal", 0.1, kv_heads=2),
+    AttnSpec((2, 4, 33, 45, 32), "key_padding+bool", 0.1, kv_heads=2),
+    AttnSpec((2, 2, 33, 45, 32), "key_padding+bool"),
+    AttnSpec((2, 2, 33, 45, 32), "key_padding+float", 0.1),
+    AttnSpec((2, 2, 45, 33, 32), "causal+float"),
+    AttnSpec((2, 2, 33, 17, 32), "float", 0.0, mask_grad=True),
+    AttnSpec((2, 2, 33, 17, 32), "causal+key_padding+float", 0.1, mask_grad=True),
+    AttnSpec((2, 2, 33, 33, 32), "causal", 0.1, scale=0.3),
+    AttnSpec((2, 2, 33, 45, 32), "key_padding", 0.1, dv=48),
+    AttnSpec((2, 2, 33, 45, 48), "causal", 0.0, dv=16),
+    AttnSpec((2, 2, 33, 45, 32), "causal+key_padding", 0.1, lse=True),
+    AttnSpec((2, 2, 97, 129, 40), "causal+key_padding", 0.1, strided=True),
+]
 
 
 def attention_cases(quick: bool) -> list[Case]:
-    """Every shape x mask kind x dropout on/off, plus a strided (non-contiguous) case and, in
-    the full grid, grouped-query attention."""
+    """Every shape x mask kind x dropout on/off, plus a strided (non-contiguous) case, the
+    keep-mask checks and, in the full grid, ATTN_FEATURES (GQA, combined masks, a float mask's
+    gradient, scale, value head dim, lse). In --quick on CPU one case also runs in float16."""
     shapes = ATTN_SHAPES_QUICK if quick else ATTN_SHAPES_FULL
     masks = ATTN_MASKS_QUICK if quick else ATTN_MASKS_FULL
-    cases = [_attention_case(s, m, p, False) for s in shapes for m in masks for p in (0.0, 0.1)]
-    cases.append(_attention_case(shapes[-1], "causal", 0.0, True))
-    if not quick:
-        cases += [_attention_case((2, 4, 33, 33, 32), "causal", p, False, 2) for p in (0.0, 0.1)]
-    return cases
+    specs = [AttnSpec(s, m, p) for s in shapes for m in masks for p in (0.0, 0.1)]
+    specs.append(AttnSpec(shapes[-1], "causal", 0.0, strided=True))
+    cases = [_attention_case(s) for s in specs + ([] if quick else ATTN_FEATURES)]
+    half = AttnSpec(ATTN_SHAPES_QUICK[0], "key_padding", 0.1).name
+    return _keep_mask_cases("attention") + _with_16bit(cases, "attention", half)
 
 
 # --------------------------------------------------------------------------- layer_norm family
@@ -219,33 +359,39 @@ NORM_SHAPES_FULL = [
 ]
 
 
-def _norm_case(op: str, shape, affine: bool, strided: bool) -> Case:
+def _norm_case(
+    op: str, shape, affine: bool, strided: bool, w32: bool = False, eps_none: bool = False
+) -> Case:
+    """`op` (layer_norm or rms_norm) over the last dim; `w32`: float32 weight and bias whatever
+    the input dtype; `eps_none`: eps=None (the op's default) on inputs small enough (1e-3)
+    that eps shows, against the reference given rms_norm_eps of the case's dtype."""
     n = shape[-1]
 
     def build(module, device, dtype):
-        gen = _gen()
-        if strided:  # every other row of a twice-as-tall tensor: non-contiguous rows
-            x = _randn((*shape[:-1], 2, n), device, dtype, gen)[..., 0, :]
-        else:
-            x = _randn(shape, device, dtype, gen)
-        w = _randn((n,), device, dtype, gen) if affine else None
-        b = _randn((n,), device, dtype, gen) if affine else None
-        inputs = [x] + ([w] + ([b] if op == "layer_norm" else []) if affine else [])
-        names = ["x", "weight", "bias"][: len(inputs)]
         from fastformer import reference as R
 
+        gen, scale = _gen(), 1e-3 if eps_none else 1.0
+        if strided:  # every other row of a twice-as-tall tensor: non-contiguous rows
+            x = _randn((*shape[:-1], 2, n), device, dtype, gen, scale=scale)[..., 0, :]
+        else:
+            x = _randn(shape, device, dtype, gen, scale=scale)
+        wdtype = torch.float32 if w32 else dtype
+        params = [_randn((n,), device, wdtype, gen) for _ in ("weight", "bias")]
+        params = params[: 2 if op == "layer_norm" else 1] if affine else []
         fast_op, ref_op = getattr(module, op), getattr(R, op)
         eps = 1e-5 if op == "layer_norm" else 1e-6
+        fast_eps, ref_eps = (None, R.rms_norm_eps(dtype)) if eps_none else (eps, eps)
 
         def fast(x, *wb):
-            return fast_op(x, (n,), *wb, eps=eps)
+            return fast_op(x, (n,), *wb, eps=fast_eps)
 
-        def ref(x, *wb):
-            return ref_op(x, (n,), *wb, eps=eps)
+        def ref(x, *wb):  # float32 parameters promote; the op keeps the input dtype
+            return ref_op(x, (n,), *wb, eps=ref_eps).to(x.dtype)
 
-        return fast, ref, inputs, names
+        return fast, ref, [x, *params], ["x", "weight", "bias"][: 1 + len(params)]
 
     name = "x".join(map(str, shape)) + ("" if affine else "-noaffine")
+    name += ("-w32" if w32 else "") + ("-epsNone" if eps_none else "")
     return Case(op, name + ("-strided" if strided else ""), build)
 
 
@@ -296,18 +442,33 @@ def _layer_norm_keep(module, seed: int, shape, p: float, device) -> torch.Tensor
 
 
 def layer_norm_cases(quick: bool) -> list[Case]:
-    """layer_norm and rms_norm (affine or not, strided rows) and dropout_add_layer_norm
-    (dropout on/off, prenorm, without residual) over the awkward hidden sizes."""
+    """layer_norm and rms_norm (affine or not, strided rows; in the full grid float32 weights
+    and rms_norm's eps=None too) and dropout_add_layer_norm (dropout on/off, prenorm, without
+    residual; in the full grid residual + dropout without prenorm), over the awkward hidden
+    sizes, and the dropout keep-mask checks. In --quick on CPU one case of each op also runs in
+    float16."""
     shapes = NORM_SHAPES_QUICK if quick else NORM_SHAPES_FULL
     cases = []
     for op in ("layer_norm", "rms_norm"):
         cases += [_norm_case(op, s, True, False) for s in shapes]
         cases += [_norm_case(op, shapes[0], False, False), _norm_case(op, shapes[-1], True, True)]
+        if not quick:
+            cases += [
+                _norm_case(op, (3, 97), False, False),
+                _norm_case(op, (5, 7), True, False, w32=True),
+            ]
+    if not quick:
+        cases.append(_norm_case("rms_norm", (3, 97), True, False, eps_none=True))
     for s in shapes:
         for p in (0.0, 0.1):
             cases.append(_dropout_add_case(s, True, p, prenorm=p > 0))
     cases.append(_dropout_add_case(shapes[0], False, 0.1, prenorm=False))
-    return cases
+    if not quick:
+        cases.append(_dropout_add_case((2, 4, 129), True, 0.1, prenorm=False))
+    half = ["2x4x129", "2x4x129", "2x4x129-drop0.1-prenorm"]
+    for op, name in zip(("layer_norm", "rms_norm", "dropout_add_layer_norm"), half):
+        cases = _with_16bit(cases, op, name)
+    return _keep_mask_cases("dropout_add_layer_norm") + cases
 
 
 # --------------------------------------------------------------------------- ffn
@@ -317,38 +478,45 @@ FFN_SHAPES_QUICK = [((5,), 16, 32), ((2, 3), 33, 65)]
 FFN_SHAPES_FULL = [((1,), 8, 16), ((7,), 33, 65), ((13,), 64, 256), ((2, 5), 40, 96)]
 
 
-def _ffn_case(lead, d: int, f: int, act: str, p: float, bias: bool) -> Case:
+def _ffn_case(
+    lead, d: int, f: int, act: str, p: float, biases: str = "b1b2", strided: bool = False
+) -> Case:
+    """ffn with the biases named in `biases` ("b1b2", "b1", "b2", "") and, `strided`, an x
+    that is every other column of a twice-as-wide tensor (non-contiguous)."""
+
     def build(module, device, dtype):
         from fastformer import reference as R
 
         gen = _gen()
         width = 2 * f if act in R.GATED_ACTIVATIONS else f
-        x = _randn((*lead, d), device, dtype, gen)
+        if strided:
+            x = _randn((*lead, 2 * d), device, dtype, gen)[..., ::2]
+        else:
+            x = _randn((*lead, d), device, dtype, gen)
         w1 = _randn((width, d), device, dtype, gen, scale=d**-0.5)
         w2 = _randn((d, f), device, dtype, gen, scale=f**-0.5)
-        b1 = _randn((width,), device, dtype, gen) if bias else None
-        b2 = _randn((d,), device, dtype, gen) if bias else None
+        b1, b2 = _randn((width,), device, dtype, gen), _randn((d,), device, dtype, gen)
+        params = {"w1": w1, "b1": b1, "w2": w2, "b2": b2}
+        names = [k for k in params if k.startswith("w") or k in biases]
         keep = None
         if p:
             keep = _ffn_keep(module, _predicted_seed(device), (*lead, f), p, device)
 
-        def split(params):
-            return params if bias else (params[0], None, params[1], None)
+        def split(given):  # the op's (w1, b1, w2, b2), None for a bias left out
+            by_name = dict(zip(names, given))
+            return [by_name.get(k) for k in params]
 
-        def fast(x, *params):
-            w1_, b1_, w2_, b2_ = split(params)
-            return module.ffn(x, w1_, b1_, w2_, b2_, act, p)
+        def fast(x, *given):
+            return module.ffn(x, *split(given), act, p)
 
-        def ref(x, *params):
-            w1_, b1_, w2_, b2_ = split(params)
-            return R.ffn(x, w1_, b1_, w2_, b2_, act, p, keep_mask=keep)
+        def ref(x, *given):
+            return R.ffn(x, *split(given), act, p, keep_mask=keep)
 
-        inputs = [x, w1, b1, w2, b2] if bias else [x, w1, w2]
-        names = ["x", "w1", "b1", "w2", "b2"] if bias else ["x", "w1", "w2"]
-        return _seeded(fast), ref, inputs, names
+        return _seeded(fast), ref, [x, *(params[k] for k in names)], ["x", *names]
 
     name = f"{'x'.join(map(str, lead))}x{d}-ff{f}-{act}" + (f"-drop{p:g}" if p else "")
-    return Case("ffn", name + ("" if bias else "-nobias"), build, dropout=bool(p))
+    name += {"b1b2": "", "": "-nobias"}.get(biases, f"-{biases}only")
+    return Case("ffn", name + ("-strided" if strided else ""), build, dropout=bool(p))
 
 
 def _ffn_keep(module, seed: int, shape, p: float, device) -> torch.Tensor:
@@ -363,14 +531,20 @@ def _ffn_keep(module, seed: int, shape, p: float, device) -> torch.Tensor:
 
 
 def ffn_cases(quick: bool) -> list[Case]:
-    """Every shape x activation (all six in the full grid) x dropout on/off, plus no biases."""
+    """Every shape x activation (all six in the full grid) x dropout on/off, plus no biases,
+    the keep-mask checks and, in the full grid, one bias only and a non-contiguous x. In
+    --quick on CPU one case also runs in float16."""
     from fastformer.reference import ACTIVATIONS
 
     shapes = FFN_SHAPES_QUICK if quick else FFN_SHAPES_FULL
     acts = ("relu", "gelu", "swiglu") if quick else ACTIVATIONS
-    cases = [_ffn_case(*s, a, p, True) for s in shapes for a in acts for p in (0.0, 0.1)]
-    cases.append(_ffn_case(*shapes[0], "relu", 0.0, False))
-    return cases
+    cases = [_ffn_case(*s, a, p) for s in shapes for a in acts for p in (0.0, 0.1)]
+    cases.append(_ffn_case(*shapes[0], "relu", 0.0, ""))
+    if not quick:
+        cases += [_ffn_case(*shapes[1], "gelu", 0.1, b) for b in ("b1", "b2")]
+        cases += [_ffn_case(*shapes[-1], "swiglu", 0.1, strided=True)]
+    half = _ffn_case(*FFN_SHAPES_QUICK[0], "gelu", 0.1).name
+    return _keep_mask_cases("ffn") + _with_16bit(cases, "ffn", half)
 
 
 CASE_BUILDERS = {
@@ -451,6 +625,30 @@ def run_case(case: Case, module, device, dtype, backend: str | None) -> Row:
     return row
 
 
+def run_keep_mask_case(case: KeepMaskCase, module, device: torch.device) -> Row:
+    """The op's keep-mask helper on `device` against the scheme: every element must agree."""
+    row = Row(case.op, "-", str(device), "-", case.name, "pass", worst="keep")
+    try:
+        got, expected = case.masks(module, device)
+    except Exception as exc:  # a helper that raises is a failed case, not a crashed command
+        row.status, row.message = "ERROR", f"{type(exc).__name__}: {exc}"
+        return row
+    if got.dtype != torch.bool or got.shape != expected.shape:
+        row.status = "FAIL"
+        row.message = (
+            f"keep-mask is {got.dtype} {tuple(got.shape)}; expected torch.bool "
+            f"{tuple(expected.shape)}"
+        )
+        return row
+    wrong = int((got.cpu() != expected).sum())
+    row.error, row.bound = float(wrong), 0.0
+    row.results = [{"name": "keep", "error": row.error, "bound": 0.0, "passed": not wrong}]
+    if wrong:
+        row.status = "FAIL"
+        row.message = f"{wrong} of {expected.numel()} elements differ from the Philox scheme"
+    return row
+
+
 def devices(choice: str) -> list[torch.device]:
     """The devices to check: `all` = CPU plus CUDA when visible."""
     if choice == "cuda" and not torch.cuda.is_available():
@@ -477,23 +675,43 @@ def dtypes_for(device: torch.device, backend: str | None, quick: bool) -> list[t
 def backends_for(
     op: str, device: torch.device, interpret: bool
 ) -> tuple[list[str | None], list[Row]]:
-    """Backends of `op` to force one by one, and `skip` rows for those this environment lacks.
-    Triton backends on CPU run only with --interpret."""
+    """Backends of `op` to force one by one, and a row for each this environment lacks: `skip`,
+    or ERROR for the C++ kernels (`_lacking_row`). Triton backends on CPU run only with
+    --interpret."""
     from fastformer.ops import _dispatch
 
     key = registry_key(op)
     if key not in _dispatch.REGISTRY:
         return [None], []
     chosen: list[str | None] = []
-    skipped = []
+    lacking = []
     for name, why in _dispatch.explain(key, None):
         if device.type == "cpu" and "triton" in name and not interpret:
             why = why or ["Triton on CPU runs only through the interpreter: pass --interpret"]
         if why:
-            skipped.append(Row(op, name, str(device), "-", "(all)", "skip", message="; ".join(why)))
+            lacking.append(_lacking_row(op, name, device, why))
         else:
             chosen.append(name)
-    return chosen, skipped
+    return chosen, lacking
+
+
+def _lacking_row(op: str, backend: str, device: torch.device, why: list[str]) -> Row:
+    """The row of a backend that cannot run here. A C++ extension that does not load is an
+    ERROR: `check` is documented to check the C++ kernels, and a `skip` let a CI job pass
+    without them. Only a FASTFORMER_BACKEND_<OP> forcing another backend (the user's runs
+    never use these kernels) leaves it a `skip`."""
+    from fastformer.ops import _dispatch
+
+    key = registry_key(op)
+    forced = _dispatch.forced_backend(key)
+    row = Row(op, backend, str(device), "-", "(all)", "skip", message="; ".join(why))
+    if backend != "cpp":
+        return row
+    if forced in (None, backend):
+        row.status, row.message = "ERROR", f"the C++ kernels cannot run: {row.message}"
+    else:
+        row.message = f"FASTFORMER_BACKEND_{key.upper()}={forced!r}; {row.message}"
+    return row
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:
@@ -507,6 +725,27 @@ def parse_shard(text: str | None) -> tuple[int, int]:
     if not 1 <= k <= n:
         raise UsageError(f"--shard must be K/N with 1 <= K <= N, got {text!r}")
     return k - 1, n
+
+
+GridEntry = tuple[str | None, torch.dtype | None, Case | KeepMaskCase]
+
+
+def op_grid(
+    op: str, device: torch.device, quick: bool, interpret: bool
+) -> tuple[list[GridEntry], list[Row]]:
+    """(backend, dtype, case) of every case of `op` on `device`, in order, and the rows of the
+    backends this environment lacks. Keep-mask cases depend on neither backend nor dtype:
+    they run once, first."""
+    chosen, lacking = backends_for(op, device, interpret)
+    cases = CASE_BUILDERS[op](quick)
+    entries: list[GridEntry] = [(None, None, c) for c in cases if isinstance(c, KeepMaskCase)]
+    parity = [c for c in cases if isinstance(c, Case)]
+    for backend in chosen:
+        for dtype in dtypes_for(device, backend, quick):
+            entries += [(backend, dtype, c) for c in parity]
+        if quick and device.type == "cpu":  # fp16: the Triton interpreter cannot run bf16
+            entries += [(backend, torch.float16, c) for c in parity if c.quick_16bit]
+    return entries, lacking
 
 
 def iter_rows(
@@ -528,19 +767,19 @@ def iter_rows(
             yield Row(op, "-", "-", "-", "(import)", "ERROR", message=error or "")
             continue
         for device in devices(device_choice):
-            chosen, skipped = backends_for(op, device, interpret)
-            yield from skipped
-            for backend in chosen:
-                for dtype in dtypes_for(device, backend, quick):
-                    for case in CASE_BUILDERS[op](quick):
-                        index += 1
-                        if index % shard[1] != shard[0]:
-                            continue
-                        if deadline is not None and time.perf_counter() > deadline:
-                            name = str(dtype).removeprefix("torch.")
-                            yield Row(op, backend or "-", str(device), name, case.name, "not run")
-                        else:
-                            yield run_case(case, module, device, dtype, backend)
+            entries, lacking = op_grid(op, device, quick, interpret)
+            yield from lacking
+            for backend, dtype, case in entries:
+                index += 1
+                if index % shard[1] != shard[0]:
+                    continue
+                if deadline is not None and time.perf_counter() > deadline:
+                    name = str(dtype).removeprefix("torch.") if dtype else "-"
+                    yield Row(op, backend or "-", str(device), name, case.name, "not run")
+                elif isinstance(case, KeepMaskCase):
+                    yield run_keep_mask_case(case, module, device)
+                else:
+                    yield run_case(case, module, device, dtype, backend)
 
 
 def _fmt(row: Row) -> str:
@@ -561,11 +800,14 @@ HEADER = (
 
 def _set_interpret(argv: list[str] | None) -> int | None:
     """--interpret must take effect before any Triton kernel is decorated: set the variable
-    when no kernel module is imported yet, else re-run this command in a fresh process."""
+    when neither Triton nor a kernel module is imported yet, else re-run this command in a
+    fresh process. Triton's own library functions (tl.cdiv, tl.max) are decorated when triton
+    is imported, and torch imports it on the way to fastformer.cli: every interpreted kernel
+    then failed ("Cannot call @triton.jit'd outside of the scope of a kernel")."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return None
     os.environ["TRITON_INTERPRET"] = "1"
-    loaded = [m for m in sys.modules if m.startswith("fastformer.kernels.")]
+    loaded = [m for m in sys.modules if m == "triton" or m.startswith("fastformer.kernels.")]
     if not loaded:
         return None
     import subprocess
@@ -675,6 +917,5 @@ def grid_size(ops: list[str], device_choice: str, quick: bool, interpret: bool) 
         if load_op(CHECK_OPS[op][0])[0] is None:
             continue
         for device in devices(device_choice):
-            for backend in backends_for(op, device, interpret)[0]:
-                total += len(dtypes_for(device, backend, quick)) * len(CASE_BUILDERS[op](quick))
+            total += len(op_grid(op, device, quick, interpret)[0])
     return total

@@ -748,16 +748,20 @@ def compare(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
 @dataclass(frozen=True)
 class Unpaired:
     """A figure of fastformer's own with a usable value in one run only (`old` or `new`: the
-    value of each run, None where it has no such figure, NaN for null)."""
+    value of each run, None where it has no such figure, NaN for null); `tried`: whether the
+    new run has its case (or model variant) at all, where --ops, --cases or --no-model may
+    leave it out."""
 
     key: str
     old: float | None
     new: float | None
+    tried: bool
 
     @property
     def lost(self) -> bool:
-        """Whether the old run's figure has no usable counterpart: its change is unknown."""
-        return _usable(self.old)
+        """Whether the old run's figure has no usable counterpart in a case the new run has
+        (not run in time, failed, null): its change is unknown."""
+        return _usable(self.old) and self.tried
 
 
 def _usable(value: float | None) -> bool:
@@ -768,12 +772,24 @@ def unpaired(old: dict[str, Any], new: dict[str, Any]) -> list[Unpaired]:
     """fastformer's own figures that `compare` cannot pair: absent from a run, null or 0 in it
     (a case the new run lacks was dropped silently and passed --fail-if-slower)."""
     a, b = figures(old), figures(new)
+    tried = _entries(new)
     out = []
     for key in sorted(set(a) | set(b)):
         fa, fb = a.get(key), b.get(key)
         own = any(f.own for f in (fa, fb) if f)
         if own and (fa is not None and fa.usable) != (fb is not None and fb.usable):
-            out.append(Unpaired(key, _value(fa), _value(fb)))
+            entry = key.rsplit(".", 1)[0]  # the figure's case and implementation
+            out.append(Unpaired(key, _value(fa), _value(fb), entry in tried))
+    return out
+
+
+def _entries(run: dict[str, Any]) -> set[str]:
+    """Every model variant and every (op, case, mode, implementation) a run has, run or not,
+    named as `figures` keys less their last part."""
+    out = {f"model.{name}" for name in (run.get("model") or {}).get("variants", {})}
+    for op, data in run.get("ops", {}).items():
+        for row in data["cases"]:
+            out |= {f"{op}.{row['case']}.{row['mode']}.{impl}" for impl in row["impls"]}
     return out
 
 
@@ -787,7 +803,8 @@ def format_unpaired(items: list[Unpaired]) -> str:
     """The figures `unpaired` found, one line each."""
     lines = [f"compare: {len(items)} fastformer figure(s) in one run only (not compared):"]
     for u in items:
-        lines.append(f"  {u.key}: old {_shown(u.old)}, new {_shown(u.new)}")
+        shown = _shown(u.new) if u.tried or u.new is not None else "not in this run"
+        lines.append(f"  {u.key}: old {_shown(u.old)}, new {shown}")
     return "\n".join(lines)
 
 
