@@ -78,6 +78,8 @@ def explain(module: nn.Module, *inputs, **kwargs) -> Explanation:
     # force_eager: compiled, the recording graph-broke the trace (fullgraph raised) and
     # the broken graphs served every later call (4 graphs a call of a Transformer, 1 before).
     # A torch.compile(module) wrapper is reported as the module it wraps.
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     module = getattr(module, "_orig_mod", module)
     with _record.recording() as store, torch.compiler.set_stance("force_eager"):
         handle = nn.modules.module.register_module_forward_pre_hook(_unswapped_hook(store))

@@ -135,12 +135,25 @@ def _table(rows: list[tuple[str, str, str]]) -> list[str]:
 
 
 def _matches(item: type | str, name: str, module: nn.Module) -> bool:
-    """A class or class name matches the module's class name; a string also matches the
-    qualified name as an fnmatch pattern ("decoder.*", "encoder.layers.0.self_attn")."""
-    cls_name = type(module).__name__
+    """A class matches modules of exactly that class (nn.LayerNorm, not the reference's
+    LayerNorm); a string matches the class name ("LayerNorm": either) or the qualified name as
+    an fnmatch pattern ("decoder.*", "encoder.layers.0.self_attn")."""
     if isinstance(item, type):
-        return item.__name__ == cls_name
-    return item == cls_name or fnmatch.fnmatchcase(name, item)
+        return type(module) is item
+    return item == type(module).__name__ or fnmatch.fnmatchcase(name, item)
+
+
+def _selection(arg: str, items: Iterable[type | str] | None) -> list[type | str] | None:
+    """`include` / `exclude` as a list, each item a class or a str."""
+    if items is None:
+        return None
+    if isinstance(items, (str, type)):  # a str iterates as its letters: nothing matched
+        raise TypeError(f"{arg} must be a list of classes or names, got {items!r}: [{items!r}]?")
+    items = list(items)
+    for item in items:
+        if not isinstance(item, (type, str)):
+            raise TypeError(f"{arg} items must be classes or names, got {type(item).__name__}")
+    return items
 
 
 def _skip_reason(name, module, include, exclude) -> str | None:
@@ -251,8 +264,9 @@ def swap(
 
     Args:
         model: any nn.Module (the root itself may be swappable).
-        include: only replace modules whose class (or class name, e.g. "LayerNorm") or
-            qualified name (fnmatch pattern) matches an item; None = every swappable module.
+        include: only replace modules whose class (exactly: nn.LayerNorm is not the
+            reference's LayerNorm), class name (e.g. "LayerNorm": both) or qualified name
+            (fnmatch pattern) matches an item; None = every swappable module.
         exclude: leave modules matching an item (same matching) as they are.
 
     Returns:
@@ -264,8 +278,9 @@ def swap(
         `isinstance` filter, say norms left out of weight decay, can change its verdict
         across a swap: build such lists after it).
     """
-    include = None if include is None else list(include)
-    exclude = None if exclude is None else list(exclude)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    include, exclude = _selection("include", include), _selection("exclude", exclude)
     keys = list(model.state_dict().keys())
     params = [id(p) for p in model.parameters()]
     report, journal = SwapReport(), _Journal()

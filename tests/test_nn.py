@@ -1116,3 +1116,15 @@ def test_torch_jit_trace_keeps_rows_without_keys_at_zero(monkeypatch, dtype):
         for got, want in zip(traced(q, k, v, emptied), fn(q, k, v, emptied)):
             assert not got.isnan().any(), name
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_module_input_errors_name_the_module_s_arguments(monkeypatch):
+    # FeedForward's wrong width was reported as the op's "w1 must have shape ...", an argument
+    # its caller never passed; MultiheadAttention checked its masks after the projection GEMMs.
+    with pytest.raises(ValueError, match=r"x must have last dim d_model=16, got shape \(2, 9\)"):
+        fnn.FeedForward(16, 32)(torch.randn(2, 9))
+    mha = fnn.MultiheadAttention(E, H, batch_first=True)
+    monkeypatch.setattr(mha, "_project", lambda *a: pytest.fail("projected before the checks"))
+    x = torch.randn(B, S, E)
+    with pytest.raises(ValueError, match="key_padding_mask must have shape"):
+        mha(x, x, x, key_padding_mask=torch.zeros(B, S + 1, dtype=torch.bool), need_weights=False)

@@ -268,6 +268,23 @@ def test_swap_hand_written_model():
     assert "attn (MultiheadAttention)" in text and "attention ->" in text, text
 
 
+def test_include_by_class_is_exact_and_bad_arguments_are_refused():
+    # A class matched by its name: include=[reference.LayerNorm] also swapped torch.nn's
+    # LayerNorm. And include="LayerNorm" iterated as letters: nothing swapped, no error.
+    model = nn.Sequential(nn.LayerNorm(E), reference.LayerNorm(E))
+    report = swap(model, include=[reference.LayerNorm])
+    assert [name for name, _, _ in report.replaced] == ["1"]
+    assert type(model[0]) is nn.LayerNorm
+    with pytest.raises(TypeError, match=r"include must be a list of classes or names, got 'Lay"):
+        swap(model, include="LayerNorm")
+    with pytest.raises(TypeError, match="exclude items must be classes or names, got int"):
+        swap(model, exclude=[3])
+    with pytest.raises(TypeError, match="model must be an nn.Module, got str"):
+        swap("model")
+    with pytest.raises(TypeError, match="module must be an nn.Module, got str"):
+        explain("model", torch.randn(2, E))
+
+
 def test_include_and_exclude():
     model = nn.Transformer(E, H, 1, 1, FF)
     report = swap(model, include=["MultiheadAttention"])

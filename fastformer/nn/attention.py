@@ -22,6 +22,8 @@ _MAX_DROPOUT_P = rng.max_dropout_p(rng.ATTENTION_KEEP_ERROR)
 
 
 def _check_mask_dtype(name: str, mask: Tensor) -> None:
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{name} must be a Tensor or None, got {type(mask).__name__}")
     if mask.dtype != torch.bool and not mask.is_floating_point():
         raise TypeError(
             f"{name} must be a bool tensor (True = masked) or a floating tensor (added to the "
@@ -178,6 +180,13 @@ def _split_heads(x: Tensor, n: int, heads: int, batch_first: bool) -> list[Tenso
     ):
         return list(_SplitHeads.apply(x, n, heads, batch_first))
     return _head_views(x, n, heads, batch_first)
+
+
+def _sizes(query: Tensor, key: Tensor, batch_first: bool) -> tuple[int, int, int]:
+    """(batch, seq_q, seq_k) of 3-D (B, L, E) inputs (`batch_first`) or (L, B, E)."""
+    if batch_first:
+        return query.shape[0], query.shape[1], key.shape[1]
+    return query.shape[1], query.shape[0], key.shape[0]
 
 
 def _merge_heads(out: Tensor, batch_first: bool) -> Tensor:
@@ -363,12 +372,13 @@ class MultiheadAttention(nn.MultiheadAttention):
                         f"got shape {tuple(key_padding_mask.shape)}"
                     )
                 key_padding_mask = key_padding_mask.unsqueeze(0)
-        q, k, v = self._project(query, key, value, batch_first)
-        batch, lq, lk = q.shape[0], q.shape[2], k.shape[2]
+        # The masks are checked before the projection GEMMs run.
+        batch, lq, lk = _sizes(query, key, batch_first)
         mask, kpm, causal = sdpa_masks(
             attn_mask, key_padding_mask, is_causal, batch, self.num_heads, lq, lk,
             self._causal_hint,
         )  # fmt: skip
+        q, k, v = self._project(query, key, value, batch_first)
         p = self.dropout if self.training else 0.0
         out = _ops.attention(self, q, k, v, mask, p, causal, kpm)
         proj = child(self, "out_proj")

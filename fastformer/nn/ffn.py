@@ -186,6 +186,10 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x (..., d_model) -> (..., d_model)."""
+        # Named for the module's caller: the op's own check names w1, which they never passed.
+        width = param(child(self, "linear1"), "weight").shape[-1]
+        if x.dim() == 0 or x.shape[-1] != width:
+            raise ValueError(f"x must have last dim d_model={width}, got shape {tuple(x.shape)}")
         return feed_forward(self, x)
 
     def extra_repr(self) -> str:
