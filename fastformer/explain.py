@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from typing import Any
 
 import torch
 from torch import nn
@@ -66,7 +67,7 @@ def _format(root: nn.Module, records: list[_record.Record]) -> str:
 
 
 @torch.compiler.disable  # called inside a compiled function: its set_stance cannot be traced
-def explain(module: nn.Module, *inputs, **kwargs) -> Explanation:
+def explain(module: nn.Module, *inputs: Any, **kwargs: Any) -> Explanation:
     """Run `module(*inputs, **kwargs)` once and report, per submodule, the backend of every op
     call and every reason a faster backend (or the fused path) did not run.
 

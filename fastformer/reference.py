@@ -3,7 +3,7 @@
 This module is the ground truth for all parity tests: each function is the textbook math
 written out with plain torch ops (matmul, softmax-by-hand, mean/var), computed in the dtype of
 its inputs. Running it on float64 inputs gives ``ref64``; running it on the fast op's own
-input dtype (fp16/bf16/fp32) gives ``ref_lp`` (see the parity rule in ``DESIGN.md``).
+input dtype (fp16/bf16/fp32) gives ``ref_lp`` (see the parity rule in ``fastformer.testing``).
 
 It imports only torch and the standard library, and never draws random numbers in the
 functional ops: dropout takes an explicit boolean keep-mask (True = keep), so a fast kernel's
@@ -461,7 +461,9 @@ def shift_right(tgt: Tensor, bos_id: int) -> Tensor:
 
 
 class LayerNorm(nn.Module):
-    """``nn.LayerNorm`` on top of :func:`layer_norm` (same arguments, ``weight``/``bias``)."""
+    """``nn.LayerNorm`` on top of :func:`layer_norm` (same arguments, ``weight``/``bias``).
+    Input (..., *normalized_shape), float32/float16/bfloat16/float64; output same shape and
+    dtype."""
 
     def __init__(
         self,
@@ -469,8 +471,8 @@ class LayerNorm(nn.Module):
         eps: float = 1e-5,
         elementwise_affine: bool = True,
         bias: bool = True,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         kw = {"device": device, "dtype": dtype}
@@ -487,6 +489,7 @@ class LayerNorm(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, input: Tensor) -> Tensor:
+        """input (..., *normalized_shape) -> normalized, same shape and dtype."""
         return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
@@ -494,15 +497,17 @@ class LayerNorm(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """``nn.RMSNorm`` on top of :func:`rms_norm` (same arguments, ``weight``)."""
+    """``nn.RMSNorm`` on top of :func:`rms_norm` (same arguments, ``weight``).
+    Input (..., *normalized_shape), float32/float16/bfloat16/float64; output same shape and
+    dtype."""
 
     def __init__(
         self,
         normalized_shape: int | Sequence[int],
         eps: float | None = None,
         elementwise_affine: bool = True,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if isinstance(normalized_shape, int):
@@ -518,6 +523,7 @@ class RMSNorm(nn.Module):
             self.register_parameter("weight", None)
 
     def forward(self, input: Tensor) -> Tensor:
+        """input (..., *normalized_shape) -> normalized, same shape and dtype."""
         return rms_norm(input, self.normalized_shape, self.weight, self.eps)
 
     def extra_repr(self) -> str:
@@ -550,8 +556,8 @@ class MultiheadAttention(nn.Module):
         bias: bool = True,
         *,
         batch_first: bool = False,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if embed_dim % num_heads != 0:
@@ -733,8 +739,8 @@ class TransformerEncoderLayer(_SublayerMixin, nn.Module):
         batch_first: bool = False,
         norm_first: bool = False,
         bias: bool = True,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         _check_layer_activation(activation)
@@ -786,8 +792,8 @@ class TransformerDecoderLayer(_SublayerMixin, nn.Module):
         batch_first: bool = False,
         norm_first: bool = False,
         bias: bool = True,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         _check_layer_activation(activation)
@@ -873,6 +879,7 @@ class TransformerEncoder(nn.Module):
         src_key_padding_mask: Tensor | None = None,
         is_causal: bool | None = None,
     ) -> Tensor:
+        """src (S, B, E) ((B, S, E) when the layers are batch first) -> same shape, dtype."""
         output = src
         for layer in self.layers:
             output = layer(
@@ -906,6 +913,7 @@ class TransformerDecoder(nn.Module):
         tgt_is_causal: bool | None = None,
         memory_is_causal: bool = False,
     ) -> Tensor:
+        """tgt (T, B, E), memory (S, B, E) (batch first as the layers) -> tgt's shape, dtype."""
         output = tgt
         for layer in self.layers:
             output = layer(
@@ -941,8 +949,8 @@ class Transformer(nn.Module):
         batch_first: bool = False,
         norm_first: bool = False,
         bias: bool = True,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         kw = {"device": device, "dtype": dtype}
@@ -1065,6 +1073,7 @@ class PositionalEncoding(nn.Module):
             self.pe = _sinusoids(*self.pe.shape, device=self.pe.device).to(self.pe.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
+        """x (B, L, d_model) ((L, B, d_model) without batch_first) -> x + pe[:L], then dropout."""
         seq_len = x.shape[1] if self.batch_first else x.shape[0]
         pe = self.pe[:seq_len].to(x.dtype)
         pe = pe[None] if self.batch_first else pe[:, None]

@@ -1,7 +1,7 @@
 """`python -m fastformer check`: the parity grid of every op against the eager reference.
 
 Every op x backend x device x dtype x mask kind x dropout on/off x awkward shape is run through
-`fastformer.testing.compare_with_reference` (the parity rule of DESIGN.md: outputs and every
+`fastformer.testing.compare_with_reference` (the parity rule stated there: outputs and every
 gradient). Dropout cases predict the seed the op will draw (`torch.manual_seed` then
 `draw_seed`), regenerate its keep-mask with `fastformer.ops.rng` and feed it to the reference;
 keep-mask cases hold each op's mask helper to an independent spelling of the Philox scheme. One

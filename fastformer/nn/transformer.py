@@ -15,6 +15,7 @@ Dropout p comes from the layer's nn.Dropout modules and applies in training mode
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -162,7 +163,8 @@ class TransformerEncoderLayer(nn.TransformerEncoderLayer):
     causal mask; with src_mask it is torch.nn's hint that src_mask is causal (src_mask is not
     read, except with src_key_padding_mask: then, as in torch.nn, src_mask is applied as given
     and is_causal ignored).
-    Nested-tensor input falls back to torch.nn.
+    Inputs float32/float16/bfloat16; the output has src's dtype. Nested-tensor input falls
+    back to torch.nn.
     """
 
     __prepare_scriptable__ = _ops.refuse_script
@@ -178,8 +180,8 @@ class TransformerEncoderLayer(nn.TransformerEncoderLayer):
         batch_first: bool = False,
         norm_first: bool = False,
         bias: bool = True,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(
             d_model, nhead, dim_feedforward, dropout, _torch_activation(activation),
@@ -228,7 +230,8 @@ class TransformerDecoderLayer(nn.TransformerDecoderLayer):
     norm1-3, dropout1-3); `activation` as in TransformerEncoderLayer. tgt (T, B, E), memory
     (S, B, E) (batch first if batch_first) -> like tgt. tgt_mask (T, T), memory_mask (T, S)
     (or per head (B*nhead, ., .)), key padding masks (B, T) / (B, S); tgt_is_causal /
-    memory_is_causal as is_causal of the encoder layer.
+    memory_is_causal as is_causal of the encoder layer. Inputs float32/float16/bfloat16; the
+    output has tgt's dtype.
     """
 
     __prepare_scriptable__ = _ops.refuse_script
@@ -244,8 +247,8 @@ class TransformerDecoderLayer(nn.TransformerDecoderLayer):
         batch_first: bool = False,
         norm_first: bool = False,
         bias: bool = True,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(
             d_model, nhead, dim_feedforward, dropout, _torch_activation(activation),
@@ -321,7 +324,7 @@ class TransformerEncoder(nn.TransformerEncoder):
     path would bypass the fastformer layers (padded positions are computed like any other and
     are not zeroed). `is_causal=None` with a mask applies the mask as given (no data-dependent
     causal detection, which would sync the device and break torch.compile graphs).
-    src (S, B, E) / (B, S, E) -> same shape.
+    src (S, B, E) / (B, S, E) in float32/float16/bfloat16 -> same shape and dtype.
     """
 
     __prepare_scriptable__ = _ops.refuse_script
@@ -355,7 +358,8 @@ class TransformerEncoder(nn.TransformerEncoder):
 class TransformerDecoder(nn.TransformerDecoder):
     """Drop-in `torch.nn.TransformerDecoder`: `num_layers` deep copies of `decoder_layer`
     (`layers`), then `norm` if given. tgt_is_causal=None as is_causal=None of the encoder.
-    tgt (T, B, E), memory (S, B, E) (batch first if batch_first) -> like tgt."""
+    tgt (T, B, E), memory (S, B, E) (batch first if batch_first), float32/float16/bfloat16
+    -> tgt's shape and dtype."""
 
     __prepare_scriptable__ = _ops.refuse_script
 
@@ -385,7 +389,7 @@ class Transformer(nn.Transformer):
     names (encoder.layers.N.*, encoder.norm.*, decoder.layers.N.*, decoder.norm.*) and init:
     torch.manual_seed(s) gives the weights torch.nn.Transformer gets. `activation` also takes
     "gelu_tanh", "silu", "swiglu" and "geglu". src (S, B, E), tgt (T, B, E) (batch first if
-    batch_first) -> (T, B, E).
+    batch_first), float32/float16/bfloat16 -> (T, B, E) in tgt's dtype.
     """
 
     __prepare_scriptable__ = _ops.refuse_script
@@ -405,8 +409,8 @@ class Transformer(nn.Transformer):
         batch_first: bool = False,
         norm_first: bool = False,
         bias: bool = True,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         check_activation(activation)
         kw = {"device": device, "dtype": dtype}
