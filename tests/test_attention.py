@@ -1529,8 +1529,53 @@ def test_dropout_keep_mask_errors():
         attn.dropout_keep_mask(1, 1, 1, 4, 4, 1.5)
     # The CPU kernel's schema took a bool or a numpy int, and refused a float opaquely.
     for seed, name in ((1.5, "float"), (True, "bool"), (np.int64(7), "numpy.int64")):
-        with pytest.raises(TypeError, match=f"seed must be an int, got {name}$"):
+        with pytest.raises(
+            TypeError, match=f"^dropout_keep_mask: seed must be an int, got {name}$"
+        ):
             attn.dropout_keep_mask(seed, 1, 1, 4, 4, 0.1)
+    with pytest.raises(ValueError, match=r"^dropout_keep_mask: seed must be in \[0, 2\*\*64\)"):
+        attn.dropout_keep_mask(-1, 1, 1, 4, 4, 0.1)
+
+
+_REASONS_BAD = {  # name: (q, k, v -> args, kwargs), error, the op's message
+    "query 3-D": (lambda q, k, v: ((q[0], k[0], v[0]), {}), ValueError, r"query must be 4-D"),
+    "query None": (lambda q, k, v: ((None, k, v), {}), TypeError, r"got NoneType"),
+    "value seq": (lambda q, k, v: ((q, k, v[:, :, :4]), {}), ValueError, r"must match key"),
+    "dropout_p": (lambda q, k, v: ((q, k, v), dict(dropout_p=5.0)), ValueError, r"\[0, 1\)"),
+    "is_causal": (lambda q, k, v: ((q, k, v), dict(is_causal=1)), TypeError, r"is_causal"),
+    "scale": (lambda q, k, v: ((q, k, v), dict(scale=-1.0)), ValueError, r"scale must be"),
+    "enable_gqa": (
+        lambda q, k, v: ((q, k[:, :3], v[:, :3]), dict(enable_gqa=True)),
+        ValueError,
+        r"divisible by",
+    ),
+    "key_padding_mask": (
+        lambda q, k, v: ((q, k, v), dict(key_padding_mask=k[0, 0, :, 0].bool())),
+        ValueError,
+        r"key_padding_mask must have shape \(batch, seq_k\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(_REASONS_BAD))
+def test_backend_reasons_checks_its_arguments_as_the_op(case):
+    # It answered for a 3-D query (no call runs one) and raised AttributeError for None.
+    change, error, match = _REASONS_BAD[case]
+    args, kwargs = change(*_good())
+    with pytest.raises(error, match=match):
+        attn.scaled_dot_product_attention(*args, **kwargs)
+    with pytest.raises(error, match=match):
+        attn.backend_reasons(*args, **kwargs)
+
+
+def test_backend_reasons_reads_only_the_tensors_and_mask():
+    # As its docstring says: the other arguments are checked but never change the answer.
+    q, k, v = _good()
+    kpm = torch.zeros(2, 6, dtype=torch.bool, device=DEVICE)
+    plain = attn.backend_reasons(q, k, v)
+    others = dict(dropout_p=0.3, is_causal=True, scale=0.5, key_padding_mask=kpm)
+    assert attn.backend_reasons(q, k, v, **others) == plain
+    assert attn.backend_reasons(q, k[:, :2], v[:, :2], enable_gqa=True) == plain
 
 
 # --------------------------------------------------------------------------- compile check

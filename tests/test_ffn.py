@@ -294,6 +294,7 @@ def _bad_cases():
         ("b2", dict(b2=torch.randn(2, 8)), ValueError, r"b2 must have shape \(8,\).*got \(2, 8\)"),
         ("gated_odd", dict(w1=w1g, b1=None, activation="swiglu"), ValueError, r"even.*\(11, 8\)"),
         ("activation", dict(activation="tanh"), ValueError, r"one of .*'relu'.*got 'tanh'"),
+        ("activation_type", dict(activation=None), TypeError, r"must be a str.*got NoneType$"),
         ("dtype_mix", dict(w2=w2.double()), TypeError, r"w2 has dtype torch.float64 but x"),
         ("device_mix", dict(b1=b1.to("meta")), ValueError, r"b1 is on meta but x is on cpu"),
         ("p_one", dict(dropout_p=1.0), ValueError, r"dropout_p must be in \[0, 1\), got 1.0"),
@@ -325,6 +326,37 @@ def test_bad_inputs_raise_before_any_work(change, error, match, monkeypatch):
     args = {**OK_ARGS, **change}
     with pytest.raises(error, match=match):
         ffn(**args)
+
+
+_KEEP_MASK_BAD = [  # (seed, tokens, d_ff, dropout_p), error, message after "ffn_keep_mask: "
+    ((1, 3, 6, 1.5), ValueError, r"dropout_p must be in \[0, 1\), got 1.5"),  # was all False
+    ((1, 3, 6, -1.0), ValueError, r"dropout_p must be in \[0, 1\), got -1.0"),  # was all True
+    ((1, 3, 6, 0.99999), ValueError, r"dropout_p must be at most 0.999911"),
+    ((1, 3, 6, "0.1"), TypeError, r"dropout_p must be a float, got str"),
+    ((1, -1, 6, 0.1), ValueError, r"tokens must be an int >= 0, got -1"),
+    ((1, 3.0, 6, 0.1), ValueError, r"tokens must be an int >= 0, got 3.0"),
+    ((1, 3, -6, 0.1), ValueError, r"d_ff must be an int >= 0, got -6"),
+    ((1.5, 3, 6, 0.1), TypeError, r"seed must be an int, got float"),
+    ((True, 3, 6, 0.1), TypeError, r"seed must be an int, got bool"),
+    ((-1, 3, 6, 0.1), ValueError, r"seed must be in \[0, 2\*\*64\), got -1"),
+]
+
+
+@pytest.mark.parametrize(("args", "error", "match"), _KEEP_MASK_BAD)
+def test_keep_mask_checks_its_arguments_before_any_work(args, error, match, monkeypatch):
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the mask was built from bad arguments")
+
+    monkeypatch.setattr(rng, "dropout_keep", must_not_run)
+    with pytest.raises(error, match=f"^ffn_keep_mask: {match}"):
+        ffn_keep_mask(*args)
+
+
+def test_keep_mask_takes_what_the_op_passes():
+    # numpy scalars and empty sizes, as before the checks
+    assert ffn_keep_mask(1, 0, 6, np.float32(0.5)).shape == (0, 6)
+    assert torch.equal(ffn_keep_mask(2**64 - 1, 3, 0, 0.3), torch.ones(3, 0, dtype=torch.bool))
+    assert torch.equal(ffn_keep_mask(7, 5, 4, np.float64(0.25)), ffn_keep_mask(7, 5, 4, 0.25))
 
 
 def test_compiled_kernels_reject_bad_calls():
@@ -482,6 +514,11 @@ def test_epilogue_heuristic():
         assert not use_fused_epilogue(activation, a100, False, mode="fused")
     with pytest.raises(ValueError, match="mode must be one of"):
         use_fused_epilogue("relu", h100, True, mode="always")
+    # an unknown activation is an error, as in ffn, not "no epilogue"
+    with pytest.raises(ValueError, match=r"^use_fused_epilogue: activation must be one of .*"):
+        use_fused_epilogue("bogus", h100, False)
+    with pytest.raises(TypeError, match=r"^use_fused_epilogue: activation must be a str.*None"):
+        use_fused_epilogue(None, h100, False)
 
 
 def test_epilogue_env(monkeypatch):

@@ -523,6 +523,17 @@ def _bad_cases():
             ValueError,
             "weight",
         ),
+        # the fused op calls its input x: the shared checks said "input"
+        "fused bias device": (
+            lambda: ln.dropout_add_layer_norm(x, None, w, meta),
+            ValueError,
+            "^dropout_add_layer_norm: bias is on meta but x is on cpu$",
+        ),
+        "fused weight dtype": (
+            lambda: ln.dropout_add_layer_norm(x.half(), None, w.double(), None),
+            TypeError,
+            r"weight must be the x dtype torch.float16 or float32, got torch.float64$",
+        ),
         "prenorm type": (
             lambda: ln.dropout_add_layer_norm(x, x, w, w, prenorm=1),
             TypeError,
@@ -560,6 +571,37 @@ def test_error_message_names_value_and_expectation():
         ln.layer_norm(torch.randn(3, 8), 8, torch.randn(7))
     with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\), got 1.5"):
         ln.dropout_add_layer_norm(torch.randn(3, 8), None, None, None, dropout_p=1.5)
+
+
+_KEEP_MASK_BAD = [  # (seed, shape, dropout_p), error, message after the function's name
+    ((1, (3, 8), 1.5), ValueError, r"dropout_p must be in \[0, 1\), got 1.5"),  # was all False
+    ((1, (3, 8), -1.0), ValueError, r"dropout_p must be in \[0, 1\), got -1.0"),  # all True
+    ((1, (3, 8), 0.99999), ValueError, r"dropout_p must be at most 0.999911"),
+    ((1, (3, 8), "a"), TypeError, r"dropout_p must be a float, got str"),
+    ((1, 8, 0.1), TypeError, r"shape must be a sequence of ints, got int"),
+    ((1, (3, -2), 0.1), ValueError, r"shape\[1\] must be an int >= 0, got -2"),
+    ((1, [3.0], 0.1), ValueError, r"shape\[0\] must be an int >= 0, got 3.0"),
+    ((1.5, (3, 8), 0.1), TypeError, r"seed must be an int, got float"),
+    ((-1, (3, 8), 0.1), ValueError, r"seed must be in \[0, 2\*\*64\), got -1"),
+]
+
+
+@pytest.mark.parametrize(("args", "error", "match"), _KEEP_MASK_BAD)
+def test_keep_mask_checks_its_arguments_before_any_work(args, error, match, monkeypatch):
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the mask was built from bad arguments")
+
+    monkeypatch.setattr(rng, "dropout_keep", must_not_run)
+    with pytest.raises(error, match=f"^dropout_add_layer_norm_keep_mask: {match}"):
+        ln.dropout_add_layer_norm_keep_mask(*args)
+
+
+def test_keep_mask_takes_any_sequence_of_sizes():
+    expected = ln.dropout_add_layer_norm_keep_mask(5, (3, 8), 0.4)
+    for shape in (torch.Size([3, 8]), [3, 8]):
+        assert torch.equal(ln.dropout_add_layer_norm_keep_mask(5, shape, np.float32(0.4)), expected)
+    assert ln.dropout_add_layer_norm_keep_mask(5, (), 0.4).shape == ()
+    assert ln.dropout_add_layer_norm_keep_mask(5, (0, 8), 0.4).shape == (0, 8)
 
 
 @needs_ext

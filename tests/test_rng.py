@@ -408,3 +408,16 @@ def test_dropout_p_so_close_to_1_that_the_keep_rate_is_off_is_refused(op, limit)
     for p in (limit + 1e-6, 1 - 3e-8):
         with pytest.raises(ValueError, match=r"dropout_p must be at most .*by more than 0.1%"):
             call(p)
+
+
+def test_check_keep_mask_args_names_the_builder_and_the_argument():
+    # The shared checks of the keep-mask builders (ffn, layer_norm, attention).
+    p = rng.check_keep_mask_args("f", 2**64 - 1, {"rows": 0}, np.float32(0.5))
+    assert p == 0.5 and type(p) is float
+    with pytest.raises(ValueError, match=r"^f: rows must be an int >= 0, got -1$"):
+        rng.check_keep_mask_args("f", 0, {"rows": -1}, 0.5)
+    with pytest.raises(TypeError, match=r"^f: seed must be an int, got str$"):
+        rng.check_keep_mask_args("f", "1", {}, 0.5)
+    assert rng.check_keep_mask_args("f", 0, {}, 0.995) == 0.995  # the elementwise limit
+    with pytest.raises(ValueError, match=r"^f: dropout_p must be at most 0.99237"):
+        rng.check_keep_mask_args("f", 0, {}, 0.995, rng.ATTENTION_KEEP_ERROR)

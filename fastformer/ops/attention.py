@@ -240,10 +240,9 @@ def dropout_keep_mask(
     compiled kernel torch.ops.fastformer.attention_keep_mask (tests/test_rng.py holds it equal to
     the PyTorch spelling), elsewhere in plain PyTorch.
     """
-    for name, n in (("batch", batch), ("heads", heads), ("seq_q", seq_q), ("seq_k", seq_k)):
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ValueError(f"dropout_keep_mask: {name} must be an int >= 0, got {n!r}")
-    _check_dropout_p("dropout_keep_mask", dropout_p)
+    sizes = dict(batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k)
+    keep_error = rng.ATTENTION_KEEP_ERROR
+    rng.check_keep_mask_args("dropout_keep_mask", seed, sizes, dropout_p, keep_error)
     _check_dropout_size("dropout_keep_mask", seq_q, seq_k)
     calls = dropout_calls(seq_k)
     bh = torch.arange(batch * heads, dtype=torch.int64, device=device) << 32
@@ -436,7 +435,16 @@ def backend_reasons(
     *,
     key_padding_mask: Tensor | None = None,
 ) -> list[tuple[str, list[str]]]:
-    """(backend, reasons it cannot run) for a call with these arguments, in preference order."""
+    """(backend, reasons it cannot run) for a call with these arguments, in preference order.
+
+    Checks every argument as the op does (the same TypeError / ValueError for a call that would
+    raise). The choice itself reads only query, key, value and attn_mask (devices, dtypes,
+    shapes, the mask's layout): dropout_p, is_causal, scale, enable_gqa and key_padding_mask
+    never change it (every backend takes them all).
+    """
+    _check_inputs(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
+    )
     return explain(OP, AttentionInputs(query, key=key, value=value, attn_mask=attn_mask))
 
 

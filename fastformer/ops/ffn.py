@@ -4,20 +4,24 @@
 ``w1`` is ``(d_ff, d_model)`` (``(2 * d_ff, d_model)`` for the gated activations), ``b1`` matches
 its first dimension, ``w2`` is ``(d_out, d_ff)`` (``d_out`` is usually ``d_model``), ``b2`` is
 ``(d_out,)``; either bias may be None. ``x`` is ``(..., d_model)``; the output is
-``(..., d_out)`` in the dtype of the inputs (float16, bfloat16, float32; float64 too on CPU).
+``(..., d_out)`` in the dtype of the inputs (float16, bfloat16, float32; float64 too: on CPU
+by the compiled kernels, on CUDA by the torch backend).
 
 Activations (``ACTIVATIONS``): ``relu``, ``gelu`` (exact, erf), ``gelu_tanh`` (tanh
 approximation), ``silu``, and the gated ``swiglu`` / ``geglu``: ``h = linear1(x)`` is split as
 ``gate, up = h.chunk(2, -1)`` and the FIRST half goes through the activation (silu, exact gelu):
 ``act(gate) * up`` -- exactly ``fastformer.reference.ffn``.
 
-Dropout (``dropout_p`` in [0, 1)) acts on the ``(tokens, d_ff)`` activation with the shared
-Philox scheme: element ``(t, j)`` is kept where ``element_uniform(seed, t * d_ff + j) >= p`` and
-scaled by ``1 / (1 - p)``; ``ffn_keep_mask(seed, tokens, d_ff, p)`` regenerates that mask in
-plain PyTorch. The seed is drawn inside the op (``draw_seed``), so ``torch.manual_seed``
-reproduces a call and ``torch.compile`` never bakes it in. Inside CUDA graph capture it is drawn
-on the device and the CUDA kernels read it there, so each replay drops different elements
-(``fastformer.ops.rng.draw_call_seed``; the torch backend refuses).
+Dropout (``dropout_p`` in [0, ``rng.max_dropout_p()``], about 0.99991: closer to 1 the fraction
+the float32 uniforms keep is off from 1 - p by more than 0.1%, a bias the ``1 / (1 - p)`` scale
+would not undo) acts on the ``(tokens, d_ff)`` activation with the shared Philox scheme: element
+``(t, j)`` is kept where ``element_uniform(seed, t * d_ff + j) >= p`` and scaled by
+``1 / (1 - p)``. ``ffn_keep_mask(seed, tokens, d_ff, p)`` regenerates that mask through
+``rng.dropout_keep``: fastformer._C's element_uniform kernel when it is loaded for the device,
+else the same bits in plain PyTorch. The seed is drawn inside the op (``draw_seed``), so
+``torch.manual_seed`` reproduces a call and ``torch.compile`` never bakes it in. Inside CUDA
+graph capture it is drawn on the device and the CUDA kernels read it there, so each replay drops
+different elements (``fastformer.ops.rng.draw_call_seed``; the torch backend refuses).
 
 Backends (``fastformer.ops._dispatch``, ``FASTFORMER_BACKEND_FFN`` forces one): ``cpp``, the
 compiled ``torch.ops.fastformer.ffn_forward`` / ``ffn_backward`` (csrc/ffn: ATen GEMMs plus one
@@ -89,13 +93,17 @@ def ffn_keep_mask(
     dropout_p: float,
     device: torch.device | str | None = None,
 ) -> Tensor:
-    """The op's dropout keep-mask, regenerated in plain PyTorch (for tests and the reference).
+    """The op's dropout keep-mask, regenerated (for tests, the reference and the torch backend).
 
-    Returns a bool tensor ``(tokens, d_ff)``: True where
+    Returns a bool tensor ``(tokens, d_ff)`` on ``device``: True where
     ``element_uniform(seed, t * d_ff + j) >= dropout_p``, tokens in the row-major order of x's
     leading dims. Feed it, viewed as ``(*x.shape[:-1], d_ff)``, to
     ``fastformer.reference.ffn(..., keep_mask=...)`` to reproduce a call that drew ``seed``.
+    Computed by ``rng.dropout_keep``: fastformer._C's element_uniform kernel when it is loaded
+    for ``device`` (CPU; CUDA when built with CUDA kernels), else the same bits in plain PyTorch.
     """
+    sizes = dict(tokens=tokens, d_ff=d_ff)
+    dropout_p = rng.check_keep_mask_args("ffn_keep_mask", seed, sizes, dropout_p)
     offsets = torch.arange(tokens * d_ff, dtype=torch.int64, device=device).view(tokens, d_ff)
     return rng.dropout_keep(seed, offsets, dropout_p)
 
@@ -167,6 +175,7 @@ def use_fused_epilogue(
       one write of the activation); gelu_tanh fused before sm_90 only, since flash-attention
       measured cuBLASLt's fused GELU epilogue slower than the unfused GEMM + GELU on H100.
     """
+    _check_activation("use_fused_epilogue", activation)
     if mode not in EPILOGUE_MODES:
         raise ValueError(f"mode must be one of {EPILOGUE_MODES}, got {mode!r}")
     if activation not in EPILOGUE_ACTIVATIONS or mode == "unfused":
@@ -201,9 +210,17 @@ def _check_shape(name: str, t: Tensor | None, expected: tuple[int, ...], why: st
         raise ValueError(f"ffn: {name} must have shape {expected} ({why}), got {tuple(t.shape)}")
 
 
+def _check_activation(fn: str, activation: object) -> None:
+    if not isinstance(activation, str):
+        raise TypeError(
+            f"{fn}: activation must be a str, one of {ACTIVATIONS}, got {type_name(activation)}"
+        )
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{fn}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
 def _check_scalars(activation: object, dropout_p: object) -> None:
-    if not isinstance(activation, str) or activation not in ACTIVATIONS:
-        raise ValueError(f"ffn: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    _check_activation("ffn", activation)
     rng.check_dropout_p("ffn", dropout_p)
 
 
@@ -257,7 +274,8 @@ def ffn(
     """Fused feed-forward ``linear2(dropout(act(linear1(x))))`` (see the module docstring).
 
     Args:
-        x: ``(..., d_model)``, float16 / bfloat16 / float32 (float64 on CPU), any strides.
+        x: ``(..., d_model)``, float16 / bfloat16 / float32, any strides; float64 too (on
+            CUDA it runs on the torch backend).
         w1: ``(d_ff, d_model)``, or ``(2 * d_ff, d_model)`` for swiglu / geglu.
         b1: ``(w1.shape[0],)`` or None.
         w2: ``(d_out, d_ff)``.

@@ -8,7 +8,8 @@ Public functions (semantics of ``torch.nn.functional`` where it has them):
   ``LayerNorm(residual + dropout(x))`` over the last dim in one pass; ``prenorm=True`` also
   returns ``pre = residual + dropout(x)`` (the next residual stream).
 * ``dropout_add_layer_norm_keep_mask(seed, shape, dropout_p)``: the keep-mask a call with that
-  seed used, regenerated in plain PyTorch (for tests and debugging).
+  seed used, regenerated (for tests and debugging) by fastformer._C's element_uniform kernel
+  when it is loaded for the device, else in plain PyTorch: the same bits.
 
 Backends (``fastformer.ops._dispatch``, op name ``"layer_norm"``): ``cpp`` runs the compiled
 kernels of ``csrc/layer_norm`` (CPU always, CUDA when built with nvcc), then ``torch`` runs the
@@ -137,7 +138,9 @@ def _normalized_shape(fn: str, x: Tensor, normalized_shape: object) -> tuple[int
     return shape
 
 
-def _check_param(fn: str, name: str, p: object, x: Tensor, shape: tuple[int, ...]) -> None:
+def _check_param(
+    fn: str, name: str, p: object, x: Tensor, shape: tuple[int, ...], x_name: str
+) -> None:
     if p is None:
         return
     if not isinstance(p, Tensor):
@@ -146,15 +149,20 @@ def _check_param(fn: str, name: str, p: object, x: Tensor, shape: tuple[int, ...
     if p.shape != shape:  # torch.Size is a tuple: no copy to compare
         raise ValueError(f"{fn}: {name} must have shape {shape}, got {tuple(p.shape)}")
     if p.dtype not in (x.dtype, torch.float32):
-        allowed = "float32" if x.dtype == torch.float32 else f"the input dtype {x.dtype} or float32"
+        allowed = (
+            "float32" if x.dtype == torch.float32 else f"the {x_name} dtype {x.dtype} or float32"
+        )
         raise TypeError(f"{fn}: {name} must be {allowed}, got {p.dtype}")
     if p.device != x.device:
-        raise ValueError(f"{fn}: {name} is on {p.device} but input is on {x.device}")
+        raise ValueError(f"{fn}: {name} is on {p.device} but {x_name} is on {x.device}")
 
 
-def _check_params(fn: str, x: Tensor, shape: tuple[int, ...], weight: object, bias: object):
-    _check_param(fn, "weight", weight, x, shape)
-    _check_param(fn, "bias", bias, x, shape)
+def _check_params(
+    fn: str, x: Tensor, shape: tuple[int, ...], weight: object, bias: object, x_name="input"
+):
+    """`x_name`: what `fn` calls x, for the messages (input in layer_norm, x in the fused op)."""
+    _check_param(fn, "weight", weight, x, shape, x_name)
+    _check_param(fn, "bias", bias, x, shape, x_name)
     if weight is not None and bias is not None and weight.dtype != bias.dtype:
         raise TypeError(
             f"{fn}: weight and bias must have the same dtype, got {weight.dtype} and {bias.dtype}"
@@ -371,12 +379,19 @@ def dropout_add_layer_norm_keep_mask(
 ) -> Tensor:
     """The dropout keep-mask of a ``dropout_add_layer_norm`` call that drew ``seed``.
 
-    Plain PyTorch (``fastformer.ops.rng``), bit-identical to the CPU and CUDA kernels: element
-    ``i`` in row-major order over ``shape`` is kept when ``element_uniform(seed, i) >= p``.
+    Bit-identical to the CPU and CUDA kernels: element ``i`` in row-major order over ``shape``
+    is kept when ``element_uniform(seed, i) >= p``. Computed by ``rng.dropout_keep``:
+    fastformer._C's element_uniform kernel when it is loaded for ``device`` (CPU; CUDA when built
+    with CUDA kernels), else the same bits in plain PyTorch.
 
     Returns:
         bool tensor of ``shape`` (True = keep) on ``device`` (default CPU).
     """
+    fn = "dropout_add_layer_norm_keep_mask"
+    if not isinstance(shape, Sequence):
+        raise TypeError(f"{fn}: shape must be a sequence of ints, got {type_name(shape)}")
+    sizes = {f"shape[{i}]": n for i, n in enumerate(shape)}
+    dropout_p = rng.check_keep_mask_args(fn, seed, sizes, dropout_p)
     numel = math.prod(shape)
     offsets = torch.arange(numel, dtype=torch.int64, device=device).reshape(tuple(shape))
     return rng.dropout_keep(seed, offsets, dropout_p)
@@ -565,7 +580,7 @@ def dropout_add_layer_norm(
         raise ValueError(f"{fn}: x must have a non-empty last dim, got shape {tuple(x.shape)}")
     shape = (x.shape[-1],)
     _check_residual(fn, residual, x)
-    _check_params(fn, x, shape, weight, bias)
+    _check_params(fn, x, shape, weight, bias, x_name="x")
     eps = _check_eps(fn, eps)
     dropout_p = rng.check_dropout_p(fn, dropout_p)
     if not isinstance(prenorm, bool):

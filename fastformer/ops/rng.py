@@ -74,11 +74,29 @@ def _mulhilo(const: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (prod >> 32) & _MASK32, prod & _MASK32
 
 
-def _check_seed(seed: int) -> None:
+def _check_seed(seed: int, fn: str = "") -> None:
+    where = f"{fn}: " if fn else ""
     if not isinstance(seed, int) or isinstance(seed, bool):
-        raise TypeError(f"seed must be an int, got {type_name(seed)}")
+        raise TypeError(f"{where}seed must be an int, got {type_name(seed)}")
     if not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+        raise ValueError(f"{where}seed must be in [0, 2**64), got {seed}")
+
+
+def check_keep_mask_args(
+    fn: str,
+    seed: object,
+    sizes: dict[str, object],
+    dropout_p: object,
+    keep_error: float = ELEMENT_KEEP_ERROR,
+) -> float:
+    """The checks of a keep-mask builder (`fn`), before it allocates anything: `seed` an int in
+    [0, 2**64), each of `sizes` (name: value) an int >= 0, `dropout_p` as `check_dropout_p`
+    takes it, returned as a float. TypeError / ValueError naming `fn` and the argument."""
+    _check_seed(seed, fn)
+    for name, n in sizes.items():
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"{fn}: {name} must be an int >= 0, got {n!r}")
+    return check_dropout_p(fn, dropout_p, keep_error)
 
 
 def philox4x32(seed: int, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -147,6 +165,15 @@ def dropout_keep(seed: int, offsets: torch.Tensor, p: float) -> torch.Tensor:
 
     Runs the compiled kernel when fastformer._C has one for the device (the same bits, tested
     in tests/test_rng.py, ~40x faster than the int64 PyTorch arithmetic), else `element_uniform`.
+
+    Args:
+        seed: integer in [0, 2**64) (the compiled kernel serves those below 2**63).
+        offsets: int64 tensor of any shape: the element indices i, read as unsigned 64-bit
+            counters as `element_uniform` reads them.
+        p: the drop probability, compared with the float32 uniforms in float32.
+
+    Returns:
+        bool tensor of the shape and device of `offsets` (True = keep).
     """
     uniform = element_uniform_cpp if _compiled_for(offsets.device, seed) else element_uniform
     return uniform(seed, offsets) >= torch.tensor(p, dtype=torch.float32)
