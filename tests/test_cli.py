@@ -1375,7 +1375,13 @@ def test_flop_and_byte_formulas():
     assert case.flops("fwd+bwd") == case.flops("fwd") * 3.5  # backward = 2.5 x forward
     assert AttentionCase(2, 3, 5, 7).flops("fwd") == 4 * 2 * 3 * 5 * 5 * 7
     assert FfnCase(11, 3, 13).flops("fwd") == 2 * (2 * 11 * 3 * 13)
+    assert FfnCase(11, 3, 13, "swiglu").flops("fwd") == 3 * (2 * 11 * 3 * 13)  # linear1 2x wide
     assert LayerNormCase(4, 8).bytes("fwd", 2) == 2 * 4 * 8 * 2  # read x, write y
+    assert LayerNormCase(4, 8).bytes("fwd+bwd", 2) == 5 * 4 * 8 * 2  # then x, dy -> dx
+    fused = LayerNormCase(4, 8, fused=True)
+    assert fused.bytes("fwd", 2) == 3 * 4 * 8 * 2  # x, residual -> y (no grad: no pre)
+    # with a backward: x, residual -> y, pre; then pre, dy -> dx, d(residual)
+    assert fused.bytes("fwd+bwd", 2) == 8 * 4 * 8 * 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the suites would run")
@@ -1824,3 +1830,25 @@ def test_interrupted_check_says_so_and_exits_130(monkeypatch, capsys):
     monkeypatch.setattr(check_module, "iter_rows", interrupt)
     assert main(["check", "--quick", "--ops", "ffn"]) == 130
     assert "python -m fastformer check: interrupted" in capsys.readouterr().err
+
+
+def test_every_op_bench_names_its_backend_and_runs_gated_ffn_cases():
+    # Only attention had backend_reasons: the LayerNorm and FFN rows named no backend. And a
+    # gated FFN case built w1 (d_ff, d): its impls raised, and its FLOPs left out linear1's
+    # second half.
+    from fastformer.cli import impls
+    from fastformer.cli.cases import AttentionCase
+
+    cpu = torch.device("cpu")
+    benches = [
+        impls.attention_bench(AttentionCase(1, 2, 8, 16), cpu, torch.float32),
+        impls.layer_norm_bench(LayerNormCase(4, 8), cpu, torch.float32),
+        impls.layer_norm_bench(LayerNormCase(4, 8, fused=True, dropout_p=0.1), cpu, torch.float32),
+        impls.ffn_bench(FfnCase(6, 8, 12, "swiglu"), cpu, torch.float32),
+    ]
+    for bench in benches:
+        assert bench.backend in ("cpp", "torch", "triton"), (bench.op, bench.backend)
+    gated = benches[-1]
+    outs = {name: fn(*gated.args) for name, fn in gated.impls.items()}
+    assert all(o.shape == (6, 8) for o in outs.values())
+    torch.testing.assert_close(outs["fastformer"], outs["reference"])

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from fastformer.cli.errors import UsageError
+from fastformer.reference import GATED_ACTIVATIONS
 
 MODES = ("fwd", "fwd+bwd")  # measured; attention also reports "bwd" = fwd+bwd - fwd
 DERIVED_BWD_OPS = ("attention",)
@@ -163,12 +164,16 @@ class LayerNormCase:
         return self.rows
 
     def bytes(self, mode: str, elem: int) -> float:
-        """Minimum traffic: fwd reads x (and residual) and writes y; bwd reads x, dy and writes
-        dx (and the residual's gradient); weights and row statistics are negligible."""
-        tensors = 3 if self.fused else 2
-        bwd = 4 if self.fused else 3
+        """Minimum traffic: fwd (timed without grad) reads x (and residual) and writes y. With a
+        backward, the plain op's reads x and dy and writes dx; the fused forward also writes
+        pre = residual + dropout(x), which its backward reads with dy to write the gradients of
+        x and the residual (8 tensors; 7 under-counted its GB/s by 1/8). Weights and row
+        statistics are negligible."""
+        fwd = 3 if self.fused else 2
         n = self.rows * self.hidden * elem
-        return n * (tensors if mode == "fwd" else tensors + bwd)
+        if mode == "fwd":
+            return n * fwd
+        return n * (fwd + 1 + 4 if self.fused else fwd + 3)
 
     def params(self) -> dict[str, Any]:
         """The case as a JSON-serialisable dict (stored with every result)."""
@@ -191,14 +196,20 @@ class FfnCase:
         name = f"t{self.tokens}-{self.d_model}x{self.d_ff}-{self.activation}"
         return name + (f"-drop{self.dropout_p:g}" if self.dropout_p else "")
 
+    @property
+    def width1(self) -> int:
+        """linear1's output width: 2 * d_ff for the gated activations (both halves)."""
+        return self.d_ff * (2 if self.activation in GATED_ACTIVATIONS else 1)
+
     def flops(self, mode: str) -> float:
-        """Two GEMMs forward (2*T*d*dff each); backward is twice the forward."""
-        fwd = 2.0 * 2.0 * self.tokens * self.d_model * self.d_ff
+        """Two GEMMs forward (2*T*d*width1 and 2*T*dff*d); backward is twice the forward."""
+        fwd = 2.0 * self.tokens * self.d_model * (self.width1 + self.d_ff)
         return fwd if mode == "fwd" else 3.0 * fwd
 
     def bytes(self, mode: str, elem: int) -> float:
         """Minimum traffic: x, the output and both weights, once each way."""
-        unit = (2 * self.tokens * self.d_model + 2 * self.d_model * self.d_ff) * elem
+        weights = self.d_model * (self.width1 + self.d_ff)
+        unit = (2 * self.tokens * self.d_model + weights) * elem
         return unit if mode == "fwd" else 3 * unit
 
     def params(self) -> dict[str, Any]:

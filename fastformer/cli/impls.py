@@ -259,12 +259,7 @@ def layer_norm_bench(
         impls["torch"] = lambda x, w, b: F.layer_norm(x, n, w, b, 1e-5)
     if _gpu_peers(device, gpu_peers):
         impls["torch.compile"] = _compiled(reference)
-    if case.fused:
-        backend = which_backend(
-            module, "dropout_add_layer_norm", *args, 1e-5, case.dropout_p, False
-        )
-    else:
-        backend = which_backend(module, "layer_norm", x, n, w, b, 1e-5)
+    backend = which_backend(module, "layer_norm", x)  # the fused op dispatches as layer_norm
     nbytes = lambda mode: case.bytes(mode, elem)
     return OpBench("layer_norm", case, args, impls, bytes=nbytes, backend=backend)
 
@@ -277,11 +272,11 @@ def ffn_bench(
 ) -> OpBench:
     """Linear(d_model, d_ff), activation, dropout, Linear(d_ff, d_model) on (tokens, d_model)."""
     gen = torch.Generator().manual_seed(0)
-    d, f = case.d_model, case.d_ff
+    d, f, f1 = case.d_model, case.d_ff, case.width1  # f1: both halves of a gated linear1
     x = _randn((case.tokens, d), device, dtype, gen)
-    w1 = (_randn((f, d), device, dtype, gen, False) * d**-0.5).requires_grad_()
+    w1 = (_randn((f1, d), device, dtype, gen, False) * d**-0.5).requires_grad_()
     w2 = (_randn((d, f), device, dtype, gen, False) * f**-0.5).requires_grad_()
-    b1, b2 = _randn((f,), device, dtype, gen), _randn((d,), device, dtype, gen)
+    b1, b2 = _randn((f1,), device, dtype, gen), _randn((d,), device, dtype, gen)
     p, act = case.dropout_p, case.activation
     keep = torch.rand(case.tokens, f, device=device) >= p if p else None
     module, error = load_op("ffn")
@@ -297,11 +292,11 @@ def ffn_bench(
             F.dropout(F.relu(F.linear(x, w1, b1)), p), w2, b2
         )
     # The floor: the two GEMMs alone, no bias, activation or dropout.
-    impls["gemm-only"] = lambda x, w1, b1, w2, b2: (x @ w1.t()) @ w2.t()
+    impls["gemm-only"] = lambda x, w1, b1, w2, b2: (x @ w1.t())[:, :f] @ w2.t()
     if _gpu_peers(device, gpu_peers):
         impls["torch.compile"] = _compiled(reference)
     elem = torch.finfo(dtype).bits // 8
-    backend = which_backend(module, "ffn", x, w1, b1, w2, b2, act, p)
+    backend = which_backend(module, "ffn", x)
     return OpBench(
         "ffn",
         case,

@@ -596,7 +596,8 @@ def _tflops_plot(plt, path: Path, rows: list[dict[str, Any]]) -> Path:
         p = row["params"]
         if not p["padding"] and not p["dropout_p"]:
             groups.setdefault((row["mode"], p["head_dim"], p["causal"]), []).append(row)
-    modes = sorted({k[0] for k in groups}, key=lambda m: m != "fwd") or ["fwd"]
+    # in this order: sorted from a set, bwd and fwd+bwd swapped with PYTHONHASHSEED
+    modes = [m for m in ("fwd", "bwd", "fwd+bwd") if any(k[0] == m for k in groups)] or ["fwd"]
     columns = sorted({k[1:] for k in groups}) or [(0, False)]
     fig, axes = plt.subplots(
         len(modes), len(columns), figsize=(4 * len(columns), 3.4 * len(modes)), squeeze=False

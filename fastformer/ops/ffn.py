@@ -58,7 +58,7 @@ from fastformer.ops._autograd import (
     type_name,
     under_transform,
 )
-from fastformer.ops._dispatch import Backend, register, select_by_key
+from fastformer.ops._dispatch import Backend, explain, register, select_by_key
 
 __all__ = [
     "ACTIVATIONS",
@@ -402,6 +402,15 @@ def _capability(device: torch.device) -> tuple[int, int]:
     if index not in _CAPABILITY:
         _CAPABILITY[index] = torch.cuda.get_device_capability(index)
     return _CAPABILITY[index]
+
+
+def backend_reasons(x: Tensor) -> list[tuple[str, list[str]]]:
+    """(backend, reasons it cannot run `x`) for each backend of ffn, in preference order: the
+    first without reasons runs, unless FASTFORMER_BACKEND_FFN forces one. The choice reads x's
+    device and dtype."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"backend_reasons: x must be a Tensor, got {type_name(x)}")
+    return explain("ffn", FfnInputs(x.device, x.dtype))
 
 
 def _backend(x: Tensor) -> str:

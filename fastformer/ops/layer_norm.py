@@ -53,7 +53,7 @@ from fastformer.ops._autograd import (
     type_name,
     under_transform,
 )
-from fastformer.ops._dispatch import Backend, register, select_by_key
+from fastformer.ops._dispatch import Backend, explain, register, select_by_key
 
 __all__ = [
     "dropout_add_layer_norm",
@@ -497,6 +497,13 @@ def _run(x, shape, weight, bias, residual, eps, dropout_p, rms, prenorm):
     if select_by_key(OP, (x.device.type, x.dtype), lambda: x) == "cpp":
         return _run_cpp(x, math.prod(shape), *args)
     return _run_torch(x, shape, *args)
+
+
+def backend_reasons(input: Tensor) -> list[tuple[str, list[str]]]:
+    """(backend, reasons it cannot run `input`) for each backend of layer_norm, rms_norm and
+    dropout_add_layer_norm, in preference order: the first without reasons runs, unless
+    FASTFORMER_BACKEND_LAYER_NORM forces one. The choice reads input's device and dtype."""
+    return explain(OP, _check_input("backend_reasons", "input", input))
 
 
 def layer_norm(
