@@ -146,13 +146,19 @@ def _grad_labels(inputs: Sequence[Any], names: Sequence[str] | None) -> list[str
     )
 
 
+def _same(x: torch.Tensor, b: torch.Tensor) -> bool:
+    """x equals its snapshot b, NaN where b has NaN (a NaN or inf overwritten is a change)."""
+    x = x.detach()
+    if torch.equal(x, b):
+        return True
+    return bool(((x == b) | (x.isnan() & b.isnan())).all()) if x.is_floating_point() else False
+
+
 def _modified_inputs(inputs: Sequence[Any], before: list[torch.Tensor | None]):
     """A failed result for each tensor input `fast_fn` changed in place (the reference would
     then run on other values, and the caller's tensor is corrupted)."""
     changed = [
-        i
-        for i, (x, b) in enumerate(zip(inputs, before))
-        if b is not None and not torch.equal(x.detach().nan_to_num(), b.nan_to_num())
+        i for i, (x, b) in enumerate(zip(inputs, before)) if b is not None and not _same(x, b)
     ]
     return [ParityResult(f"input[{i}] modified in place", math.inf, 0.0) for i in changed]
 
@@ -169,14 +175,16 @@ def compare_with_reference(
     """Parity of `fast_fn(*inputs)` with `ref_fn` for every output and every input gradient.
 
     Tensors in `inputs` that require grad get their gradients compared (non-leaf views such as
-    a transposed tensor are fine; a tensor passed twice stays one tensor for the reference).
+    a transposed tensor are fine, but not together with their base; a tensor passed twice
+    stays one tensor for the reference).
     Floating inputs are cast to float64 for `ref64`; `ref_lp` runs the reference on the inputs
     as given. Outputs must also have `ref_lp`'s dtype, and `fast_fn` must leave its inputs as
     they were. The cotangents are fixed (seeded normal draws). `names` labels the
     differentiable inputs: one name each, or one for every input (those of inputs that need no
     gradient, a None weight say, are left out); `ref_device` runs the reference there
-    (say "cpu" for a GPU op). Returns one ParityResult per output and gradient, for
-    `assert_parity`.
+    (say "cpu" for a GPU op). Returns one ParityResult per output and gradient, and a failed
+    one per input changed in place, per output of another dtype and per missing output or
+    gradient, for `assert_parity`.
     """
     labels = _grad_labels(inputs, names)
     before = [x.detach().clone() if isinstance(x, torch.Tensor) else None for x in inputs]

@@ -632,3 +632,10 @@ def test_raw_forward_op_refuses_integer_inputs_before_its_gemm():
     x, w1, w2 = (torch.ones(*s, dtype=torch.long) for s in ((4, 8), (16, 8), (8, 16)))
     with pytest.raises(RuntimeError, match="ffn: x must be a floating dtype, got Long"):
         torch.ops.fastformer.ffn_forward(x, w1, None, w2, None, "relu", 0.0, 0)
+
+
+def test_backend_reasons_refuses_what_ffn_refuses():
+    # It answered "cpp runs" for an int64 x, which ffn refuses.
+    with pytest.raises(TypeError, match="backend_reasons: x must have a floating dtype"):
+        ffn_mod.backend_reasons(torch.zeros(2, 4, dtype=torch.int64))
+    assert [name for name, why in ffn_mod.backend_reasons(torch.zeros(2, 4)) if not why]

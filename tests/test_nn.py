@@ -1123,6 +1123,9 @@ def test_module_input_errors_name_the_module_s_arguments(monkeypatch):
     # its caller never passed; MultiheadAttention checked its masks after the projection GEMMs.
     with pytest.raises(ValueError, match=r"x must have last dim d_model=16, got shape \(2, 9\)"):
         fnn.FeedForward(16, 32)(torch.randn(2, 9))
+    # a linear1 that is no plain Linear (quantized, wrapped) still runs the unfused path
+    quantized = torch.ao.quantization.quantize_dynamic(fnn.FeedForward(16, 32).eval(), {nn.Linear})
+    assert quantized(torch.randn(2, 16)).shape == (2, 16)
     mha = fnn.MultiheadAttention(E, H, batch_first=True)
     monkeypatch.setattr(mha, "_project", lambda *a: pytest.fail("projected before the checks"))
     x = torch.randn(B, S, E)

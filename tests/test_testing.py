@@ -24,6 +24,12 @@ def test_an_op_that_changes_its_input_in_place_fails():
 
     results = compare_with_reference(fast, lambda x, mask: x + mask, [x, mask])
     assert _failed(results) == ["input[1] modified in place"]
+    for special in (float("nan"), float("inf")):  # overwriting NaN or inf is a change too
+        held = torch.full((3, 4), special)
+        results = compare_with_reference(
+            lambda x, m: x + m.nan_to_num_().sub(m), lambda x, m: x + m - m, [x, held]
+        )
+        assert "input[1] modified in place" in _failed(results)
     untouched = torch.randn(3, 4)
     assert_parity(compare_with_reference(lambda x, m: x + m, lambda x, m: x + m, [x, untouched]))
 

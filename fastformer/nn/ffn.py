@@ -188,9 +188,14 @@ class FeedForward(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x (..., d_model) -> (..., d_model)."""
         # Named for the module's caller: the op's own check names w1, which they never passed.
-        width = param(child(self, "linear1"), "weight").shape[-1]
-        if x.dim() == 0 or x.shape[-1] != width:
-            raise ValueError(f"x must have last dim d_model={width}, got shape {tuple(x.shape)}")
+        # Only for a plain Linear: a quantized or wrapped linear1 runs the unfused path.
+        linear1 = child(self, "linear1")
+        if type(linear1) is nn.Linear:
+            width = param(linear1, "weight").shape[-1]
+            if x.dim() == 0 or x.shape[-1] != width:
+                raise ValueError(
+                    f"x must have last dim d_model={width}, got shape {tuple(x.shape)}"
+                )
         return feed_forward(self, x)
 
     def extra_repr(self) -> str:

@@ -410,6 +410,10 @@ def backend_reasons(x: Tensor) -> list[tuple[str, list[str]]]:
     device and dtype."""
     if not isinstance(x, Tensor):
         raise TypeError(f"backend_reasons: x must be a Tensor, got {type_name(x)}")
+    if x.dtype not in FLOAT_DTYPES:  # as ffn refuses it
+        raise TypeError(
+            f"backend_reasons: x must have a floating dtype {FLOAT_DTYPES}, got {x.dtype}"
+        )
     return explain("ffn", FfnInputs(x.device, x.dtype))
 
 
