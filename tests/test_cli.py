@@ -230,6 +230,16 @@ def test_check_and_bench_refuse_a_backend_variable_that_names_no_op(name, monkey
         assert f"{name} names no op" in err and "FASTFORMER_BACKEND_LAYER_NORM" in err, err
 
 
+def test_import_warns_of_a_backend_variable_that_names_no_op():
+    # Outside the commands FASTFORMER_BACKEND_RMS_NORM=torch was ignored in silence: a training
+    # script forced nothing.
+    env = {**os.environ, "FASTFORMER_BACKEND_RMS_NORM": "torch"}
+    done = subprocess.run(
+        [sys.executable, "-c", "import fastformer"], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0 and "FASTFORMER_BACKEND_RMS_NORM names no op" in done.stderr
+
+
 def test_check_and_bench_refuse_a_bad_ffn_epilogue(monkeypatch, capsys):
     # Read by every CUDA ffn call: a GPU run's ffn rows all raised (exit 1) after measuring.
     monkeypatch.setattr(B, "measure", lambda *a: pytest.fail("measured before checking"))

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import sys
-
-BACKEND_PREFIX = "FASTFORMER_BACKEND_"
 
 
 class UsageError(ValueError):
@@ -32,7 +29,7 @@ def check_forced_backends(forces_backends: bool = False) -> None:
     import fastformer.ops  # noqa: F401  (registers the backends)
     from fastformer.ops import _dispatch
 
-    bad = _unknown_backend_variables() + _dispatch.bad_forced_backends()
+    bad = _dispatch.unknown_backend_variables() + _dispatch.bad_forced_backends()
     unavailable = _unavailable_forced_backends()
     if forces_backends:
         for message in unavailable:
@@ -41,28 +38,6 @@ def check_forced_backends(forces_backends: bool = False) -> None:
         bad += unavailable
     if bad:
         raise UsageError("; ".join(bad))
-
-
-def _unknown_backend_variables() -> list[str]:
-    """Messages for the FASTFORMER_BACKEND_<X> variables whose <X> is no registered op:
-    FASTFORMER_BACKEND_RMS_NORM=bogus was ignored silently (rms_norm dispatches through
-    layer_norm's registry entry), so the user's run did not force what they thought."""
-    from fastformer.ops import _dispatch
-
-    valid = {f"{BACKEND_PREFIX}{op.upper()}" for op in _dispatch.REGISTRY}
-    unknown = sorted(
-        name
-        for name, value in os.environ.items()
-        # an empty value is unset for a known variable too (_dispatch.forced_backend)
-        if name.startswith(BACKEND_PREFIX) and name not in valid and value
-    )
-    if not unknown:
-        return []
-    return [
-        f"{', '.join(unknown)} names no op with backends; the variables are "
-        f"{', '.join(sorted(valid))} (an op follows its module's: rms_norm and "
-        "dropout_add_layer_norm follow layer_norm's)"
-    ]
 
 
 def _unavailable_forced_backends() -> list[str]:

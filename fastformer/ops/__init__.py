@@ -4,6 +4,12 @@
 `rng` is the shared dropout RNG.
 """
 
-from fastformer.ops import attention, ffn, layer_norm, rng
+import warnings
+
+from fastformer.ops import _dispatch, attention, ffn, layer_norm, rng
+
+# Every op has registered its backends by now: a variable that names none is ignored, say so.
+for _message in _dispatch.unknown_backend_variables():
+    warnings.warn(_message, stacklevel=2)
 
 __all__ = ["attention", "ffn", "layer_norm", "rng"]

@@ -39,8 +39,11 @@ def register(op: str, backends: list[Backend]) -> None:
     _CHOICES.clear()
 
 
+PREFIX = "FASTFORMER_BACKEND_"
+
+
 def forced_backend(op: str) -> str | None:
-    return os.environ.get(f"FASTFORMER_BACKEND_{op.upper()}") or None
+    return os.environ.get(f"{PREFIX}{op.upper()}") or None
 
 
 def select_by_key(op: str, key: Hashable, make_inputs: Callable[[], Any]) -> str:
@@ -71,6 +74,27 @@ def bad_forced_backends() -> list[str]:
         if forced is not None and forced not in names:
             bad.append(f"FASTFORMER_BACKEND_{op.upper()}={forced!r} is not one of {names}")
     return bad
+
+
+def unknown_backend_variables() -> list[str]:
+    """A message for the FASTFORMER_BACKEND_<X> variables whose <X> is no registered op, or []:
+    FASTFORMER_BACKEND_RMS_NORM=torch is read by no op (rms_norm dispatches through
+    layer_norm's entry), so a run would not force what the user thought. The commands refuse
+    it; `import fastformer` warns."""
+    valid = {f"{PREFIX}{op.upper()}" for op in REGISTRY}
+    unknown = sorted(
+        name
+        for name, value in os.environ.items()
+        # an empty value is unset for a known variable too (forced_backend)
+        if name.startswith(PREFIX) and name not in valid and value
+    )
+    if not unknown:
+        return []
+    return [
+        f"{', '.join(unknown)} names no op with backends; the variables are "
+        f"{', '.join(sorted(valid))} (an op follows its module's: rms_norm and "
+        "dropout_add_layer_norm follow layer_norm's)"
+    ]
 
 
 def explain(op: str, inputs: Any = None) -> list[tuple[str, list[str]]]:
