@@ -2005,3 +2005,38 @@ def test_device_seed_argument_has_the_type_of_host_seeds():
     _, arg = kernels._seed_args(torch.zeros((), dtype=torch.int64), torch.device("cpu"))
     host = {mangle_type(rng.draw_seed()) for _ in range(8)}  # each < 2**31 with p = 2**-32
     assert arg < 0 and host == {mangle_type(arg)} == {"i64"}
+
+
+def test_causal_row_whose_only_key_is_right_of_the_diagonal_is_empty():
+    # A row that the mask leaves one key, which causality hides: no key at all, so lse -inf
+    # and output 0 (a causal offset off by one in the empty-row test left lse 0 there).
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.ones(4, 4, dtype=torch.bool)
+    mask[0] = torch.tensor([False, True, False, False])
+    out, lse = attn.scaled_dot_product_attention_with_lse(q, k, v, mask, is_causal=True)
+    assert lse[0, 0, 0] == float("-inf") and torch.all(out[0, 0, 0] == 0)
+
+
+@pytest.mark.parametrize(
+    ("mask_shape", "match"),
+    [((4, 5), "seq_q dim has size 4"), ((3, 2, 5, 5), "batch dim has size 3")],
+)
+def test_mask_of_a_wrong_leading_dim_is_refused(mask_shape, match):
+    q = _randn((2, 2, 5, 8))
+    with pytest.raises(ValueError, match=match):
+        attn.scaled_dot_product_attention(q, q, q, torch.zeros(mask_shape))
+
+
+def test_strided_key_padding_mask():
+    # Every padding mask of the other tests is contiguous: its stride reached the kernels.
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 8, 16, generator=g) for _ in range(3))
+    wide = torch.rand(2, 16, generator=g) < 0.4
+    wide[:, 0] = False  # key 0 kept: no empty rows
+    kpm = wide[:, ::2]  # strides (16, 2)
+    got = attn.scaled_dot_product_attention(q, k, v, key_padding_mask=kpm)
+    want = ref.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), key_padding_mask=kpm.contiguous()
+    )
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)

@@ -1073,3 +1073,12 @@ def test_prenorm_pre_requires_grad_only_through_x_or_residual(monkeypatch, backe
         fast = ln.dropout_add_layer_norm(x, r, w, b, prenorm=True)
         slow = ref.dropout_add_layer_norm(x, r, w, b, 1e-5, 0.0, True)
         assert [t.requires_grad for t in fast] == [t.requires_grad for t in slow], wants
+
+
+def test_torch_backend_rms_norm_reads_eps(monkeypatch):
+    # The torch backend's tests used the default eps only: an eps it ignored passed.
+    monkeypatch.setenv("FASTFORMER_BACKEND_LAYER_NORM", "torch")
+    x, w = torch.randn(4, 8) * 1e-2, torch.randn(8)
+    torch.testing.assert_close(
+        ln.rms_norm(x, (8,), w, eps=0.1), torch.nn.functional.rms_norm(x, (8,), w, eps=0.1)
+    )

@@ -421,3 +421,12 @@ def test_check_keep_mask_args_names_the_builder_and_the_argument():
     assert rng.check_keep_mask_args("f", 0, {}, 0.995) == 0.995  # the elementwise limit
     with pytest.raises(ValueError, match=r"^f: dropout_p must be at most 0.99237"):
         rng.check_keep_mask_args("f", 0, {}, 0.995, rng.ATTENTION_KEEP_ERROR)
+
+
+def test_keep_mask_keeps_a_uniform_equal_to_p():
+    # kept when uniform >= p: no test had a uniform exactly p, so '>' passed.
+    offsets = torch.arange(256, dtype=torch.int64)
+    u = rng.element_uniform(1234, offsets)
+    i = int(torch.argmax(torch.where(u < 0.99, u, torch.zeros_like(u))))
+    keep = rng.dropout_keep(1234, offsets, float(u[i]))
+    assert bool(keep[i]) and torch.equal(keep, u >= u[i])
