@@ -46,12 +46,15 @@ struct FirstOrderOnly : public torch::autograd::Function<FirstOrderOnly> {
 };
 
 // `results` as they are outside create_graph=True; inside, passed through FirstOrderOnly tied
-// to whatever of `grads` and `saved` requires grad.
+// to whatever of `grads`, `saved` and `kept` (an input kept outside the saved variables)
+// requires grad.
 variable_list first_order(const std::string& op, variable_list results,
-                          const variable_list& grads, const variable_list& saved) {
+                          const variable_list& grads, const variable_list& saved,
+                          const at::Tensor& kept = at::Tensor()) {
   if (!at::GradMode::is_enabled()) return results;
+  const variable_list extra{kept};
   variable_list all;
-  for (const auto* list : {&grads, &saved}) {
+  for (const auto* list : {&grads, &saved, &extra}) {
     for (const at::Tensor& t : *list) {
       if (t.defined() && t.requires_grad()) all.push_back(t);
     }
@@ -238,9 +241,8 @@ struct FfnFunction : public torch::autograd::Function<FfnFunction> {
       if (ctx->saved_data["has_b1"].toBool()) results[2] = db1;
       if (ctx->saved_data["has_b2"].toBool()) results[4] = db2;
     }
-    variable_list tied = saved;
-    tied.push_back(ctx->saved_data["b1"].toTensor());
-    return first_order("FFN", std::move(results), grads, tied);
+    return first_order("FFN", std::move(results), grads, saved,
+                       ctx->saved_data["b1"].toTensor());
   }
 };
 
