@@ -266,6 +266,17 @@ def test_inputs_an_output_does_not_depend_on_get_no_gradient(monkeypatch, backen
     assert v.grad is None and q.grad is not None and k.grad is not None
 
 
+def test_raw_layer_norm_op_gives_parameters_no_gradient_when_only_pre_is_used():
+    # The op's Python autograd formula (the path torch.compile traces; eager calls go through
+    # csrc/autograd.cpp): with only pre used, weight and bias get None, as above.
+    x, r, w, b = (_randn(*s, seed=i) for i, s in enumerate([(3, 8), (3, 8), (8,), (8,)]))
+    pre = torch.ops.fastformer.layer_norm(x, w, b, r, 1e-5, 0.0, False, True)[1]
+    pre.sum().backward()
+    assert w.grad is None and b.grad is None
+    torch.testing.assert_close(x.grad, torch.ones_like(x))
+    torch.testing.assert_close(r.grad, torch.ones_like(r))
+
+
 @pytest.mark.parametrize("op", ["ffn", "attention"])
 def test_transforms_ignore_autocast_as_eager_calls_do(op):
     # Under torch.func transforms the ops run the reference's torch operations; autocast reached

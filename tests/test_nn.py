@@ -655,6 +655,21 @@ def test_autocast_gives_torch_dtypes(kind, dtype):
     assert all(p.grad is not None and p.grad.dtype == p.dtype for p in ours.parameters())
 
 
+def test_autocast_rounds_a_float_mask_as_torch_does():
+    # Under autocast torch.nn's attention adds the float mask in the autocast dtype. Columns of
+    # 1000 and 1001.5 are one bfloat16 value (its spacing there is 4): torch's softmax spreads
+    # evenly over them, a float32 mask would not (the outputs then differ by up to ~1).
+    torch.manual_seed(0)
+    theirs, ours = _pair(nn.MultiheadAttention, fnn.MultiheadAttention, E, H, batch_first=True)
+    x = torch.randn(B, S, E)
+    mask = torch.full((S, S), 1000.0)
+    mask[:, 1::2] = 1001.5
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = theirs(x, x, x, attn_mask=mask, need_weights=False)[0]
+        got = ours(x, x, x, attn_mask=mask, need_weights=False)[0]
+    torch.testing.assert_close(got.float(), expected.float(), atol=0.05, rtol=0)  # ~1 bf16 ulp
+
+
 @pytest.mark.parametrize("kind", ["EncoderLayer", "DecoderLayerPreLN"])
 def test_float32_block_inside_autocast_with_backward_under_autocast(kind):
     # A float32 sub-block (autocast switched off around it) whose backward runs where autocast
