@@ -1,0 +1,58 @@
+"""The README's Python examples run as written, given the tensors they leave to the reader."""
+
+import pathlib
+import re
+
+import torch
+
+import fastformer
+
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def _names_the_api_example_leaves_to_the_reader() -> dict:
+    """Small inputs for every name the example uses without defining it."""
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g)
+
+    B, H, L, D, E, F = 2, 4, 6, 8, 32, 64
+    model = torch.nn.Transformer(E, 4, 1, 1, F, dropout=0.1, batch_first=True)
+    return dict(
+        q=randn(B, H, L, D), k=randn(B, H, L, D), v=randn(B, H, L, D),
+        pad=torch.tensor([[False] * L, [False] * (L - 2) + [True] * 2]),
+        x=randn(B, L, E), residual=randn(B, L, E), weight=randn(E), bias=randn(E),
+        w1=randn(F, E), b1=randn(F), w2=randn(E, F), b2=randn(E),
+        model=model, src=randn(B, L, E), tgt=randn(B, L - 1, E),
+    )  # fmt: skip
+
+
+def test_readme_has_the_examples_this_file_runs():
+    blocks = _python_blocks()
+    assert len(blocks) == 2, "README's python blocks changed: update tests/test_readme.py"
+    assert "fastformer.swap(model)" in blocks[0] and "torchrun" in blocks[1]
+
+
+def test_api_example_runs(monkeypatch, capsys):
+    monkeypatch.setenv("FASTFORMER_BACKEND_ATTENTION", "torch")  # the interpreter is slow
+    names = _names_the_api_example_leaves_to_the_reader()
+    model = names["model"]
+    exec(_python_blocks()[0], names)  # noqa: S102 - the README's own example
+    assert isinstance(model.encoder.layers[0], fastformer.nn.TransformerEncoderLayer)
+    assert names["out"].shape == names["q"].shape and names["h"].shape == names["x"].shape
+    assert names["y"].shape == names["x"].shape
+    printed = capsys.readouterr().out
+    assert str(names["report"]) in printed and "attention" in printed
+
+
+def test_multi_gpu_example_compiles_and_its_imports_exist():
+    # It needs torchrun and GPUs to run; its syntax and what it imports from torch can be checked.
+    block = _python_blocks()[1]
+    compile(block, "README.md", "exec")
+    from torch.distributed.fsdp import fully_shard  # noqa: F401
+    from torch.nn.parallel import DistributedDataParallel  # noqa: F401
