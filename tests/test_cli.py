@@ -324,6 +324,25 @@ def test_check_shards_split_the_grid(capsys):
         assert "--shard must be K/N" in capsys.readouterr().err
 
 
+def test_check_grid_blocks_take_turns_so_a_time_limit_cuts_every_block():
+    # Backend by backend, dtype by dtype, the H200 suite's 105 s per shard never reached the
+    # last blocks (float32 Triton, the torch backend). Each (backend, dtype) now runs its
+    # first case before any runs its second.
+    from fastformer.cli.check import CASE_BUILDERS, Case, op_grid
+
+    entries = [e for e in op_grid("layer_norm", torch.device("cpu"), False, False)[0] if e[0]]
+    blocks = list(dict.fromkeys((backend, dtype) for backend, dtype, _ in entries))
+    assert len(blocks) >= 4, blocks  # two backends (C++ and torch) x fp32, fp16, bf16
+    n = len(blocks)
+    cases = [case.name for _, _, case in entries]
+    for start in range(0, len(entries) - n + 1, n):
+        turn = entries[start : start + n]
+        assert [(b, d) for b, d, _ in turn] == blocks, start
+        assert len(set(cases[start : start + n])) == 1, start
+    parity = [c.name for c in CASE_BUILDERS["layer_norm"](False) if isinstance(c, Case)]
+    assert sorted(cases) == sorted(parity * n)
+
+
 def test_check_shard_past_the_grid_passes_with_nothing_to_check(capsys):
     # A CI job split into more shards than the grid has cases failed (exit 1) with "no case
     # ran (see the skip reasons above)", though nothing was skipped.
