@@ -670,6 +670,50 @@ def test_autocast_rounds_a_float_mask_as_torch_does():
     torch.testing.assert_close(got.float(), expected.float(), atol=0.05, rtol=0)  # ~1 bf16 ulp
 
 
+def test_float32_mask_of_a_bfloat16_module_is_not_rounded_without_autocast():
+    # torch.nn's SDPA adds a float32 mask to bfloat16 scores as it is (an ALiBi-style bias);
+    # the module rounded it to bfloat16, which the autocast test above needs only under autocast.
+    torch.manual_seed(0)
+    theirs, ours = _pair(nn.MultiheadAttention, fnn.MultiheadAttention, E, H, batch_first=True)
+    theirs, ours = theirs.bfloat16(), ours.bfloat16()
+    x = torch.randn(B, S, E, dtype=torch.bfloat16)
+    mask = torch.full((S, S), 1000.0)
+    mask[:, 1::2] = 1001.5
+    padding = torch.full((B, S), 1000.0)
+    padding[:, 1::2] = 1001.5
+    for masks in (dict(attn_mask=mask), dict(key_padding_mask=padding)):
+        expected = theirs(x, x, x, need_weights=False, **masks)[0]
+        got = ours(x, x, x, need_weights=False, **masks)[0]
+        torch.testing.assert_close(got.float(), expected.float(), atol=0.05, rtol=0)
+
+
+def test_bool_mask_plus_float16_padding_of_a_float32_module_as_in_torch():
+    # torch.nn makes the bool mask a float one of the query's dtype before adding the float16
+    # padding (float32 then); in float16 the sum would be refused by the op as a mismatch.
+    torch.manual_seed(0)
+    theirs, ours = _pair(nn.MultiheadAttention, fnn.MultiheadAttention, E, H, batch_first=True)
+    x, mask = torch.randn(B, S, E), torch.rand(S, S) > 0.3
+    mask.fill_diagonal_(True)
+    padding = torch.randn(B, S, dtype=torch.float16)
+    masks = dict(attn_mask=mask, key_padding_mask=padding, need_weights=False)
+    with pytest.warns(UserWarning, match="mismatched key_padding_mask"):
+        expected = theirs(x, x, x, **masks)[0]
+    torch.testing.assert_close(ours(x, x, x, **masks)[0], expected)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_float64_mask_of_a_float32_module_raises_as_in_torch(autocast):
+    # torch.nn refuses it ("Expected attn_mask dtype to be bool or float or to match query
+    # dtype"); autocast leaves float64 as it is. The module cast it and computed.
+    theirs, ours = _pair(nn.MultiheadAttention, fnn.MultiheadAttention, E, H, batch_first=True)
+    x, mask = torch.randn(B, S, E), torch.randn(S, S, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with pytest.raises(RuntimeError, match="attn_mask dtype"):
+            theirs(x, x, x, attn_mask=mask, need_weights=False)
+        with pytest.raises(TypeError, match="attn_mask must be bool or float"):
+            ours(x, x, x, attn_mask=mask, need_weights=False)
+
+
 @pytest.mark.parametrize("kind", ["EncoderLayer", "DecoderLayerPreLN"])
 def test_float32_block_inside_autocast_with_backward_under_autocast(kind):
     # A float32 sub-block (autocast switched off around it) whose backward runs where autocast

@@ -61,6 +61,10 @@ def _note(owner: nn.Module, what: str, op: str, inputs: object) -> None:
     _record.note(owner, what, runs, faster)
 
 
+# The floating dtypes autocast casts to its own (it leaves float64 as it is).
+_AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _call(autocast: bool, like: Tensor, fn, *args, **kwargs):
     """fn(*args, **kwargs); with autocast switched off for `like`'s device when it is on (the
     inputs are cast already, and an op's torch backend must not cast again inside)."""
@@ -86,14 +90,16 @@ def attention(
     """`fastformer.ops.attention.scaled_dot_product_attention` on (B, H, L, D) tensors.
 
     Under autocast q/k/v already come out of autocast's linear layers in the autocast dtype;
-    an additive float mask is cast to that dtype, as torch.nn's MultiheadAttention does.
+    an additive float mask is cast to that dtype as autocast casts SDPA's (not a float64 one).
+    Without autocast the mask goes as it is: torch.nn's SDPA takes a float32 mask with 16-bit
+    queries, and refuses other mismatches (the op does too).
     """
-    if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.dtype != query.dtype:
+    autocast = _autocast_dtype(query) is not None
+    if autocast and attn_mask is not None and attn_mask.dtype in _AUTOCAST_CASTS:
         attn_mask = attn_mask.to(query.dtype)
     args = (query, key, value, attn_mask, dropout_p, is_causal)
     if _record.active():
         _note(owner, "attention", "attention", _attention.AttentionInputs(query, value.shape[-1]))
-    autocast = _autocast_dtype(query) is not None
     sdpa = _attention.scaled_dot_product_attention
     return _call(autocast, query, sdpa, *args, key_padding_mask=key_padding_mask)
 

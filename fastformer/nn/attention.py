@@ -60,10 +60,12 @@ def _sdpa_attn_mask(attn_mask: Tensor, batch: int, heads: int, lq: int, lk: int)
     return ~mask if mask.dtype == torch.bool else mask
 
 
-def _add_masks(attn_mask: Tensor, additive: Tensor) -> Tensor:
-    """Sum of an SDPA-convention mask (bool: True = attend, or float) and a float mask."""
+def _add_masks(attn_mask: Tensor, additive: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """Sum of an SDPA-convention mask (bool: True = attend, or float) and a float mask; a bool
+    mask becomes a float one of `dtype` (torch.nn: the query's) first."""
     if attn_mask.dtype == torch.bool:
-        zeros = torch.zeros(attn_mask.shape, dtype=additive.dtype, device=additive.device)
+        dtype = additive.dtype if dtype is None else torch.promote_types(additive.dtype, dtype)
+        zeros = torch.zeros(attn_mask.shape, dtype=dtype, device=additive.device)
         attn_mask = zeros.masked_fill(~attn_mask, float("-inf"))
     return attn_mask + additive
 
@@ -91,6 +93,7 @@ def sdpa_masks(
     lq: int,
     lk: int,
     causal_hint: bool = True,
+    dtype: torch.dtype | None = None,
 ) -> tuple[Tensor | None, Tensor | None, bool]:
     """nn.MultiheadAttention's (attn_mask, key_padding_mask, is_causal) -> the op's.
 
@@ -119,7 +122,7 @@ def sdpa_masks(
         attn_mask, is_causal = _causal_hint(attn_mask, key_padding_mask, is_causal)
     if key_padding_mask is not None and key_padding_mask.is_floating_point():
         additive = key_padding_mask.view(batch, 1, 1, lk)
-        attn_mask = additive if attn_mask is None else _add_masks(attn_mask, additive)
+        attn_mask = additive if attn_mask is None else _add_masks(attn_mask, additive, dtype)
         key_padding_mask = None
     return attn_mask, key_padding_mask, is_causal
 
@@ -376,7 +379,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         batch, lq, lk = _sizes(query, key, batch_first)
         mask, kpm, causal = sdpa_masks(
             attn_mask, key_padding_mask, is_causal, batch, self.num_heads, lq, lk,
-            self._causal_hint,
+            self._causal_hint, query.dtype,
         )  # fmt: skip
         q, k, v = self._project(query, key, value, batch_first)
         p = self.dropout if self.training else 0.0
