@@ -1055,14 +1055,14 @@ class PositionalEncoding(nn.Module):
         self.register_buffer("pe", pe.to(torch.get_default_dtype()), persistent=False)
 
     def _apply(self, fn, recurse=True):
-        # The table again where an application cannot carry it over: after .double() /
-        # .to(torch.float64) (converting the float32 one left it 3e-8 off the formula) and off
-        # the meta device (to_empty() leaves memory uninitialized; being non-persistent, the
-        # state_dict does not fill it). Other applications (moves, share_memory) keep the
-        # buffer they made.
+        # The table again where an application cannot carry it over: after a dtype change
+        # (.double() of the float32 table left it 3e-8 off the formula; .bfloat16().float() kept
+        # it rounded, 2e-3 off) and off the meta device (to_empty() leaves memory
+        # uninitialized). Being non-persistent, no state_dict fills it. Other applications
+        # (moves, share_memory) keep the buffer they made.
         was, was_meta = self.pe.dtype, self.pe.is_meta
         super()._apply(fn, recurse)
-        if (self.pe.dtype == torch.float64 != was or was_meta) and not self.pe.is_meta:
+        if (self.pe.dtype != was or was_meta) and not self.pe.is_meta:
             self.reset_parameters()
         return self
 

@@ -342,6 +342,9 @@ def test_positional_encoding_formula():
     assert (pe.double().pe[:length] - formula).abs().max() < 1e-14
     table = pe.pe
     assert pe.share_memory().pe is table and table.is_shared()  # only a dtype change rebuilds
+    # A round trip through 16 bits kept the table rounded (2e-3 off after bfloat16).
+    fresh = ref.PositionalEncoding(d_model, max_len=50).pe
+    assert torch.equal(pe.bfloat16().float().pe, fresh)
     # Built on the meta device, then materialized: to_empty() left pe uninitialized (pe is not
     # in the state_dict, so loading one cannot fill it); the table is rebuilt there.
     with torch.device("meta"):
