@@ -165,7 +165,9 @@ def _apply_attn_mask(s, mask_base, rows_rel, rows, cols, Lq, Lk, stride_mm, stri
     ptrs = mask_base + rows_rel[:, None] * stride_mm + cols[None, :] * stride_mn
     inside = (rows[:, None] < Lq) & (cols[None, :] < Lk)
     if MASK_KIND == 1:
-        allowed = tl.load(ptrs, mask=inside, other=1)
+        # Outside: not allowed. (Allowed, a dK/dV tile's padded rows, whose q is 0, scored NaN
+        # against a NaN key the mask hides, and made its dK and dV NaN; the reference's are 0.)
+        allowed = tl.load(ptrs, mask=inside, other=0)
         s = tl.where(allowed != 0, s, float("-inf"))
     elif MASK_KIND == 2:
         s = s + tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)

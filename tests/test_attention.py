@@ -259,6 +259,48 @@ def test_empty_sequences(monkeypatch, backend, lq, lk, padding, dropout_p):
 
 
 @pytest.mark.parametrize("backend", ["default", "torch"])
+def test_nan_in_a_query_row_gives_that_row_nan(monkeypatch, backend):
+    # torch's CPU flash kernel (the torch backend) takes a row whose max score is NaN for a row
+    # without keys: out 0, lse 0, the NaN hidden. A row the mask leaves no key stays 0.
+    _use_backend(monkeypatch, backend)
+    q, k, v = (_randn((1, 2, 5, 16), seed=s, grad=True) for s in range(3))
+    with torch.no_grad():
+        q[0, 0, 1, 3] = q[0, 1, 4, 0] = float("nan")
+    mask = torch.ones(5, 5, dtype=torch.bool, device=DEVICE)
+    mask[4] = False  # row 4: no key, so 0 (and gradients 0) even with a NaN query
+    for attn_mask in (None, mask):
+        out, lse = attn.scaled_dot_product_attention_with_lse(q, k, v, attn_mask=attn_mask)
+        want = ref.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        torch.testing.assert_close(out, want, equal_nan=True)
+        assert torch.equal(lse.isnan(), want.isnan().any(-1))
+        # (With the mask, the torch backend's dk is 0 where the reference's is 0 * NaN: the
+        # empty row's dS of 0 times its NaN query. So dq and dv there.)
+        inputs = (q, k, v) if attn_mask is None else (q, v)
+        grads = torch.autograd.grad(out, inputs, torch.ones_like(out))
+        for got, expected in zip(grads, torch.autograd.grad(want, inputs, torch.ones_like(out))):
+            torch.testing.assert_close(got, expected, equal_nan=True)
+
+
+def test_triton_nan_key_hidden_by_a_bool_mask_gets_zero_gradients(monkeypatch):
+    # Rows past Lq in a dK/dV tile (q = 0) loaded the bool mask as "allowed": their score
+    # against the hidden NaN key was NaN, and so were its dK and dV (the reference's are 0).
+    _use_backend(monkeypatch, "triton")
+    q = _randn((1, 1, 5, 16))
+    k, v = _randn((1, 1, 4, 16), seed=1, grad=True), _randn((1, 1, 4, 16), seed=2, grad=True)
+    with torch.no_grad():
+        k[0, 0, 2, 0] = float("nan")
+    mask = torch.ones(5, 4, dtype=torch.bool, device=DEVICE)
+    mask[:, 2] = False
+    grads = []
+    for fn in (attn.scaled_dot_product_attention, ref.scaled_dot_product_attention):
+        out = fn(q, k, v, attn_mask=mask)
+        grads.append(torch.autograd.grad(out, (k, v), torch.ones_like(out)))
+    for got, want in zip(*grads):
+        assert torch.isfinite(got).all() and torch.all(got[0, 0, 2] == 0)
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("backend", ["default", "torch"])
 @pytest.mark.parametrize("shape", [(2, 0, 3), (0, 2, 3)], ids=["no_heads", "no_batch"])
 @pytest.mark.parametrize("hkv", [None, 2], ids=["", "gqa"])
 def test_no_heads_or_batches(monkeypatch, backend, shape, hkv):

@@ -645,21 +645,34 @@ def _sum_kv_groups(grad: Tensor, hkv: int) -> Tensor:
 def _cpu_flash_forward(q, k, v, attn_mask, kpm, is_causal, scale):
     mask = _cpu_flash_mask(q, attn_mask, kpm)
     k, v = reference._repeat_kv_heads(q, k, v, k.shape[1] != q.shape[1])
-    q, k, v = _flash_inputs(q, k, v)
-    out, lse = _CPU_FLASH(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
     empty = _rows_without_key(mask, q.shape[2], k.shape[2], is_causal)
+    q, k, v = _flash_inputs(_without_rows(q, empty), k, v)
+    out, lse = _CPU_FLASH(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
+    # The kernel takes a row whose max score is NaN for a row without keys (out 0, lse 0): a
+    # NaN in a query row with keys gives NaN, as in the reference and the Triton kernels.
+    nan_rows = q.isnan().any(-1)
+    out.masked_fill_(nan_rows[..., None], float("nan"))
+    lse = lse.masked_fill(nan_rows, float("nan"))
     if empty is not None:  # the kernel leaves lse 0 there; the op's convention is -inf
         lse = lse.masked_fill(empty, float("-inf"))
     return out, lse
+
+
+def _without_rows(q: Tensor, empty: Tensor | None) -> Tensor:
+    """q with the rows `empty` marks (rows without a key) zeroed: the kernels' masked scores
+    are then -inf, not NaN + -inf (a NaN query there gave NaN where the op gives 0)."""
+    return q if empty is None else q.masked_fill(empty[..., None], 0.0)
 
 
 def _cpu_flash_backward(grad_out, q, k, v, out, lse, attn_mask, kpm, is_causal, scale):
     mask = _cpu_flash_mask(q, attn_mask, kpm)
     hkv = k.shape[1]
     k, v = reference._repeat_kv_heads(q, k, v, hkv != q.shape[1])
-    q, k, v, grad_out, out = _flash_inputs(q, k, v, grad_out, out)
     # Rows without a key: back to the kernel's own lse 0 (with -inf, exp(-inf - lse) is NaN).
-    lse = lse.masked_fill(torch.isneginf(lse), 0.0)
+    empty = torch.isneginf(lse)
+    lse = lse.masked_fill(empty, 0.0)
+    empty = empty if torch.jit.is_tracing() or bool(empty.any()) else None
+    q, k, v, grad_out, out = _flash_inputs(_without_rows(q, empty), k, v, grad_out, out)
     dq, dk, dv = _CPU_FLASH_BWD(
         grad_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale
     )
