@@ -505,3 +505,20 @@ def test_inference_mode_and_torch_export():
     assert {"fastformer.attention.default", "fastformer.layer_norm.default"} <= ops, ops
     assert "fastformer.ffn.default" in ops, ops
     torch.testing.assert_close(exported.module()(src, tgt, **kwargs), want)
+
+
+def test_torch_export_of_a_training_layer_with_an_unbounded_sequence_dim():
+    # The attention check of dropout's counter range (seq_q * calls(seq_k) < 2**32) put a guard
+    # on the symbolic sizes; export's solver failed on it for an unbounded Dim ("Cannot create
+    # Dim with inconsistent min=1, max=-oo"), where torch.nn's layer exports.
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(E, H, FF, dropout=0.1, batch_first=True)
+    swap(layer)
+    seq = torch.export.Dim("seq")
+    exported = torch.export.export(layer, (torch.randn(B, S, E),), dynamic_shapes=({1: seq},))
+    x = torch.randn(B, 3 * S, E)
+    outs = []
+    for module in (exported.module(), layer):
+        torch.manual_seed(1)
+        outs.append(module(x))
+    torch.testing.assert_close(outs[0], outs[1])

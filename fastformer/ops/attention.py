@@ -45,6 +45,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fastformer import reference
 from fastformer.ops import rng
@@ -396,7 +397,13 @@ def _check_dropout_p(fn: str, dropout_p) -> None:
 
 
 def _check_dropout_size(fn: str, seq_q: int, seq_k: int) -> None:
-    if seq_q * dropout_calls(seq_k) >= MAX_DROPOUT_CALLS:
+    # Symbolic sizes (torch.export, dynamic shapes) raise only where the overflow is certain: a
+    # guard on this product made export's solver fail on an unbounded sequence Dim. The op's
+    # eager run checks its concrete sizes.
+    too_big = seq_q * dropout_calls(seq_k) >= MAX_DROPOUT_CALLS
+    if isinstance(too_big, torch.SymBool):  # (under torch.jit.trace sizes are tensors)
+        too_big = statically_known_true(too_big)
+    if too_big:
         raise ValueError(
             f"{fn}: dropout needs seq_q * 4 * ceil(seq_k / 32) < 2**32 (the low 32 bits of the "
             f"Philox counter number the calls of a (batch, head)), got seq_q={seq_q}, "
