@@ -1131,26 +1131,63 @@ def test_torch_jit_script_refuses_every_module_with_one_clear_error():
 @pytest.mark.parametrize(
     "op", ["attention", "ffn", "dropout_add_layer_norm", "encoder_layer"]
 )  # fmt: skip
-def test_torch_jit_trace_refuses_dropout(op):
-    # A trace would record the call's dropout seed as a constant: one mask for every call of a
-    # traced training model (found: FeedForward and dropout-add-LayerNorm did so in silence;
-    # attention raised an unrelated error).
+def test_torch_jit_trace_draws_a_dropout_seed_each_call(op):
+    # A trace recorded the eager paths: a seed drawn at trace time was a constant (one mask for
+    # every call), so dropout was refused. The ops' custom ops, which a trace records now, draw
+    # theirs each run: a new mask a call, the eager call's under the same torch.manual_seed.
     from fastformer.ops import attention, ffn, layer_norm
 
     x = torch.randn(2, 4, E)
-    q = x.view(2, 4, H, E // H).transpose(1, 2)
     w1, w2 = torch.randn(32, E), torch.randn(E, 32)
     calls = {
-        "attention": lambda: attention.scaled_dot_product_attention(q, q, q, dropout_p=0.5),
-        "ffn": lambda: ffn.ffn(x, w1, None, w2, None, "relu", 0.5),
-        "dropout_add_layer_norm": lambda: layer_norm.dropout_add_layer_norm(
+        "attention": lambda x: attention.scaled_dot_product_attention(
+            *(x.view(2, 4, H, E // H).transpose(1, 2),) * 3, dropout_p=0.5
+        ),
+        "ffn": lambda x: ffn.ffn(x, w1, None, w2, None, "relu", 0.5),
+        "dropout_add_layer_norm": lambda x: layer_norm.dropout_add_layer_norm(
             x, x, None, None, dropout_p=0.5
         ),
-        "encoder_layer": lambda: fnn.TransformerEncoderLayer(E, H, 32, 0.5).train()(x),
+        "encoder_layer": fnn.TransformerEncoderLayer(E, H, 32, 0.5).train(),
     }
+    traced = torch.jit.trace(calls[op], (x,), check_trace=False)
+    assert not torch.equal(traced(x), traced(x))
+    torch.manual_seed(5)
+    got = traced(x)
+    torch.manual_seed(5)
+    torch.testing.assert_close(got, calls[op](x), rtol=0, atol=0)
+
+
+def test_torch_jit_trace_refuses_a_seed_drawn_on_the_host_while_tracing():
+    # What the ops no longer do under a trace (test above); a path that did would bake the
+    # seed into the trace as a constant.
+    from fastformer.ops import rng
+
     with pytest.raises(RuntimeError, match="cannot be recorded by torch.jit.trace"):
-        torch.jit.trace(calls[op], (), check_trace=False)
-    calls[op]()  # eager calls are unaffected
+        torch.jit.trace(lambda: torch.tensor(rng.call_seed(torch.device("cpu"), 0.5)), ())
+
+
+def test_torch_jit_trace_of_a_swapped_layer_checks_saves_and_trains(tmp_path):
+    # The eager paths depend on grad mode: the trace's own check (a rerun under no_grad)
+    # failed, a trace under grad held Python Functions torch.jit.save refuses, and a trace
+    # under no_grad kept no pre / activation for a backward. It records the custom ops now.
+    torch.manual_seed(0)
+    ref = nn.TransformerEncoderLayer(E, H, 32, 0.0, batch_first=True)
+    fast = copy.deepcopy(ref)
+    fastformer.swap(fast)
+    x, y = torch.randn(B, S, E), torch.randn(B + 1, S + 2, E)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            traced = torch.jit.trace(fast, (x,))  # check_trace: the rerun agrees
+        torch.jit.save(traced, tmp_path / "layer.pt")
+        loaded = torch.jit.load(tmp_path / "layer.pt")
+        kinds = {n.kind() for n in loaded.inlined_graph.nodes()}
+        assert {"fastformer::attention", "fastformer::ffn", "fastformer::layer_norm"} <= kinds
+        got, want = loaded(y), ref(y)
+        torch.testing.assert_close(got, want)
+        grads = torch.autograd.grad(got.square().sum(), list(loaded.parameters()))
+        expected = torch.autograd.grad(want.square().sum(), list(ref.parameters()))
+        for g, e in zip(grads, expected):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

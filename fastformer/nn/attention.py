@@ -15,7 +15,7 @@ from fastformer import reference
 from fastformer.nn import _ops, _record
 from fastformer.nn._lookup import child, param
 from fastformer.ops import rng
-from fastformer.ops._autograd import under_transform
+from fastformer.ops._autograd import traced, under_transform
 from fastformer.ops.attention import MAX_HEAD_DIM
 
 _MAX_DROPOUT_P = rng.max_dropout_p(rng.ATTENTION_KEEP_ERROR)
@@ -178,7 +178,7 @@ def _split_heads(x: Tensor, n: int, heads: int, batch_first: bool) -> list[Tenso
     if (
         x.requires_grad
         and torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
+        and not traced()  # compiled or jit-traced: autograd's views (a trace cannot save it)
         and not under_transform()  # a Function without setup_context: torch.func refuses it
     ):
         return list(_SplitHeads.apply(x, n, heads, batch_first))

@@ -120,9 +120,13 @@ DRAWS_A_SEED = (torch.Tag.nondeterministic_seeded,)
 def traced() -> bool:
     """Whether an op call must go through its registered custom op: under torch.compile, or
     under a FakeTensorMode (shape and memory propagation without data), where the eager paths'
-    real seed tensors and host draws cannot run; the custom ops' fakes can."""
+    real seed tensors and host draws cannot run; the custom ops' fakes can. And under
+    torch.jit.trace, which then records one node per op, with its autograd and a seed drawn
+    each run (the eager paths depend on grad mode and record Python Functions a saved trace
+    cannot hold)."""
     return (
         torch.compiler.is_compiling()
+        or torch.jit.is_tracing()
         or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
     )
 

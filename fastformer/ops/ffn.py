@@ -297,7 +297,8 @@ def ffn(
     dropout_p = float(dropout_p)
     if under_transform():  # eager or compiled
         return _transformed(x, w1, b1, w2, b2, activation, dropout_p)
-    if traced():
+    if traced():  # (a jit trace keeps needs_grad: it saves for a backward in any grad mode)
+        needs_grad = needs_grad or torch.jit.is_tracing()
         out = _ffn_op(_rows(x), w1, b1, w2, b2, activation, dropout_p, needs_grad)[0]
         return out.view(*x.shape[:-1], w2.shape[0])
     if needs_grad and _backend(x) == "cpp":  # eager autograd in C++ (csrc/autograd.cpp)

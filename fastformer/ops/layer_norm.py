@@ -418,7 +418,8 @@ def _run_cpp(
     rms: bool,
     prenorm: bool,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    grad = _grad_needed(x, residual, weight, bias)
+    # (A jit trace keeps store_pre: it stores pre for a backward in any grad mode.)
+    grad = _grad_needed(x, residual, weight, bias) or torch.jit.is_tracing()
     store_pre = prenorm or (grad and (residual is not None or dropout_p > 0))
     args = (
         _as_rows(x, cols),
