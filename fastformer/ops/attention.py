@@ -658,8 +658,9 @@ def _cpu_flash_forward(q, k, v, attn_mask, kpm, is_causal, scale):
     # The kernel takes a row whose max score is NaN for a row without keys (out 0, lse 0): a
     # NaN in a query row with keys gives NaN, as in the reference and the Triton kernels.
     nan_rows = q.isnan().any(-1)
-    out.masked_fill_(nan_rows[..., None], float("nan"))
-    lse = lse.masked_fill(nan_rows, float("nan"))
+    if torch.jit.is_tracing() or bool(nan_rows.any()):  # (CPU tensors: no sync to wait for)
+        out.masked_fill_(nan_rows[..., None], float("nan"))
+        lse = lse.masked_fill(nan_rows, float("nan"))
     if empty is not None:  # the kernel leaves lse 0 there; the op's convention is -inf
         lse = lse.masked_fill(empty, float("-inf"))
     return out, lse
