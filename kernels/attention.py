@@ -1068,6 +1068,11 @@ CONFIGS: dict[tuple[str, int, str, int, str], list[Config]] = {
     ] + [(kernel, arch, dclass, bucket, "plain") for arch, kernel, dclass, bucket in _PLAIN_EXTRA]
 }
 # fmt: on
+# The most query rows of a dq block: its dS stores (a float mask's gradient) address
+# rows * Lk inside the block in int32 (TMA twins keep their config's block shape).
+DQ_MAX_BLOCK_M = max(
+    c.block_m for key, configs in CONFIGS.items() if key[0] == "dq" for c in configs
+)
 KERNELS = {"fwd": attn_fwd, "dkdv": attn_bwd_dkdv, "dq": attn_bwd_dq}
 _CHECKED_KERNELS = {**KERNELS, "kv_range": attn_kv_range}
 # The kernels' pointer (tensor) arguments.
@@ -1458,7 +1463,7 @@ def _padding(
 ) -> _Padding:
     if kpm is None:
         return _Padding(dummy, dummy, (0, 0))
-    kpm = kpm.view(torch.uint8)
+    kpm = _kpm_layout(kpm)
     if kv_range is None:
         kv_range = key_range(kpm)
     return _Padding(kpm, kv_range, (kpm.stride(0), kpm.stride(1)))
@@ -1522,7 +1527,7 @@ def _on_device_of(fn):
 def key_range(key_padding_mask: torch.Tensor) -> torch.Tensor:
     """(B, 2) int32: each batch row's first kept key and last kept key + 1, (0, 0) when every
     key is padding; one attn_kv_range launch. The forward's can serve its backward."""
-    kpm = key_padding_mask.view(torch.uint8)
+    kpm = _kpm_layout(key_padding_mask)
     b, lk = kpm.shape
     if b == 0 or lk == 0:  # nothing to launch over; no key is kept
         return torch.zeros(b, 2, dtype=torch.int32, device=kpm.device)
@@ -1531,6 +1536,16 @@ def key_range(key_padding_mask: torch.Tensor) -> torch.Tensor:
     options = {"BLOCK_N": block, "num_warps": 4}
     launcher.launch(attn_kv_range, (b,), (kpm, kv_range, lk, *kpm.stride()), block, {}, options)
     return kv_range
+
+
+def _kpm_layout(kpm: torch.Tensor) -> torch.Tensor:
+    """The (B, Lk) key padding mask as uint8, copied when its key offsets (key * stride, int32
+    in the kernels) would pass 2**31: a strided view (a column of a wider buffer) read the
+    last keys' flags 2 GiB before the mask."""
+    kpm = kpm.view(torch.uint8)
+    if max(kpm.shape[1] - 1, 0) * kpm.stride(1) >= INT32_LIMIT:
+        return kpm.contiguous()
+    return kpm
 
 
 def slice_extent(x: torch.Tensor) -> int:

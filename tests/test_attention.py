@@ -341,6 +341,12 @@ def test_strided_slices_past_int32_are_copied():
     assert kernels._kernel_layout(x).is_contiguous()
     small = torch.empty(1, 64, 8, 16, device="meta").transpose(1, 2)
     assert kernels._kernel_layout(small) is small  # a view that fits is used as is
+    # A key padding mask that is a column of a wider buffer: key * stride passed int32 (the
+    # last keys' flags were read 2 GiB before the mask; reproduced in the interpreter).
+    column = torch.empty(2, 32769, 2**16, dtype=torch.bool, device="meta")[:, :, 0]
+    assert kernels._kpm_layout(column).stride() == (32769, 1)
+    strided = torch.empty(2, 64, 4, dtype=torch.bool, device="meta")[:, :, 0]
+    assert kernels._kpm_layout(strided).stride() == strided.stride()  # fits: read in place
 
 
 # --------------------------------------------------------------------------- fully masked rows
@@ -1036,6 +1042,21 @@ def test_backend_reasons():
         "triton"
     ]
     assert any("attn_mask spans" in r for r in why)
+    # The output's slice (Lq x Dv) and a float mask's gradient rows (dq's BLOCK_M x Lk): D and
+    # the mask's own extent fit, Dv or Lk do not (found by review: out of bounds on a GPU).
+    long_q = torch.empty(1, 1, 2**23 + 1, 128, device="meta")
+    wide_v = torch.empty(1, 1, 8, 256, device="meta")
+    why = dict(_dispatch.explain(attn.OP, attn.AttentionInputs(long_q, key=wide_v, value=wide_v)))
+    assert any("slice of the output has" in r for r in why["triton"])
+    assert dict(_dispatch.explain(attn.OP, attn.AttentionInputs(long_q[..., :64], 128)))["triton"]
+    many_keys = torch.empty(1, 1, 2**24 + 1, 16, device="meta")
+    bias = torch.empty(2**24 + 1, device="meta")  # a per-key bias, broadcast over queries
+    for bias_dtype, refused in ((torch.float32, True), (torch.bool, False)):
+        inputs = attn.AttentionInputs(
+            q[..., :16].to("meta"), key=many_keys, value=many_keys, attn_mask=bias.to(bias_dtype)
+        )
+        why = dict(_dispatch.explain(attn.OP, inputs))["triton"]
+        assert any("float attn_mask's gradient" in r for r in why) == refused, why
     huge_batch = torch.zeros(1, 1, 8, 16, device=DEVICE).expand(2**16, 2, 8, 16)
     why = dict(_dispatch.explain(attn.OP, attn.AttentionInputs(huge_batch)))["triton"]
     assert any("batch 65536" in r and "grid limit" in r for r in why)

@@ -547,13 +547,38 @@ def _shape_reasons(inputs: AttentionInputs) -> list[str]:
         reasons += _grid_reasons(q.shape[0], q.shape[1])
     if inputs.value is None and (inputs.value_head_dim or 0) > MAX_HEAD_DIM:
         reasons.append(f"value head dim must be <= {MAX_HEAD_DIM}, got {inputs.value_head_dim}")
-    mask = inputs.attn_mask
-    if mask is not None and 2 <= mask.dim() <= 4:
+    value = inputs.value
+    dv = value.shape[-1] if value is not None and value.dim() == 4 else inputs.value_head_dim
+    if q is not None and q.dim() == 4 and dv and q.shape[2] * dv >= limit:  # out, grad_out
+        reasons.append(
+            f"a (batch, head) slice of the output has {q.shape[2] * dv} elements: the "
+            "kernel's int32 offsets need < 2**31"
+        )
+    return reasons + _mask_reasons(inputs, limit)
+
+
+def _mask_reasons(inputs: AttentionInputs, limit: int) -> list[str]:
+    """An attn_mask whose slice, or whose gradient's rows in one dq block, pass int32 offsets."""
+    mask, reasons = inputs.attn_mask, []
+    if mask is None:
+        return reasons
+    extent = 0  # (a mask of 0 or 1 dims spans at most one row; over 4 dims the op refuses)
+    if 2 <= mask.dim() <= 4:
         extent = _kernels().slice_extent(mask[(None,) * (4 - mask.dim())])
-        if extent >= limit:
+    if extent >= limit:
+        reasons.append(
+            f"attn_mask spans {extent + 1} elements per (batch, head): the kernel's int32 "
+            "offsets need < 2**31"
+        )
+    # (Whether the gradient will be asked for is not known here: inside the op no input
+    # requires grad. A float mask may need one.)
+    key = inputs.key
+    if mask.is_floating_point() and key is not None and key.dim() == 4:
+        rows = _kernels().DQ_MAX_BLOCK_M
+        if rows * key.shape[2] > limit:
             reasons.append(
-                f"attn_mask spans {extent + 1} elements per (batch, head): the kernel's int32 "
-                "offsets need < 2**31"
+                f"a float attn_mask's gradient over {key.shape[2]} keys: the kernel's int32 "
+                f"offsets need {rows} * seq_k <= 2**31"
             )
     return reasons
 
