@@ -1363,6 +1363,7 @@ def _launch(
     if best is not None:  # key holds meta's items
         launcher.launch(KERNELS[kernel], grid(best), args, (key, *best.items()), meta, best)
         return
+    _refuse_tuning_in_capture(kernel, q)
     table_key = _table_key(kernel, meta, q, tma)
     tuned = _autotuned(kernel, *table_key)
     known = len(tuned.cache)
@@ -1372,6 +1373,17 @@ def _launch(
     timed = len(tuned.configs) > 1 and len(tuned.cache) > known  # it benchmarked just now
     timings = getattr(tuned, "configs_timings", None) if timed else None
     _log_tuning(kernel, table_key[3], key, tuned.best_config, timings)
+
+
+def _refuse_tuning_in_capture(kernel: str, q: torch.Tensor) -> None:
+    """A launch whose key was never tuned compiles and times its candidates: inside CUDA graph
+    capture that synchronizes and fails with an opaque capture error."""
+    if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"fastformer attention: the {kernel} kernel meets a new shape class inside CUDA "
+            f"graph capture (q {tuple(q.shape)}, {q.dtype}), and tuning it there would break "
+            "the capture. Run one step outside capture first with the same shapes."
+        )
 
 
 def _config_name(config) -> str:

@@ -645,6 +645,23 @@ def test_dropout_inside_capture_uses_a_device_seed(monkeypatch):
         attn.scaled_dot_product_attention(q, k, v, None, p, **kw)
 
 
+def test_tuning_inside_capture_raises_a_clear_error(monkeypatch):
+    # A launch key never tuned before capture compiled and timed its candidates inside it,
+    # which fails with an opaque capture error on a GPU (simulated here: a CUDA-typed stand-in
+    # for q and a capturing stream).
+    from types import SimpleNamespace
+
+    from fastformer.kernels import attention as kernels
+
+    q = SimpleNamespace(device=torch.device("cuda"), shape=(2, 4, 100, 64), dtype=torch.float16)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    kernels._refuse_tuning_in_capture("fwd", q)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="outside capture first with the same shapes"):
+        kernels._refuse_tuning_in_capture("fwd", q)
+    kernels._refuse_tuning_in_capture("fwd", SimpleNamespace(device=torch.device("cpu")))
+
+
 def test_dropout_keep_mask_offsets():
     # An independent spelling of the documented scheme, element by element: key column
     # j = 32 g + 8 w + 2 c + l takes half l of word w of the call at i * C + 4 g + c.
