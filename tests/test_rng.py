@@ -191,6 +191,34 @@ def test_draw_seed_refuses_cuda_graph_capture(monkeypatch):
     assert rng.draw_seed("cpu") >= 0  # CPU draws never ask
 
 
+def test_capturing_asks_the_stream_of_the_op_s_device(monkeypatch):
+    # torch.cuda.is_current_stream_capturing asks the current device's stream: an op on cuda:1
+    # while cuda:0 (current) captures is not in the capture, and the reverse (stubs: no GPU).
+    current = [0]
+
+    class Device:
+        def __init__(self, device):
+            self.index = torch.device(device).index
+
+        def __enter__(self):
+            self.was, current[0] = current[0], self.index
+
+        def __exit__(self, *exc):
+            current[0] = self.was
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    for capturing_index in (0, 1):
+        monkeypatch.setattr(
+            torch.cuda, "is_current_stream_capturing", lambda i=capturing_index: current[0] == i
+        )
+        for index in (0, 1):
+            assert rng.capturing(torch.device("cuda", index)) == (index == capturing_index)
+        assert rng.capturing(torch.device("cuda")) == (capturing_index == 0)
+        assert current == [0]
+    assert not rng.capturing(torch.device("cpu"))
+
+
 def test_call_seed_is_drawn_on_the_device_inside_capture(monkeypatch):
     # Inside capture a call's seed is a device tensor from torch's (capture-safe) generator;
     # outside, the host draw as before.

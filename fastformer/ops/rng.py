@@ -203,8 +203,14 @@ def _mix64(x: int) -> int:
 
 
 def capturing(device: torch.device) -> bool:
-    """Whether `device`'s current stream is capturing a CUDA graph."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    """Whether `device`'s current stream is capturing a CUDA graph. (torch asks the current
+    device's: an op on another GPU than the one capturing must ask its own.)"""
+    if device.type != "cuda":
+        return False
+    if device.index is None or device.index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def draw_call_seed(device: torch.device) -> int | torch.Tensor:
