@@ -681,9 +681,11 @@ def _cpu_flash_forward(q, k, v, attn_mask, kpm, is_causal, scale):
     q, k, v = _flash_inputs(_without_rows(q, empty), k, v)
     out, lse = _CPU_FLASH(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
     # The kernel takes a row whose max score is NaN for a row without keys (out 0, lse 0): a
-    # NaN in a query row with keys gives NaN, as in the reference and the Triton kernels.
-    nan_rows = q.isnan().any(-1)
-    if torch.jit.is_tracing() or bool(nan_rows.any()):  # (CPU tensors: no sync to wait for)
+    # NaN in a query row with keys gives NaN, as in the reference and the Triton kernels. Only
+    # rows of lse 0 are looked at (a pass over lse, not q; CPU tensors: no sync to wait for).
+    suspect = lse == 0
+    if torch.jit.is_tracing() or bool(suspect.any()):
+        nan_rows = suspect & q.isnan().any(-1)
         out.masked_fill_(nan_rows[..., None], float("nan"))
         lse = lse.masked_fill(nan_rows, float("nan"))
     if empty is not None:  # the kernel leaves lse 0 there; the op's convention is -inf
