@@ -1376,13 +1376,18 @@ def _launch(
 
 
 def _refuse_tuning_in_capture(kernel: str, q: torch.Tensor) -> None:
-    """A launch whose key was never tuned compiles and times its candidates: inside CUDA graph
-    capture that synchronizes and fails with an opaque capture error."""
-    if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    """A launch whose key this process never tuned compiles (or loads) and times its
+    candidates: inside CUDA graph capture that fails with an opaque capture error. (No CUDA
+    context, no capture: nothing is asked then.)"""
+    if (
+        q.device.type == "cuda"
+        and torch.cuda.is_initialized()
+        and torch.cuda.is_current_stream_capturing()
+    ):
         raise RuntimeError(
             f"fastformer attention: the {kernel} kernel meets a new shape class inside CUDA "
-            f"graph capture (q {tuple(q.shape)}, {q.dtype}), and tuning it there would break "
-            "the capture. Run one step outside capture first with the same shapes."
+            f"graph capture (q {tuple(q.shape)}, {q.dtype}), and compiling or tuning it there "
+            "would break the capture. Run one step outside capture first with the same shapes."
         )
 
 

@@ -347,6 +347,8 @@ def test_strided_slices_past_int32_are_copied():
     assert kernels._kpm_layout(column).stride() == (32769, 1)
     strided = torch.empty(2, 64, 4, dtype=torch.bool, device="meta")[:, :, 0]
     assert kernels._kpm_layout(strided).stride() == strided.stride()  # fits: read in place
+    ranges = torch.zeros(2, 2, dtype=torch.int32, device="meta")
+    assert kernels._padding(column, ranges, ranges).strides == (32769, 1)  # what launches get
 
 
 # --------------------------------------------------------------------------- fully masked rows
@@ -654,12 +656,15 @@ def test_tuning_inside_capture_raises_a_clear_error(monkeypatch):
     from fastformer.kernels import attention as kernels
 
     q = SimpleNamespace(device=torch.device("cuda"), shape=(2, 4, 100, 64), dtype=torch.float16)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     kernels._refuse_tuning_in_capture("fwd", q)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="outside capture first with the same shapes"):
         kernels._refuse_tuning_in_capture("fwd", q)
     kernels._refuse_tuning_in_capture("fwd", SimpleNamespace(device=torch.device("cpu")))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # no context: no capture
+    kernels._refuse_tuning_in_capture("fwd", q)
 
 
 def test_dropout_keep_mask_offsets():
@@ -746,7 +751,7 @@ def test_tuned_config_is_launched_directly_after_the_first_call(monkeypatch):
     monkeypatch.setattr(kernels, "arch_family", lambda device: 90)
     monkeypatch.setattr(kernels, "_TUNED", {})
     monkeypatch.setattr(kernels, "TUNING_LOG", [])
-    q = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=F16)
+    q = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=F16, shape=(1, 1, 512, 64))
     iq, ik = kernels._SEQ_BUCKET_ARGS["fwd"]
     meta = {"HEAD_D": 64, "HEAD_DV": 64, "IS_CAUSAL": False, "MASK_KIND": 0, "HAS_KPM": False,
             "HAS_DROPOUT": False}  # fmt: skip
@@ -777,6 +782,12 @@ def test_tuned_config_is_launched_directly_after_the_first_call(monkeypatch):
     assert entry["IS_CAUSAL"] is False and entry["HEAD_D"] == 64
     assert entry["chosen"] == "64x32 w4 s3"
     assert entry["ms"] == {"64x32 w4 s3": 1.5, "128x64 w8 s2": None}
+    # Inside CUDA graph capture a tuned key launches; a new one raises (tuning breaks capture).
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert launch()[0] == "direct"
+    with pytest.raises(RuntimeError, match="inside CUDA graph capture"):
+        launch(seq_q=4096)
 
 
 def test_tuning_key_reads_the_dtype_of_every_tensor_argument(monkeypatch):

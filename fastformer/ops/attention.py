@@ -659,7 +659,7 @@ def _rows_without_key(mask: Tensor | None, lq: int, lk: int, is_causal: bool):
     if is_causal:
         visible = visible & torch.ones(lq, lk, dtype=torch.bool).tril()
     empty = ~visible.any(-1)
-    return empty if torch.jit.is_tracing() or bool(empty.any()) else None  # a trace keeps both
+    return empty if bool(empty.any()) else None
 
 
 def _flash_inputs(*tensors: Tensor) -> list[Tensor]:
@@ -680,16 +680,15 @@ def _cpu_flash_forward(q, k, v, attn_mask, kpm, is_causal, scale):
     empty = _rows_without_key(mask, q.shape[2], k.shape[2], is_causal)
     q, k, v = _flash_inputs(_without_rows(q, empty), k, v)
     out, lse = _CPU_FLASH(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
-    # The kernel takes a row whose max score is NaN for a row without keys (out 0, lse 0): a
-    # NaN in a query row with keys gives NaN, as in the reference and the Triton kernels. Only
-    # rows of lse 0 are looked at (a pass over lse, not q; CPU tensors: no sync to wait for).
-    suspect = lse == 0
-    if torch.jit.is_tracing() or bool(suspect.any()):
-        nan_rows = suspect & q.isnan().any(-1)
-        out.masked_fill_(nan_rows[..., None], float("nan"))
-        lse = lse.masked_fill(nan_rows, float("nan"))
     if empty is not None:  # the kernel leaves lse 0 there; the op's convention is -inf
         lse = lse.masked_fill(empty, float("-inf"))
+    # The kernel takes a row whose max score is NaN for a row without keys (out 0, lse 0): a
+    # NaN in a query row with keys gives NaN, as in the reference and the Triton kernels. Only
+    # rows of lse 0 are looked at (one reduction over lse a call, not a pass over q).
+    if not bool(lse.all()):
+        nan_rows = (lse == 0) & q.isnan().any(-1)
+        out.masked_fill_(nan_rows[..., None], float("nan"))
+        lse = lse.masked_fill(nan_rows, float("nan"))
     return out, lse
 
 
@@ -706,7 +705,7 @@ def _cpu_flash_backward(grad_out, q, k, v, out, lse, attn_mask, kpm, is_causal, 
     # Rows without a key: back to the kernel's own lse 0 (with -inf, exp(-inf - lse) is NaN).
     empty = torch.isneginf(lse)
     lse = lse.masked_fill(empty, 0.0)
-    empty = empty if torch.jit.is_tracing() or bool(empty.any()) else None
+    empty = empty if bool(empty.any()) else None
     q, k, v, grad_out, out = _flash_inputs(_without_rows(q, empty), k, v, grad_out, out)
     dq, dk, dv = _CPU_FLASH_BWD(
         grad_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale
@@ -755,9 +754,9 @@ def _softmax(scores: Tensor, with_lse: bool = False):
     row_max = scores.amax(-1)
     empty = torch.isneginf(row_max)
     probs = torch.softmax(scores, -1)
-    # A pass saved on CPU where no row is empty; a GPU or a torch.jit.trace (which would keep
-    # the branch taken for its example) always fills.
-    if probs.device.type != "cpu" or torch.jit.is_tracing() or bool(empty.any()):
+    # A pass saved on CPU where no row is empty; a GPU (no sync) always fills. (A
+    # torch.jit.trace records the op, which runs this each call: no branch is frozen.)
+    if probs.device.type != "cpu" or bool(empty.any()):
         probs.masked_fill_(empty[..., None], 0.0)
     if not with_lse:
         return probs
