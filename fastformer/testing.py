@@ -116,7 +116,9 @@ def _run(fn: Callable, inputs: Sequence[Any], cotangents: list[torch.Tensor] | N
     outs = [o for o in _as_tuple(fn(*inputs)) if isinstance(o, torch.Tensor)]
     if cotangents is None:
         gen = torch.Generator().manual_seed(1234)
-        cotangents = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in outs]
+        cotangents = [
+            torch.randn(o.shape, generator=gen, dtype=torch.float64, device="cpu") for o in outs
+        ]
     if not diff:
         return outs, [], cotangents
     pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad]

@@ -522,3 +522,35 @@ def test_torch_export_of_a_training_layer_with_an_unbounded_sequence_dim():
         torch.manual_seed(1)
         outs.append(module(x))
     torch.testing.assert_close(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("backend", ["default", "torch"])
+def test_ops_ignore_the_default_device(monkeypatch, backend):
+    # Under `with torch.device(...)` / torch.set_default_device, tensors the ops made without a
+    # device (the host seed draw, seed scalars, the torch backend's masks) landed there: a
+    # dropout call raised "item() cannot be called on meta tensors" (on a GPU machine with
+    # default device cuda, draws would have gone to the wrong generator and device).
+    if backend == "torch":
+        monkeypatch.setenv("FASTFORMER_BACKEND_ATTENTION", "torch")
+        monkeypatch.setenv("FASTFORMER_BACKEND_LAYER_NORM", "torch")
+        monkeypatch.setenv("FASTFORMER_BACKEND_FFN", "torch")
+    torch.manual_seed(0)
+    model = nn.Transformer(E, H, 1, 1, FF, dropout=0.1, batch_first=True)
+    swap(model)
+    src, tgt = torch.randn(B, S, E), torch.randn(B, T, E)
+    pad = torch.zeros(B, S, dtype=torch.bool)
+    pad[1, 3:] = True
+    kwargs = {"src_key_padding_mask": pad, "tgt_is_causal": True}
+    kwargs["tgt_mask"] = nn.Transformer.generate_square_subsequent_mask(T, device="cpu")
+    runs = []
+    for default in ("cpu", "meta"):
+        with torch.device(default):
+            torch.manual_seed(1)
+            out = model(src, tgt, **kwargs)
+            grads = torch.autograd.grad(out.square().sum(), list(model.parameters()))
+        runs.append((out, grads))
+    (want, want_grads), (got, got_grads) = runs
+    assert got.device.type == "cpu"
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)

@@ -247,8 +247,8 @@ def dropout_keep_mask(
     _check_dropout_size("dropout_keep_mask", seq_q, seq_k)
     calls = dropout_calls(seq_k)
     bh = torch.arange(batch * heads, dtype=torch.int64, device=device) << 32
-    if rng.compiled_cpu_kernels(torch.device("cpu" if device is None else device), seed):
-        rows = bh[:, None] + torch.arange(seq_q, dtype=torch.int64) * calls  # counter of (i, 0)
+    if rng.compiled_cpu_kernels(bh.device, seed):  # rows: the counter of each (i, 0)
+        rows = bh[:, None] + torch.arange(seq_q, dtype=torch.int64, device=bh.device) * calls
         keep = torch.ops.fastformer.attention_keep_mask(
             seed, rows, seq_k, dropout_threshold(dropout_p)
         )
@@ -644,7 +644,7 @@ def _cpu_flash_mask(q: Tensor, attn_mask, kpm) -> Tensor | None:
     keep = None if attn_mask is None or attn_mask.is_floating_point() else attn_mask
     if kpm is not None:
         keep = ~kpm[:, None, None, :] if keep is None else keep & ~kpm[:, None, None, :]
-    add = torch.zeros((), dtype=q.dtype)
+    add = torch.zeros((), dtype=q.dtype, device=q.device)
     if attn_mask is not None and attn_mask.is_floating_point():
         add = attn_mask
     mask = add if keep is None else torch.where(keep, add, float("-inf"))
@@ -657,7 +657,7 @@ def _rows_without_key(mask: Tensor | None, lq: int, lk: int, is_causal: bool):
         return None  # causal alone leaves key 0 to every row
     visible = mask != float("-inf")
     if is_causal:
-        visible = visible & torch.ones(lq, lk, dtype=torch.bool).tril()
+        visible = visible & torch.ones(lq, lk, dtype=torch.bool, device=mask.device).tril()
     empty = ~visible.any(-1)
     return empty if bool(empty.any()) else None
 
@@ -940,7 +940,8 @@ def _attention_fake(query, key, value, attn_mask, key_padding_mask, dropout_p, i
     b, h, lq, _ = query.shape
     out = query.new_empty(b, h, lq, value.shape[-1])
     lse = query.new_empty(b, h, lq, dtype=lse_dtype(query.dtype))
-    return out, lse, torch.empty((), dtype=torch.int64), _new_stat(query, attn_mask)
+    seed = torch.empty((), dtype=torch.int64, device="cpu")
+    return out, lse, seed, _new_stat(query, attn_mask)
 
 
 def _keeps_stat(query: Tensor, attn_mask: Tensor | None) -> bool:

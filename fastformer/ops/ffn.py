@@ -462,7 +462,7 @@ def _forward(
 def _ffn_op_fake(x, w1, b1, w2, b2, activation, dropout_p, needs_grad):
     check_devices("ffn", x, w1=w1, b1=b1, w2=w2, b2=b2)
     saved_shape = _saved_shape(x, w1) if needs_grad else (0,)
-    seed = torch.empty((), dtype=torch.int64)
+    seed = torch.empty((), dtype=torch.int64, device="cpu")
     return x.new_empty(*x.shape[:-1], w2.shape[0]), x.new_empty(saved_shape), seed
 
 
