@@ -554,3 +554,30 @@ def test_ops_ignore_the_default_device(monkeypatch, backend):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_every_tensor_factory_in_the_ops_names_its_device():
+    # The test above covers the paths a model takes; this holds the rule for the others (a
+    # new torch.zeros(...) without device= would follow the default device).
+    import ast
+    import pathlib
+
+    import fastformer.kernels
+
+    root = pathlib.Path(fastformer.ops.__file__).parent.parent  # (kernels: mapped elsewhere)
+    kernels = pathlib.Path(fastformer.kernels.__file__).parent
+    factories = {"arange", "empty", "full", "ones", "rand", "randint", "randn", "tensor", "zeros"}
+    missing = []
+    paths = [*root.glob("ops/*.py"), *root.glob("nn/*.py"), root / "testing.py"]
+    paths += kernels.glob("*.py")
+    assert len(paths) > 10 and root / "ops" / "attention.py" in paths, paths
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            func = node.func
+            if isinstance(func.value, ast.Name) and func.value.id == "torch":
+                keywords = {k.arg for k in node.keywords}
+                if func.attr in factories and not keywords & {"device", None}:
+                    missing.append(f"{path.name}:{node.lineno} torch.{func.attr}")
+    assert not missing, missing
