@@ -24,3 +24,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def keep_mask_never_built(monkeypatch):
+    """rng.dropout_keep raising: a keep-mask builder must refuse bad arguments before it."""
+    from fastformer.ops import rng
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the mask was built from bad arguments")
+
+    monkeypatch.setattr(rng, "dropout_keep", must_not_run)
