@@ -1692,6 +1692,7 @@ def attention_forward(
     kv_range: torch.Tensor | None = None,
     like_query: bool = False,
     stat: torch.Tensor | None = None,
+    out32: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention forward; inputs are trusted (fastformer.ops.attention validates them).
 
@@ -1712,6 +1713,9 @@ def attention_forward(
             loses the sum's log where a large negative bias dominates a row, and float32
             gradients missed the parity bound past |LSE| ~ 900. With a float attn_mask and no
             `stat` a scratch buffer takes them.
+        out32: None, or a contiguous (B, H, Lq, Dv) float32 tensor that receives O before its
+            rounding to q's dtype (out is then its copy), for attention_backward's `out`: the
+            backward's delta = rowsum(dO * O) is as exact as this O.
 
     Returns:
         out (B, H, Lq, Dv) in q's dtype, lse (B, H, Lq) fp32 (natural log; -inf when every key
@@ -1724,20 +1728,25 @@ def attention_forward(
     out = _empty_like_order(q, shape) if like_query else q.new_empty(shape)
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
     if out.numel() == 0 or lk == 0:  # nothing to compute, or every row fully masked
+        if out32 is not None:
+            out32.zero_()
         return out.zero_(), lse.fill_(float("-inf"))
+    o = out if out32 is None else out32  # what the kernel writes
     mask = _attn_mask(attn_mask, (b, h, lq, lk), q)
     pad = _padding(key_padding_mask, q, kv_range)
     stat, row_stat = _stat_arg(mask, stat, lse)
     meta = _meta(q, k, v, mask, key_padding_mask, dropout_p, is_causal, row_stat)
     args = (
-        q, k, v, out, lse, stat, mask.tensor, pad.tensor, pad.kv_range,
+        q, k, v, o, lse, stat, mask.tensor, pad.tensor, pad.kv_range,
         *_seed_args(seed, q.device),
         dropout_threshold(dropout_p), qk_scale(scale), 1.0 / (1.0 - dropout_p), *q.stride()[:3],
-        *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *mask.strides, *pad.strides, h,
+        *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *mask.strides, *pad.strides, h,
         h // hkv, lq, lk, _seq_bucket(lq), _seq_bucket(lk),
     )
     grid = lambda c: bh_grid(_cdiv(lq, c["BLOCK_M"]), b, h)
     _launch("fwd", grid, args, meta, q, config, tma=tma_ok("fwd", k, v))
+    if out32 is not None:
+        out.copy_(out32)
     return out, lse
 
 
@@ -1766,7 +1775,8 @@ def attention_backward(
 
     Args:
         grad_out: (B, H, Lq, Dv) cotangent of out; grad_lse: None or (B, H, Lq) of lse.
-        out, lse: what attention_forward returned for these inputs (same seed, int or tensor).
+        out, lse: what attention_forward returned for these inputs (same seed, int or tensor);
+            out may be its `out32` instead (float32, for any q dtype).
         mask_grad: also return d attn_mask (float mask only), shaped and typed like attn_mask.
         kv_range: key_range(key_padding_mask) when the caller has it (the forward's).
         like_inputs: dq, dk, dv laid out in memory as q, k, v are (see `grads_like`), else
@@ -1893,6 +1903,7 @@ class Variant(NamedTuple):
     mask_kind: int
     has_kpm: bool
     has_dropout: bool
+    out32: bool = False  # Out float32 for 16-bit q (the op's out32)
 
 
 # The variant each feature class is checked with: its heaviest combination of features.
@@ -1904,6 +1915,15 @@ CHECK_VARIANTS = {
     "masked_dropout": Variant("all", True, MASK_FLOAT, True, True),
     "plain": Variant("plain", False, MASK_NONE, False, False),
 }
+# Float-mask classes again with a float32 Out: the fwd and dq specializations of 16-bit calls
+# whose float32 mask needs a gradient (dq loads the float32 O for delta, 2x its registers).
+OUT32_CLASSES = ("masked", "masked_dropout")
+CHECK_VARIANTS.update(
+    {
+        f"{c}_out32": CHECK_VARIANTS[c]._replace(name=CHECK_VARIANTS[c].name + "-out32", out32=True)
+        for c in OUT32_CLASSES
+    }
+)
 
 
 def _compile_inputs(
@@ -1954,7 +1974,7 @@ def _compile_inputs(
 
 
 def _pointer_type(name: str, ty: str, variant: Variant) -> str:
-    if name in _FP32_POINTERS:
+    if name in _FP32_POINTERS or (name == "Out" and variant.out32):
         return "fp32"
     if name == "KvRange":
         return "i32"
@@ -2043,7 +2063,8 @@ def compile_jobs(arch: int = 90) -> list[tuple]:
     config: a lighter one spilled where the heaviest did not (sm_80 fp32, 4-12 bytes). The
     first base config of the 128 and 256 buckets is also compiled in bf16 (wgmma there too;
     same code and registers as fp16 but for the MMA type). On sm_90 the TMA candidates too
-    (`tma_candidates`). Plus the key-range kernel.
+    (`tma_candidates`). The float-mask classes of fwd and dq once more with a float32 Out
+    (OUT32_CLASSES). Plus the key-range kernel.
     """
     jobs = set()
     for (kernel, table_arch, dclass, bucket, fclass), configs in CONFIGS.items():
@@ -2051,13 +2072,15 @@ def compile_jobs(arch: int = 90) -> list[tuple]:
             continue
         dtype = "float32" if dclass == "fp32" else "float16"
         parts = dkdv_parts(getattr(torch, dtype), bucket, bucket) if kernel == "dkdv" else (0,)
-        for config, part in itertools.product(configs, parts):
-            jobs.add((kernel, dtype, bucket, tuple(config), fclass, arch, part))
-            if dclass == "16bit" and fclass == "base" and config == configs[0] and bucket > 64:
-                jobs.add((kernel, "bfloat16", bucket, tuple(config), "base", arch, part))
+        out32 = dclass == "16bit" and fclass in OUT32_CLASSES and kernel in ("fwd", "dq")
         tma = tma_candidates(kernel, arch, dclass, bucket, fclass)
-        for config, part in itertools.product(tma, parts):
+        for config, part in itertools.product([*configs, *tma], parts):
             jobs.add((kernel, dtype, bucket, tuple(config), fclass, arch, part))
+            if out32:
+                jobs.add((kernel, dtype, bucket, tuple(config), fclass + "_out32", arch, part))
+        for config, part in itertools.product(configs[:1], parts):
+            if dclass == "16bit" and fclass == "base" and bucket > 64:
+                jobs.add((kernel, "bfloat16", bucket, tuple(config), "base", arch, part))
     jobs = sorted(jobs)
     jobs.append(("kv_range", "float16", 64, (0, KV_RANGE_BLOCK, 4, 1), "base", arch, 0))
     return jobs

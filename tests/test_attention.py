@@ -162,6 +162,11 @@ CASES = {
     "fp16_fp32_mask_gqa": Case(
         h=4, hkv=2, lq=33, lk=65, d=64, mask="float", mask_dtype=F32, dtype=F16
     ),
+    # A float32 mask makes the 16-bit reference compute in float32: the backward's delta from
+    # the float16 O took dk to 1.18x and d attn_mask to 2.16x the bound (float32 O: 0.11, 0.19).
+    "fp16_fp32_mask_l1": Case(
+        lq=1, lk=5, d=16, mask="float", mask_dtype=F32, dtype=F16, scale=1.48
+    ),
 }
 
 
@@ -923,6 +928,31 @@ def test_torch_backend_matches_triton_for_the_same_seed(monkeypatch):
 # --------------------------------------------------------------------------- memory, registration
 
 
+@pytest.mark.parametrize("mask_dtype", [F16, F32])
+@pytest.mark.parametrize("grad", [True, False])
+def test_float32_output_kept_for_a_float32_mask(mask_dtype, grad):
+    # out32 (float32 O for the backward's delta) exactly where a float32 mask meets 16-bit
+    # inputs that are to be differentiated: not under no_grad, not for a 16-bit mask.
+    c = Case(b=1, h=2, lq=9, lk=12, d=16, dv=8, mask="float", mask_dtype=mask_dtype, dtype=F16)
+    q, k, v = _qkv(c)
+    mask = _attn_mask(c)
+    saved = []
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.set_grad_enabled(grad):
+        out = attn.scaled_dot_product_attention(q, k, v, mask)
+    kept = ((1, 2, 9, 8), torch.float32) in saved
+    assert kept == (grad and mask_dtype == F32), saved
+    if kept:  # out is the float32 O rounded
+        op = torch.ops.fastformer.attention
+        out32 = op(q, k, v, mask, None, 0.0, False, None, True)[4]
+        assert torch.equal(out32.half(), out.detach())
+        assert (out32 - out.detach().float()).abs().max() > 0  # not an upcast of out
+
+
 def test_saved_tensors_are_linear_in_sequence_length():
     b, h, l, d = 2, 2, 128, 16
     q, k, v = _qkv(Case(b=b, h=h, lq=l, lk=l, d=d))
@@ -955,18 +985,27 @@ def test_opcheck(monkeypatch, backend):
     for mask in (None, _attn_mask(c).detach()):
         # The forward's row statistics: kept for float32 inputs and float masks, the 8 bytes a
         # row spared for 16-bit inputs without one.
-        half = op(q.half(), k.half(), v.half(), mask, None, 0.0, False, 0.25)[3]
-        assert half.shape == ((1, 2, 9, 2) if mask is not None else (0,))
-        out, lse, seed, stat = op(q, k, v, mask, None, 0.0, False, 0.25)
-        assert stat.shape == (1, 2, 9, 2)
+        half = op(q.half(), k.half(), v.half(), mask, None, 0.0, False, 0.25)
+        assert half[3].shape == ((1, 2, 9, 2) if mask is not None else (0,))
+        assert half[4].shape == (0,)  # float32 O: only when needs_grad says so
+        out, lse, seed, stat, out32 = op(q, k, v, mask, None, 0.0, False, 0.25)
+        assert stat.shape == (1, 2, 9, 2) and out32.shape == (0,)
         # Without an lse gradient the torch backend runs torch's CPU flash backward, with one
         # its written-out reference backward: check both.
         for grad_lse in (None, torch.randn_like(lse)):
-            args = (torch.randn_like(out), grad_lse, q, k, v, out, lse, stat, mask, None, seed)
+            saved = (out, lse, stat, out32, mask, None, seed)
+            args = (torch.randn_like(out), grad_lse, q, k, v, *saved)
             torch.library.opcheck(backward, (*args, 0.0, False, 0.25, False))
+    # A 16-bit call with a float32 mask, made to be differentiated, keeps a float32 O.
+    qh, kh, vh, mask = q.half(), k.half(), v.half(), _attn_mask(c).detach()
+    torch.library.opcheck(op, (qh, kh, vh, mask, None, 0.0, True, 0.25, True))
+    out, lse, seed, stat, out32 = op(qh, kh, vh, mask, None, 0.0, True, 0.25, True)
+    assert out32.shape == (1, 2, 9, 16) and out32.dtype == torch.float32
+    args = (torch.randn_like(out), None, qh, kh, vh, out, lse, stat, out32, mask, None, seed)
+    torch.library.opcheck(backward, (*args, 0.0, True, 0.25, True))
 
 
-@pytest.mark.parametrize("case", ["key_batch", "value_length", "grad_out", "lse", "seed"])
+@pytest.mark.parametrize("case", ["key_batch", "value_length", "grad_out", "lse", "seed", "out32"])
 def test_raw_ops_check_their_inputs(case):
     # torch.ops.fastformer.attention(_backward) are public: torch's CPU flash kernels read out
     # of bounds (a segfault) for a key of fewer batches than q, or a grad_out / lse smaller
@@ -978,12 +1017,14 @@ def test_raw_ops_check_their_inputs(case):
         with pytest.raises(ValueError, match="key has batch 1|value .* must match key"):
             op(q, k, v, None, None, 0.0, False, 0.25)
         return
-    out, lse, seed, stat = op(q, k, v, None, None, 0.0, False, 0.25)
+    out, lse, seed, stat, out32 = op(q, k, v, None, None, 0.0, False, 0.25)
     grad_out = {"grad_out": out[:, :, :1]}.get(case, torch.ones_like(out))
     lse = lse[:, :, :3] if case == "lse" else lse
     seed = seed.float() if case == "seed" else seed
+    out32 = out[:, :, :1].float() if case == "out32" else out32
     with pytest.raises(ValueError, match=f"attention_backward: {case} must be"):
-        backward(grad_out, None, q, k, v, out, lse, stat, None, None, seed, 0.0, False, 0.25, False)
+        backward(grad_out, None, q, k, v, out, lse, stat, out32, None, None, seed, 0.0, False,
+                 0.25, False)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [F16, F32])
@@ -993,9 +1034,9 @@ def test_raw_backward_wants_the_forwards_stat(dtype):
     # and its kernels read it (a 3-element one gave NaN dq: out of bounds on a GPU).
     op, backward = torch.ops.fastformer.attention, torch.ops.fastformer.attention_backward
     q, k, v = (_randn((2, 2, 5, 8), dtype=dtype, seed=i) for i in range(3))
-    out, lse, seed, stat = op(q, k, v, None, None, 0.0, False, 0.25)
+    out, lse, seed, stat, out32 = op(q, k, v, None, None, 0.0, False, 0.25)
     args = (torch.ones_like(out), None, q, k, v, out, lse)
-    rest = (None, None, seed, 0.0, False, 0.25, False)
+    rest = (out32, None, None, seed, 0.0, False, 0.25, False)
     backward(*args, stat, *rest)  # its own
     wrong = [torch.zeros(3), torch.zeros(2, 2, 3, 2)]
     wrong += [torch.zeros(2, 2, 5, 2)] if dtype == F16 else [torch.zeros(0)]
@@ -1009,13 +1050,15 @@ def test_raw_backward_refuses_one_meta_argument(name):
     # One meta tensor among CPU ones sends the call to the fake kernel, which checked nothing
     # and returned uninitialized CPU gradients.
     q = _randn((1, 2, 5, 8))
-    out, lse, seed, stat = torch.ops.fastformer.attention(q, q, q, None, None, 0.0, False, 0.25)
+    out, lse, seed, stat, out32 = torch.ops.fastformer.attention(
+        q, q, q, None, None, 0.0, False, 0.25
+    )
     args = dict(grad_out=torch.ones_like(out), out=out, lse=lse, seed=seed)
     args[name] = args[name].to("meta")
     with pytest.raises(ValueError, match=f"attention_backward: {name} is on meta"):
         torch.ops.fastformer.attention_backward(args["grad_out"], None, q, q, q, args["out"],
-                                                args["lse"], stat, None, None, args["seed"], 0.0,
-                                                False, 0.25, False)  # fmt: skip
+                                                args["lse"], stat, out32, None, None,
+                                                args["seed"], 0.0, False, 0.25, False)  # fmt: skip
 
 
 def test_torch_compile_fullgraph_matches_eager():

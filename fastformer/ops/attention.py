@@ -156,15 +156,18 @@ def scaled_dot_product_attention_with_lse(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
     )
     args = (query, key, value, attn_mask, key_padding_mask, float(dropout_p), bool(is_causal))
+    needs_grad = torch.is_grad_enabled() and _any_requires_grad(query, key, value, attn_mask)
     if traced() and not under_transform():
         # The op resolves a None scale itself: 1 / sqrt(D) of a symbolic head dim is a guard on
-        # D (dynamic=True recompiled per head dim).
-        out, lse = torch.ops.fastformer.attention(*args, scale)[:2]
+        # D (dynamic=True recompiled per head dim). A jit trace saves for a backward in any
+        # grad mode.
+        needs_grad = needs_grad or torch.jit.is_tracing()
+        out, lse = torch.ops.fastformer.attention(*args, scale, needs_grad)[:2]
         return out, lse
     resolved = _resolve_scale(scale, query.shape[-1])
     if under_transform():  # eager or compiled
         return _transformed(*args, resolved)
-    if torch.is_grad_enabled() and _any_requires_grad(query, key, value, attn_mask):
+    if needs_grad:
         out, lse = _AttentionFunction.apply(*args, resolved)
     else:
         out, lse = _forward(*args, resolved, like_query=True)[:2]
@@ -885,11 +888,14 @@ def _attention_op(
     dropout_p: float,
     is_causal: bool,
     scale: Optional[float],  # noqa: UP045 (None: 1 / sqrt(D))
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(out, lse, seed, stat): seed is a CPU int64 scalar, drawn here at run time when
-    dropout_p > 0 (inside CUDA graph capture a device scalar, see rng.draw_call_seed); stat
-    (B, H, Lq, 2) float32 where `_keeps_stat`: the Triton forward's row statistics for its
-    backward (zeros from the torch backend, which does not read them), else empty."""
+    needs_grad: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out, lse, seed, stat, out32): seed is a CPU int64 scalar, drawn here at run time
+    when dropout_p > 0 (inside CUDA graph capture a device scalar, see rng.draw_call_seed);
+    stat (B, H, Lq, 2) float32 where `_keeps_stat`: the Triton forward's row statistics for
+    its backward; out32 (B, H, Lq, Dv) float32 where `_keeps_out32` (needs_grad: the caller
+    will differentiate): out before its rounding, for the backward. Both are zeros from the
+    torch backend, which does not read them, and empty where not kept."""
     # Callers of torch.ops.fastformer.attention skip the public checks; torch's CPU flash
     # kernel read past a key of fewer batches than the query (a segfault).
     scale = _check_inputs(
@@ -897,32 +903,36 @@ def _attention_op(
     )
     scale = _resolve_scale(scale, query.shape[-1])
     args = (query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale)
-    out, lse, seed, stat = _forward(*args)
+    out, lse, seed, stat, out32 = _forward(*args, needs_grad=needs_grad)
     # Contiguous like the fake: inductor trusts its strides. The torch backend's tensors may
     # be (B, L, H, D) views, kept in eager calls, where that layout is what a caller with
     # (B, L, H * D) projections reshapes for free.
-    if stat is None:  # the fake's shape (it cannot know the backend); never read
+    if stat is None:  # the fake's shapes (it cannot know the backend); never read
         stat = _new_stat(query, attn_mask).zero_()
-    return out.contiguous(), lse.contiguous(), rng.seed_scalar(seed), stat
+        out32 = _new_out32(query, value, attn_mask, needs_grad).zero_()
+    return out.contiguous(), lse.contiguous(), rng.seed_scalar(seed), stat, out32
 
 
 def _forward(
     query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale, backend=None,
-    kv_range=None, like_query=False,
+    kv_range=None, like_query=False, needs_grad=False,
 ):  # fmt: skip
+    """(out, lse, seed, stat, out32); stat and out32 None from the torch backend."""
     # like_query (eager calls): out in the query's memory order, as the torch backend's may be.
     seed = rng.call_seed(query.device, dropout_p)
     args = (query, key, value, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale)
-    stat = None
+    stat = out32 = None
     if (backend or _backend(query, key, value, attn_mask)) == "triton":
         stat = _row_stat(query, key, attn_mask)
+        out32 = _new_out32(query, value, attn_mask, needs_grad)
         out, lse = _kernels().attention_forward(
-            *args, kv_range=kv_range, like_query=like_query, stat=stat
-        )
+            *args, kv_range=kv_range, like_query=like_query, stat=stat,
+            out32=out32 if out32.numel() else None,
+        )  # fmt: skip
     else:
         rng.check_host_seed(seed, "attention")
         out, lse = _torch_forward(*args)
-    return out, lse, seed, stat
+    return out, lse, seed, stat, out32
 
 
 def _row_stat(query: Tensor, key: Tensor, attn_mask: Tensor | None) -> Tensor | None:
@@ -934,14 +944,17 @@ def _row_stat(query: Tensor, key: Tensor, attn_mask: Tensor | None) -> Tensor | 
 
 
 @_attention_op.register_fake
-def _attention_fake(query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale):
+def _attention_fake(
+    query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale, needs_grad=False
+):  # fmt: skip
     _check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, True,
                   key_padding_mask)  # fmt: skip
     b, h, lq, _ = query.shape
     out = query.new_empty(b, h, lq, value.shape[-1])
     lse = query.new_empty(b, h, lq, dtype=lse_dtype(query.dtype))
     seed = torch.empty((), dtype=torch.int64, device="cpu")
-    return out, lse, seed, _new_stat(query, attn_mask)
+    stat, out32 = _new_stat(query, attn_mask), _new_out32(query, value, attn_mask, needs_grad)
+    return out, lse, seed, stat, out32
 
 
 def _keeps_stat(query: Tensor, attn_mask: Tensor | None) -> bool:
@@ -959,6 +972,22 @@ def _new_stat(query: Tensor, attn_mask: Tensor | None) -> Tensor:
     return query.new_empty(0, dtype=torch.float32)
 
 
+def _keeps_out32(query: Tensor, attn_mask: Tensor | None, needs_grad: bool) -> bool:
+    # The backward's delta = rowsum(dO * O) from O before its rounding to 16 bits, where a
+    # float32 mask makes torch compute 16-bit attention in float32: the rounded O's error,
+    # amplified through dS = P * (dP - delta), took gradients (d attn_mask the most) up to
+    # 2.7x past the parity bound. O-sized, next to the mask's Lq x Lk float32.
+    float32_mask = attn_mask is not None and attn_mask.dtype == torch.float32
+    return needs_grad and float32_mask and query.dtype in _HALF
+
+
+def _new_out32(query: Tensor, value: Tensor, attn_mask: Tensor | None, needs_grad: bool):
+    # The op's out32 output: (B, H, Lq, Dv) float32 where `_keeps_out32`, else empty.
+    if _keeps_out32(query, attn_mask, needs_grad):
+        return query.new_empty(*query.shape[:3], value.shape[-1], dtype=torch.float32)
+    return query.new_empty(0, dtype=torch.float32)
+
+
 @torch.library.custom_op("fastformer::attention_backward", mutates_args=())
 def _attention_backward_op(
     grad_out: Tensor,
@@ -969,6 +998,7 @@ def _attention_backward_op(
     out: Tensor,
     lse: Tensor,
     stat: Tensor,
+    out32: Tensor,
     attn_mask: Optional[Tensor],  # noqa: UP045
     key_padding_mask: Optional[Tensor],  # noqa: UP045
     seed: Tensor,
@@ -978,22 +1008,27 @@ def _attention_backward_op(
     mask_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dmask); dmask is empty unless mask_grad (float attn_mask needing grad).
-    stat: the forward op's."""
+    stat and out32: the forward op's (out32 empty or (B, H, Lq, Dv) float32)."""
     scale = _check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, True,
                           key_padding_mask)  # fmt: skip
     scale = _resolve_scale(scale, query.shape[-1])
-    _check_saved(grad_out, grad_lse, query, value, out, lse, stat, seed, attn_mask, mask_grad)
+    saved = (out, lse, stat, out32, seed)
+    _check_saved(grad_out, grad_lse, query, value, *saved, attn_mask, mask_grad)
     grads = _backward_kernels(
-        grad_out, grad_lse, query, key, value, out, lse, stat, attn_mask, key_padding_mask, seed,
-        dropout_p, is_causal, scale, mask_grad,
+        grad_out, grad_lse, query, key, value, out, lse, stat, out32, attn_mask,
+        key_padding_mask, seed, dropout_p, is_causal, scale, mask_grad,
     )  # fmt: skip
     return tuple(g.contiguous() for g in grads)  # as the fake (see _attention_op)
 
 
-def _check_saved(grad_out, grad_lse, query, value, out, lse, stat, seed, attn_mask, mask_grad):
+def _check_saved(
+    grad_out, grad_lse, query, value, out, lse, stat, out32, seed, attn_mask, mask_grad
+):  # fmt: skip
     """attention_backward's tensors against the forward's geometry (torch's CPU flash backward
     indexes them with q's sizes: smaller ones were read out of bounds)."""
     b, h, lq, _ = query.shape
+    # out32 as the forward kept it, or empty (a caller of the op that passed no needs_grad)
+    out32_shape = (0,) if out32.numel() == 0 else (b, h, lq, value.shape[-1])
     float_mask = attn_mask is not None and attn_mask.is_floating_point()
     expected = {
         "grad_out": (grad_out, (b, h, lq, value.shape[-1]), query.dtype),
@@ -1001,6 +1036,7 @@ def _check_saved(grad_out, grad_lse, query, value, out, lse, stat, seed, attn_ma
         "lse": (lse, (b, h, lq), lse_dtype(query.dtype)),
         "grad_lse": (grad_lse, (b, h, lq), lse_dtype(query.dtype)),
         "stat": (stat, (b, h, lq, 2) if _keeps_stat(query, attn_mask) else (0,), torch.float32),
+        "out32": (out32, out32_shape, torch.float32),
         "seed": (seed, (), torch.int64),
     }
     for name, (t, shape, dtype) in expected.items():
@@ -1020,8 +1056,8 @@ def _check_saved(grad_out, grad_lse, query, value, out, lse, stat, seed, attn_ma
 
 
 def _backward_kernels(
-    grad_out, grad_lse, query, key, value, out, lse, stat, attn_mask, key_padding_mask, seed,
-    dropout_p, is_causal, scale, mask_grad, backend=None, kv_range=None, like_inputs=False,
+    grad_out, grad_lse, query, key, value, out, lse, stat, out32, attn_mask, key_padding_mask,
+    seed, dropout_p, is_causal, scale, mask_grad, backend=None, kv_range=None, like_inputs=False,
 ):  # fmt: skip
     # like_inputs (eager calls): Triton's dq, dk, dv in the memory layout of q, k, v.
     args = (grad_out, grad_lse, query, key, value, out, lse, attn_mask, key_padding_mask,
@@ -1032,6 +1068,8 @@ def _backward_kernels(
     if triton and not _batched(grad_out, grad_lse):
         backward = _kernels().attention_backward
         stat = stat if stat is not None and stat.numel() else None
+        if out32 is not None and out32.numel():  # the kernels' delta reads it instead of out
+            args = (*args[:5], out32, *args[6:])
         dq, dk, dv, dmask = backward(*args, kv_range=kv_range, like_inputs=like_inputs, stat=stat)
     else:
         dq, dk, dv, dmask = _torch_backward(*args)
@@ -1040,10 +1078,10 @@ def _backward_kernels(
 
 @_attention_backward_op.register_fake
 def _attention_backward_fake(grad_out, grad_lse, query, key, value, *rest):
-    out, lse, stat, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale, mask_grad = rest
-    _check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, True,
-                  key_padding_mask)  # fmt: skip
-    _check_saved(grad_out, grad_lse, query, value, out, lse, stat, seed, attn_mask, mask_grad)
+    out, lse, stat, out32, attn_mask, kpm, seed, dropout_p, is_causal, scale, mask_grad = rest
+    _check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, True, kpm)
+    saved = (out, lse, stat, out32, seed)
+    _check_saved(grad_out, grad_lse, query, value, *saved, attn_mask, mask_grad)
     dmask = attn_mask.new_empty(attn_mask.shape) if mask_grad else query.new_empty(0)
     return (
         query.new_empty(query.shape),
@@ -1054,10 +1092,11 @@ def _attention_backward_fake(grad_out, grad_lse, query, key, value, *rest):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale = inputs
-    out, lse, seed, stat = output
-    # O(B*H*L*D): q, k, v, out, lse and stat; the masks are the caller's own tensors.
-    ctx.save_for_backward(query, key, value, out, lse, stat, attn_mask, key_padding_mask, seed)
+    query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale = inputs[:8]
+    out, lse, seed, stat, out32 = output
+    # O(B*H*L*D): q, k, v, out, lse, stat and out32; the masks are the caller's own tensors.
+    saved = (query, key, value, out, lse, stat, out32, attn_mask, key_padding_mask, seed)
+    ctx.save_for_backward(*saved)
     ctx.dropout_p, ctx.is_causal, ctx.scale = dropout_p, is_causal, scale
     ctx.float_mask = attn_mask is not None and attn_mask.is_floating_point()
     # No zero cotangent for an unused out: value's gradient is then None (`_grads`), as in
@@ -1065,13 +1104,15 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_out, grad_lse, _grad_seed, _grad_stat):
-    return _grads(ctx, grad_out, grad_lse, torch.ops.fastformer.attention_backward)
+def _backward(ctx, grad_out, grad_lse, _grad_seed, _grad_stat, _grad_out32):
+    grads = _grads(ctx, grad_out, grad_lse, torch.ops.fastformer.attention_backward)
+    return *grads, None  # needs_grad
 
 
 def _grads(ctx, grad_out, grad_lse, backward_fn) -> tuple:
-    """Gradients of the 8 inputs of the op (None for masks without grad and non-tensors)."""
-    query, key, value, out, lse, stat, attn_mask, key_padding_mask, seed = ctx.saved_tensors
+    """Gradients of the 8 inputs of _AttentionFunction (None for masks without grad and
+    non-tensors)."""
+    query, key, value, out, lse, stat, out32, attn_mask, key_padding_mask, seed = ctx.saved_tensors
     mask_grad = ctx.float_mask and ctx.needs_input_grad[3]
     out_used = grad_out is not None
     if not out_used:  # only lse was used
@@ -1085,6 +1126,7 @@ def _grads(ctx, grad_out, grad_lse, backward_fn) -> tuple:
         out,
         lse,
         stat,
+        out32,
         attn_mask,
         key_padding_mask,
         seed,
@@ -1113,10 +1155,10 @@ class _AttentionFunction(torch.autograd.Function):
         ctx.kv_range = None
         if ctx.backend == "triton" and key_padding_mask is not None:
             ctx.kv_range = _kernels().key_range(key_padding_mask)
-        out, lse, seed, stat = _forward(
-            *inputs, backend=ctx.backend, kv_range=ctx.kv_range, like_query=True
+        out, lse, seed, stat, out32 = _forward(
+            *inputs, backend=ctx.backend, kv_range=ctx.kv_range, like_query=True, needs_grad=True
         )
-        output = (out, lse, rng.seed_tensor(seed), stat)
+        output = (out, lse, rng.seed_tensor(seed), stat, out32)
         _setup_context(ctx, inputs, output)
         ctx.set_materialize_grads(False)  # no zero LSE cotangent when only out is used
         return output[0], output[1]
