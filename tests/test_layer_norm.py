@@ -120,6 +120,18 @@ def test_empty_batch(shape):
     assert torch.equal(w.grad, torch.zeros(8)) and torch.equal(b.grad, torch.zeros(8))
 
 
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("shape", [(3, 0), (2, 3, 0)])
+def test_rows_without_columns(shape, rms):
+    # torch.nn.LayerNorm(0) / RMSNorm(0) return the empty rows, and empty gradients.
+    x = _make(shape)
+    w, b = _params(0, "both")
+    out = ln.rms_norm(x, 0, w) if rms else ln.layer_norm(x, 0, w, b)
+    assert out.shape == shape and out.dtype == x.dtype
+    out.sum().backward()
+    assert x.grad.shape == shape and w.grad.shape == (0,)
+
+
 def test_layer_norm_matches_torch_and_eps():
     x = _make((10, 33), grad=False) * 1e-3  # tiny variance: eps matters
     w, b = _params(33, "both")
@@ -457,6 +469,7 @@ def _bad_cases():
         "shape too long": (lambda: ln.layer_norm(x, (2, 3, 8)), ValueError, "normalized_shape"),
         "shape type": (lambda: ln.layer_norm(x, "8"), TypeError, "normalized_shape"),
         "shape empty": (lambda: ln.layer_norm(x, ()), ValueError, "normalized_shape"),
+        "shape negative": (lambda: ln.layer_norm(x, -8), ValueError, "non-negative"),
         "weight shape": (lambda: ln.layer_norm(x, 8, torch.randn(7)), ValueError, "weight"),
         "bias shape": (lambda: ln.layer_norm(x, 8, w, torch.randn(4, 2)), ValueError, "bias"),
         "weight dtype": (lambda: ln.layer_norm(x, 8, w.half()), TypeError, "weight"),

@@ -128,8 +128,8 @@ def _normalized_shape(fn: str, x: Tensor, normalized_shape: object) -> tuple[int
         raise TypeError(
             f"{fn}: normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}"
         )
-    if not shape or any(d < 1 for d in shape):
-        raise ValueError(f"{fn}: normalized_shape must be non-empty and positive, got {shape}")
+    if not shape or any(d < 0 for d in shape):  # 0 is empty rows, as torch.nn.LayerNorm(0)
+        raise ValueError(f"{fn}: normalized_shape must be non-empty and non-negative, got {shape}")
     if len(shape) > x.dim() or tuple(x.shape[x.dim() - len(shape) :]) != shape:
         raise ValueError(
             f"{fn}: normalized_shape {shape} does not match the trailing dims of input "
@@ -493,7 +493,8 @@ def _run_torch(
 
 def _run(x, shape, weight, bias, residual, eps, dropout_p, rms, prenorm):
     args = (weight, bias, residual, eps, dropout_p, rms, prenorm)
-    if under_transform():  # eager or compiled
+    # (Rows of no columns, torch.nn.LayerNorm(0)'s, are empty: the kernels want columns.)
+    if under_transform() or math.prod(shape) == 0:  # eager or compiled
         return _run_torch(x, shape, *args)
     if select_by_key(OP, (x.device.type, x.dtype), lambda: x) == "cpp":
         return _run_cpp(x, math.prod(shape), *args)
