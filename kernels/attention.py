@@ -989,9 +989,11 @@ _PADDED_SPILLS = {
 # Dropout configs that spill with an attn_mask too (a float mask's tile and the row statistics of
 # _row_lse; compile_report, Triton 3.6 or 3.8): not "masked_dropout" candidates. (kernel,
 # dtype class, bucket, config) per arch; _MASKED_DROPOUT_EXTRA gives lists left empty others.
+# sm_80 fwd d256 (64, 16, 4, 2): 8 bytes with a float32 Out (the op's out32), Triton 3.6.
 _MASKED_DROPOUT_SPILLS = {
     90: {("fwd", "16bit", 256, _C(128, 32, 8, 2)), ("dkdv", "16bit", 64, _QK(64, 64, 4, 3))},
-    80: {("dq", "16bit", 256, _C(64, 32, 8, 2)), ("fwd", "fp32", 256, _C(32, 16, 8, 2))},
+    80: {("dq", "16bit", 256, _C(64, 32, 8, 2)), ("fwd", "fp32", 256, _C(32, 16, 8, 2)),
+         ("fwd", "16bit", 256, _C(64, 16, 4, 2))},
 }
 # (arch, kernel, dtype class, bucket) -> configs: fp32 d256 (32, 16, 8, 1), one stage, 240-246
 # registers on sm_80 (3.6, 3.8).
