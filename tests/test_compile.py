@@ -453,3 +453,39 @@ def test_reduce_overhead_keeps_the_step_in_cuda_graphs(monkeypatch, dropout):
         torch.manual_seed(3)
         expected = layer(x, src_key_padding_mask=kpm)  # (inductor fuses the rest: float32 sums)
         torch.testing.assert_close(outs[3], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_compiled_ops_return_every_output_on_the_input_device():
+    # Inductor's CUDA graphs (mode="reduce-overhead") take no CPU tensor: a CPU seed output
+    # skipped a compiled graph's CUDA graphs, or cut it off in a partition returning the ops'
+    # tuples. The fakes (what inductor plans with) on fake CUDA inputs, no GPU needed.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ops = torch.ops.fastformer
+    with FakeTensorMode():
+        q = torch.empty(2, 2, 8, 16, device="cuda")
+        x, w = torch.empty(4, 16, device="cuda"), torch.empty(16, device="cuda")
+        w1, w2 = torch.empty(32, 16, device="cuda"), torch.empty(16, 32, device="cuda")
+        calls = {
+            "attention": ops.attention(q, q, q, None, None, 0.1, False, None, True),
+            "layer_norm": ops.layer_norm(x, w, w, None, 1e-5, 0.1, False, True),
+            "ffn": ops.ffn(x, w1, None, w2, None, "relu", 0.1, True),
+        }
+    for name, outputs in calls.items():
+        devices = [t.device.type for t in outputs]
+        assert devices == ["cuda"] * len(outputs), (name, devices)
+
+
+def test_host_seed_reads_a_saved_seed_and_refuses_capture(monkeypatch):
+    # The torch backends' backward builds the mask on the host: a compiled call's seed output
+    # (on the device) is read there; inside capture it cannot be.
+    from fastformer.ops import rng
+
+    assert rng.host_seed(torch.tensor(12345), "attention") == 12345
+    assert rng.host_seed(7, "ffn") == 7
+    seed = rng.seed_output(99, torch.device("cpu"))
+    assert rng.host_seed(seed, "ffn") == 99
+    monkeypatch.setattr(rng, "capturing", lambda device: True)
+    monkeypatch.setattr(rng, "saved_seed", lambda s: s)  # as a device seed stays a tensor
+    with pytest.raises(RuntimeError, match="attention with dropout inside CUDA graph capture"):
+        rng.host_seed(seed, "attention")

@@ -233,7 +233,7 @@ def test_call_seed_is_drawn_on_the_device_inside_capture(monkeypatch):
     torch.manual_seed(9)
     expected = torch.randint(0, 2**rng.SEED_BITS - 1, (), dtype=torch.int64)
     assert isinstance(seed, torch.Tensor) and seed.dtype == torch.int64 and seed.dim() == 0
-    assert torch.equal(seed, expected) and rng.seed_scalar(seed) is seed
+    assert torch.equal(seed, expected) and rng.seed_output(seed, device) is seed
     assert rng.saved_seed(seed) == int(expected)  # a CPU seed goes to the kernels as an int
 
 

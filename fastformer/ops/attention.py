@@ -890,8 +890,8 @@ def _attention_op(
     scale: Optional[float],  # noqa: UP045 (None: 1 / sqrt(D))
     needs_grad: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(out, lse, seed, stat, out32): seed is a CPU int64 scalar, drawn here at run time
-    when dropout_p > 0 (inside CUDA graph capture a device scalar, see rng.draw_call_seed);
+    """(out, lse, seed, stat, out32): seed is an int64 scalar on the query's device, drawn
+    here at run time when dropout_p > 0 (`rng.seed_output`);
     stat (B, H, Lq, 2) float32 where `_keeps_stat`: the Triton forward's row statistics for
     its backward; out32 (B, H, Lq, Dv) float32 where `_keeps_out32` (needs_grad: the caller
     will differentiate): out before its rounding, for the backward. Both are zeros from the
@@ -910,7 +910,8 @@ def _attention_op(
     if stat is None:  # the fake's shapes (it cannot know the backend); never read
         stat = _new_stat(query, attn_mask).zero_()
         out32 = _new_out32(query, value, attn_mask, needs_grad).zero_()
-    return out.contiguous(), lse.contiguous(), rng.seed_scalar(seed), stat, out32
+    seed = rng.seed_output(seed, query.device)
+    return out.contiguous(), lse.contiguous(), seed, stat, out32
 
 
 def _forward(
@@ -952,7 +953,7 @@ def _attention_fake(
     b, h, lq, _ = query.shape
     out = query.new_empty(b, h, lq, value.shape[-1])
     lse = query.new_empty(b, h, lq, dtype=lse_dtype(query.dtype))
-    seed = torch.empty((), dtype=torch.int64, device="cpu")
+    seed = query.new_empty((), dtype=torch.int64)  # rng.seed_output
     stat, out32 = _new_stat(query, attn_mask), _new_out32(query, value, attn_mask, needs_grad)
     return out, lse, seed, stat, out32
 
@@ -1071,8 +1072,9 @@ def _backward_kernels(
         if out32 is not None and out32.numel():  # the kernels' delta reads it instead of out
             args = (*args[:5], out32, *args[6:])
         dq, dk, dv, dmask = backward(*args, kv_range=kv_range, like_inputs=like_inputs, stat=stat)
-    else:
-        dq, dk, dv, dmask = _torch_backward(*args)
+    else:  # its mask is built on the host
+        host_seed = rng.host_seed(seed, "attention") if dropout_p > 0 else 0
+        dq, dk, dv, dmask = _torch_backward(*args[:9], host_seed, *args[10:])
     return dq, dk, dv, query.new_empty(0) if dmask is None else dmask
 
 

@@ -392,7 +392,7 @@ def _ffn_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out, saved, seed) for a 2-D x; saved is empty when no gradient is needed."""
     out, saved, seed = _forward(x, w1, b1, w2, b2, activation, dropout_p, needs_grad)
-    return out, saved, rng.seed_scalar(seed)
+    return out, saved, rng.seed_output(seed, x.device)
 
 
 _CAPABILITY: dict[int, tuple[int, int]] = {}  # CUDA device index -> compute capability
@@ -462,7 +462,7 @@ def _forward(
 def _ffn_op_fake(x, w1, b1, w2, b2, activation, dropout_p, needs_grad):
     check_devices("ffn", x, w1=w1, b1=b1, w2=w2, b2=b2)
     saved_shape = _saved_shape(x, w1) if needs_grad else (0,)
-    seed = torch.empty((), dtype=torch.int64, device="cpu")
+    seed = x.new_empty((), dtype=torch.int64)  # rng.seed_output
     return x.new_empty(*x.shape[:-1], w2.shape[0]), x.new_empty(saved_shape), seed
 
 
@@ -490,7 +490,8 @@ def _grad(
         return torch.ops.fastformer.ffn_backward(
             grad_out.contiguous(), x, w1, w2, saved, activation, dropout_p, *_op_seed(seed)
         )
-    args = (_rows(grad_out), _rows(x), w1, w2, saved, seed, activation, dropout_p)
+    host_seed = rng.host_seed(seed, "ffn") if dropout_p > 0 else 0  # its mask: on the host
+    args = (_rows(grad_out), _rows(x), w1, w2, saved, host_seed, activation, dropout_p)
     dx, *rest = _torch_backward(*args)
     return (dx.view(x.shape), *rest)
 

@@ -213,7 +213,7 @@ def _forward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Draws the dropout seed (when dropout_p > 0) and runs the compiled forward."""
     if dropout_p > 0 or seed is None:
-        seed = rng.seed_scalar(rng.call_seed(x.device, dropout_p))
+        seed = rng.seed_output(rng.call_seed(x.device, dropout_p), x.device)
     out, pre, mean, rstd = torch.ops.fastformer.layer_norm_fwd(
         x, weight, bias, residual, seed, eps, dropout_p, rms, store_pre
     )
@@ -235,7 +235,7 @@ def _layer_norm_op(
     dropout seed (here, at run time).
 
     Returns out (x's shape), pre (x's shape; (0,) unless stored), mean ((rows,); (0,) for
-    RMSNorm), rstd (rows,) and the seed as a 0-dim int64 CPU tensor.
+    RMSNorm), rstd (rows,) and the seed as a 0-dim int64 tensor on x's device (`rng.seed_output`).
     """
     return _forward(x, weight, bias, residual, eps, dropout_p, rms, store_pre)
 
@@ -263,7 +263,7 @@ def _fwd_fake(x, weight, bias, residual, eps, dropout_p, rms, store_pre, seed=No
 @_layer_norm_op.register_fake
 def _(x, weight, bias, residual, eps, dropout_p, rms, store_pre):
     out = _fwd_fake(x, weight, bias, residual, eps, dropout_p, rms, store_pre)
-    return (*out, torch.empty((), dtype=torch.int64, device="cpu"))
+    return (*out, x.new_empty((), dtype=torch.int64))  # rng.seed_output
 
 
 def _save(ctx, inputs, output) -> None:

@@ -290,19 +290,26 @@ def _host_seed(device: torch.device) -> int:
     return draw.item() & (2**SEED_BITS - 1)
 
 
-def seed_scalar(seed: int | torch.Tensor) -> torch.Tensor:
-    """`seed` as a fresh CPU int64 scalar tensor (a custom op's seed output must be its own);
-    a seed tensor drawn on the device (`draw_call_seed`) as it is.
-    (`torch.full`: exact for every int64, ~1 us against ~2.6 for `torch.tensor`.)"""
+def seed_output(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A custom op's seed output: a fresh 0-dim int64 tensor holding `seed` on the op's
+    `device` (its fake's), or a seed drawn on the device (`draw_call_seed`) as it is.
+
+    On the device, not the CPU: inductor's CUDA graphs (`mode="reduce-overhead"`) take no CPU
+    tensor; they skipped a graph holding one, or cut it off in a partition that returned the
+    ops' tuples (torch 2.11 and 2.14, read from inductor's source). Costs a fill kernel a call
+    on a GPU, with no host synchronisation. (`torch.full`: exact for every int64, ~1 us on the
+    CPU against ~2.6 for `torch.tensor`.)"""
     if isinstance(seed, torch.Tensor):
         return seed
-    return torch.full((), seed, dtype=torch.int64, device=_CPU)
+    return torch.full((), seed, dtype=torch.int64, device=device)
 
 
 def seed_tensor(seed: int | torch.Tensor) -> torch.Tensor:
-    """`seed` as the int64 scalar tensor the eager ops save for their backward (the shared
-    NO_SEED for 0; a device seed as it is)."""
-    return NO_SEED if isinstance(seed, int) and seed == 0 else seed_scalar(seed)
+    """`seed` as the int64 scalar tensor the eager ops save for their backward: the shared
+    NO_SEED for 0, a device seed as it is, else a new CPU scalar."""
+    if isinstance(seed, int) and seed == 0:
+        return NO_SEED
+    return seed_output(seed, _CPU)
 
 
 def saved_seed(seed: int | torch.Tensor) -> int | torch.Tensor:
@@ -313,6 +320,18 @@ def saved_seed(seed: int | torch.Tensor) -> int | torch.Tensor:
     if isinstance(seed, torch.Tensor) and seed.device.type == "cpu":
         return int(seed)
     return seed
+
+
+def host_seed(seed: int | torch.Tensor, op: str) -> int:
+    """The int of a saved seed, for a backend that builds its mask on the host: a seed on the
+    device (a compiled call's output) is read, a host synchronisation; refused inside CUDA
+    graph capture, where it cannot be read."""
+    seed = saved_seed(seed)
+    if isinstance(seed, int):
+        return seed
+    if capturing(seed.device):
+        check_host_seed(seed, op)
+    return int(seed)
 
 
 def host_call_seed(device: torch.device, dropout_p: float, op: str) -> int:
