@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from fastformer.nn import _record
 from fastformer.swap import _FROM_REFERENCE, _FROM_TORCH, _type_name
@@ -36,7 +38,9 @@ def _unswapped_hook(store: list[_record.Record]):
         kind = type(module)
         if kind in _FROM_TORCH or kind in _FROM_REFERENCE:
             why = ["not a fastformer module: fastformer.swap(model) replaces it"]
-            _record.note(module, kind.__name__, _type_name(kind), [("fastformer", why)])
+            # Into this call's store only: each overlapping explain has its own hook, and every
+            # hook sees every module.
+            _record.note(module, kind.__name__, _type_name(kind), [("fastformer", why)], store)
 
     return hook
 
@@ -83,8 +87,7 @@ def explain(module: nn.Module, *inputs: Any, **kwargs: Any) -> Explanation:
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     module = getattr(module, "_orig_mod", module)
     with _record.recording() as store, torch.compiler.set_stance("force_eager"):
-        handle = nn.modules.module.register_module_forward_pre_hook(_unswapped_hook(store))
-        _record.OWN_HOOKS.add(handle.id)
+        handle = _register_own_hook(_unswapped_hook(store))
         try:
             module(*inputs, **kwargs)
         finally:
@@ -94,6 +97,17 @@ def explain(module: nn.Module, *inputs: Any, **kwargs: Any) -> Explanation:
     text = Explanation(_format(module, records))
     text.records = records
     return text
+
+
+def _register_own_hook(hook: Callable[[nn.Module, tuple], None]) -> RemovableHandle:
+    """`register_module_forward_pre_hook(hook)`, with the hook's id in OWN_HOOKS before the hook
+    is: registered first, another thread's forward could see a foreign hook in between and take
+    its unfused path (the same two steps as torch's function, in the other order)."""
+    hooks = nn.modules.module._global_forward_pre_hooks
+    handle = RemovableHandle(hooks)
+    _record.OWN_HOOKS.add(handle.id)
+    hooks[handle.id] = hook
+    return handle
 
 
 def _own(root: nn.Module, records: list[_record.Record]) -> list[_record.Record]:

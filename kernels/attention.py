@@ -69,6 +69,7 @@ import itertools
 import math
 import os
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -1335,6 +1336,13 @@ def _table_key(
     return arch, dclass, bucket, config_class(kernel, arch, dclass, bucket, meta), tma
 
 
+# Held while a launch tunes a new key (first calls only: tuned keys launch without it). One
+# Autotuner serves every key of its (kernel, arch, dtype class, head-dim bucket, feature class),
+# and keeps the last key's state: two threads tuning two of its keys at once crashed in it
+# (`nargs` set to None by the other thread: TypeError) or stored the other key's `best_config`.
+_TUNE_LOCK = threading.Lock()
+
+
 def _launch(
     kernel: str,
     grid,
@@ -1366,15 +1374,20 @@ def _launch(
         launcher.launch(KERNELS[kernel], grid(best), args, (key, *best.items()), meta, best)
         return
     _refuse_tuning_in_capture(kernel, q)
-    table_key = _table_key(kernel, meta, q, tma)
-    tuned = _autotuned(kernel, *table_key)
-    known = len(tuned.cache)
-    _precompile([_Launch(kernel, grid, args, meta, tma), *then], q)
-    tuned[grid](*args, **meta)  # tunes on the first call of its key
-    _TUNED[key] = tuned.best_config.all_kwargs()
-    timed = len(tuned.configs) > 1 and len(tuned.cache) > known  # it benchmarked just now
-    timings = getattr(tuned, "configs_timings", None) if timed else None
-    _log_tuning(kernel, table_key[3], key, tuned.best_config, timings)
+    with _TUNE_LOCK:
+        best = _TUNED.get(key)  # None unless another thread tuned the key while this one waited
+        if best is None:
+            table_key = _table_key(kernel, meta, q, tma)
+            tuned = _autotuned(kernel, *table_key)
+            known = len(tuned.cache)
+            _precompile([_Launch(kernel, grid, args, meta, tma), *then], q)
+            tuned[grid](*args, **meta)  # tunes on the first call of its key
+            _TUNED[key] = tuned.best_config.all_kwargs()
+            timed = len(tuned.configs) > 1 and len(tuned.cache) > known  # it benchmarked now
+            timings = getattr(tuned, "configs_timings", None) if timed else None
+            _log_tuning(kernel, table_key[3], key, tuned.best_config, timings)
+            return
+    launcher.launch(KERNELS[kernel], grid(best), args, (key, *best.items()), meta, best)
 
 
 def _refuse_tuning_in_capture(kernel: str, q: torch.Tensor) -> None:

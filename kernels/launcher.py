@@ -19,12 +19,14 @@ as proton), pre-run hooks and stage-inspection hooks send every launch through T
 The launcher's calling convention is Triton's internal one: direct launches are made only on the
 Triton versions whose convention the tests check (tests/test_launcher.py, CI runs 3.8 and 3.6),
 and `FASTFORMER_TRITON_DIRECT_LAUNCH=0` (read when this module is imported) turns them off.
-Otherwise, and under TRITON_INTERPRET=1, `launch` is `fn[grid](*args, **kwargs)`.
+Otherwise, and under TRITON_INTERPRET=1, `launch` is `fn[grid](*args, **kwargs)` (the
+interpreter's one launch at a time: it is not thread-safe).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Hashable
 from typing import NamedTuple
 
@@ -32,6 +34,7 @@ import torch
 import triton
 from triton import knobs
 from triton.runtime.driver import driver
+from triton.runtime.interpreter import InterpretedFunction
 
 _LIMIT = 4096  # launch keys kept; past it the memo starts again (a changing shape each call)
 TESTED_TRITON = ("3.6", "3.8")  # major.minor versions whose launcher convention tests check
@@ -52,6 +55,10 @@ class _Signature(NamedTuple):
     classes: tuple[int, ...]  # positions after them keyed by integer class (do_not_specialize)
 
 
+# The Triton interpreter (TRITON_INTERPRET=1) is not thread-safe: it runs a kernel through one
+# process-wide builder and patches triton.language while it runs, so two threads' attention
+# calls raised InterpreterError or gave wrong outputs. Its launches are made one at a time.
+INTERPRETER_LOCK = threading.Lock()
 _MEMO: dict[tuple, _Memo] = {}
 # id(fn) -> (fn, its signature or None: its calls are not memoized). The entry keeps fn alive,
 # so its id cannot name another kernel (a JITFunction hashes by its source, slowly).
@@ -67,7 +74,11 @@ def launch(
     with equal keys and different keyword arguments would launch the first one's kernel.
     """
     if not _direct_ok(fn):
-        fn[grid](*args, **meta, **options)
+        if isinstance(fn, InterpretedFunction):
+            with INTERPRETER_LOCK:
+                fn[grid](*args, **meta, **options)
+        else:
+            fn[grid](*args, **meta, **options)
         return
     entry = _SIGNATURES.get(id(fn))
     sig = False if entry is None else entry[1]

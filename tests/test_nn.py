@@ -988,6 +988,62 @@ def test_explain_records_its_model_and_not_other_threads_models():
     )
 
 
+def test_explain_calls_of_two_threads_may_end_in_any_order():
+    # recording() saved and restored one global store: when the first explain ended before the
+    # second, the second recorded nothing and its finished store stayed on for every later
+    # forward. And each explain's global hook noted every unswapped module into that one store:
+    # one module run while two explains ran was listed twice.
+    import threading
+
+    from fastformer.nn import _record
+
+    a_ran, b_ran, a_done = threading.Event(), threading.Event(), threading.Event()
+
+    def model() -> nn.Module:
+        return nn.Sequential(fnn.LayerNorm(E), nn.LayerNorm(E))  # one fastformer, one not
+
+    class First(nn.Module):  # runs its model, then waits inside explain until Second's ran
+        def __init__(self):
+            super().__init__()
+            self.m = model()
+
+        def forward(self, x):
+            y = self.m(x)
+            a_ran.set()
+            assert b_ran.wait(timeout=60)
+            return y
+
+    class Second(nn.Module):  # runs its model while First's explain runs, ends after it
+        def __init__(self):
+            super().__init__()
+            self.m = model()
+
+        def forward(self, x):
+            assert a_ran.wait(timeout=60)
+            y = self.m(x)
+            b_ran.set()
+            assert a_done.wait(timeout=60)
+            return y
+
+    x, got = torch.randn(B, S, E), {}
+    serial = len(explain(model(), x).records)
+
+    def first():
+        got["first"] = explain(First(), x).records
+        a_done.set()
+
+    def second():
+        got["second"] = explain(Second(), x).records
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not _record.active()
+    assert serial == 2 and len(got["first"]) == len(got["second"]) == serial, got
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_cuda_transformer_parity_bf16(norm_first, monkeypatch):

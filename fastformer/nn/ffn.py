@@ -71,7 +71,8 @@ def _runs_hooks(module: nn.Module) -> bool:
         return True
     if _module._global_backward_pre_hooks:
         return True
-    return any(h not in _record.OWN_HOOKS for h in _module._global_forward_pre_hooks)
+    # (A tuple, made in one step: another thread's explain may add or remove its hook.)
+    return any(h not in _record.OWN_HOOKS for h in tuple(_module._global_forward_pre_hooks))
 
 
 def is_plain(module: nn.Module, types: tuple[type, ...]) -> bool:
