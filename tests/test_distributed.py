@@ -144,3 +144,37 @@ def test_fsdp2_matches_single_process(device, tmp_path, monkeypatch):
     assert list(got) == list(expected)
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _sequence_parallel_worker(rank, world, port, path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        x = torch.randn(B, 2 * S, E, generator=torch.Generator().manual_seed(2))
+        local = x.chunk(world, dim=1)[rank]  # this rank's part of the sequence
+        outs = {}
+        for name, cls in (("LayerNorm", fnn.LayerNorm), ("RMSNorm", fnn.RMSNorm)):
+            torch.manual_seed(0)
+            norm = parallelize_module(cls(E), mesh, SequenceParallel())
+            outs[name] = norm(local).full_tensor()
+        if rank == 0:
+            torch.save((x, outs), path)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    _leave()
+
+
+def test_sequence_parallel_norms_fall_back_to_torch_nn(tmp_path):
+    # SequenceParallel() hands the norms DTensors, for which the ops have no sharding rules
+    # ("does not have a sharding strategy registered"): torch.nn's forward runs on them.
+    path = str(tmp_path / "outs")
+    _spawn(_sequence_parallel_worker, WORLD, path)
+    x, outs = torch.load(path)
+    for name, cls in (("LayerNorm", torch.nn.LayerNorm), ("RMSNorm", torch.nn.RMSNorm)):
+        torch.manual_seed(0)
+        torch.testing.assert_close(outs[name], cls(E)(x), msg=name)

@@ -17,6 +17,18 @@ from fastformer.ops import attention as _attention
 from fastformer.ops import ffn as _ffn
 from fastformer.ops import layer_norm as _layer_norm
 
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # a torch built without torch.distributed
+    _DTensor = None
+
+
+def is_dtensor(t: Tensor) -> bool:
+    """Whether `t` is a DTensor (tensor or sequence parallelism), which the ops cannot take: they
+    have no sharding rules."""
+    return _DTensor is not None and isinstance(t, _DTensor)
+
+
 # Whether autocast is on for any device: one C call (~0.1 us) where the per-device check below
 # costs ~0.5 us, and every module call asks (torch 2.11 and 2.14 have it; None: ask per device).
 _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)

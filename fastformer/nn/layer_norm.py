@@ -10,8 +10,12 @@ from fastformer.nn import _ops, _record
 from fastformer.nn._lookup import param
 
 
-def _nested_reason(input: Tensor) -> list[str]:
-    return ["nested-tensor input: the op takes dense tensors"] if input.is_nested else []
+def _input_reasons(input: Tensor) -> list[str]:
+    if input.is_nested:
+        return ["nested-tensor input: the op takes dense tensors"]
+    if _ops.is_dtensor(input):  # SequenceParallel() norms: torch.nn's run on DTensors
+        return ["DTensor input: the op has no sharding rules"]
+    return []
 
 
 def eps_reasons(eps: float | None) -> list[str]:
@@ -25,9 +29,10 @@ def eps_reasons(eps: float | None) -> list[str]:
 
 def _fallback(module: nn.Module, op: str, input: Tensor) -> bool:
     """Whether `module` runs torch.nn's forward for `input` (the reason recorded)."""
-    if not input.is_nested and not eps_reasons(module.eps):  # every call: no lists built
+    plain = not input.is_nested and not _ops.is_dtensor(input)
+    if plain and not eps_reasons(module.eps):  # every call: no lists built
         return False
-    reasons = _nested_reason(input) + module.fallback_reasons
+    reasons = _input_reasons(input) + module.fallback_reasons
     if reasons:
         _record.note(module, op, "torch.nn", [("fastformer", reasons)])
     return bool(reasons)
@@ -39,7 +44,7 @@ class LayerNorm(nn.LayerNorm):
     Same constructor (normalized_shape, eps, elementwise_affine, bias, device, dtype),
     parameters `weight`/`bias` and init. Input (..., *normalized_shape) in float32, float16 or
     bfloat16; output of the same shape and dtype (under CUDA autocast float32, as torch.nn).
-    Nested tensors fall back to torch.nn.
+    Nested tensors and DTensors fall back to torch.nn.
     """
 
     __prepare_scriptable__ = _ops.refuse_script
@@ -62,7 +67,7 @@ class RMSNorm(nn.RMSNorm):
 
     Same constructor (normalized_shape, eps=None meaning F.rms_norm's default, elementwise_affine,
     device, dtype) and parameter `weight`. Input (..., *normalized_shape); output same shape
-    and dtype. Nested tensors fall back to torch.nn.
+    and dtype. Nested tensors and DTensors fall back to torch.nn.
     """
 
     __prepare_scriptable__ = _ops.refuse_script
