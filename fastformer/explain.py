@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -86,7 +87,7 @@ def explain(module: nn.Module, *inputs: Any, **kwargs: Any) -> Explanation:
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     module = getattr(module, "_orig_mod", module)
-    with _record.recording() as store, torch.compiler.set_stance("force_eager"):
+    with _record.recording() as store, _force_eager():
         handle = _register_own_hook(_unswapped_hook(store))
         try:
             module(*inputs, **kwargs)
@@ -97,6 +98,33 @@ def explain(module: nn.Module, *inputs: Any, **kwargs: Any) -> Explanation:
     text = Explanation(_format(module, records))
     text.records = records
     return text
+
+
+# The explain calls running now hold torch.compile's stance at "force_eager" together: the first
+# sets it, the last puts back what the first found.
+_EAGER_LOCK = threading.Lock()
+_eager_calls = 0
+_eager_stance: torch.compiler.set_stance | None = None
+
+
+@contextmanager
+def _force_eager() -> Iterator[None]:
+    """torch.compile's "force_eager" stance (process-wide) while any explain runs. With a
+    `set_stance` block each, two explains of two threads ending out of order left "force_eager"
+    on for good (each restored the stance it found): every compiled model then ran eagerly."""
+    global _eager_calls, _eager_stance
+    with _EAGER_LOCK:
+        if _eager_calls == 0:
+            _eager_stance = torch.compiler.set_stance("force_eager")  # set when made
+        _eager_calls += 1
+    try:
+        yield
+    finally:
+        with _EAGER_LOCK:
+            _eager_calls -= 1
+            if _eager_calls == 0:
+                _eager_stance.__exit__(None, None, None)  # the stance the first call found
+                _eager_stance = None
 
 
 def _register_own_hook(hook: Callable[[nn.Module, tuple], None]) -> RemovableHandle:

@@ -1042,6 +1042,14 @@ def test_explain_calls_of_two_threads_may_end_in_any_order():
         thread.join(timeout=120)
     assert not _record.active()
     assert serial == 2 and len(got["first"]) == len(got["second"]) == serial, got
+    # torch.compile compiles again: each explain's own set_stance block restored the stance it
+    # found, so out of order "force_eager" stayed on and compiled models ran eagerly.
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.compile(lambda t: t * 2, backend="eager")(x)
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 @pytest.mark.cuda
