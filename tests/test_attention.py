@@ -1027,6 +1027,20 @@ def test_raw_ops_check_their_inputs(case):
                  0.25, False)  # fmt: skip
 
 
+@pytest.mark.parametrize("shape", [(1, 2, 0, 16), (0, 2, 3, 16)])
+def test_raw_backward_takes_the_forwards_empty_float32_output(shape):
+    # A kept out32 of no elements keeps its 4 dims: the backward took only (0,) as empty.
+    q = _randn(shape, dtype=F16)
+    k = v = _randn((shape[0], 2, 4, 16), dtype=F16)
+    mask = _randn((shape[2], 4), dtype=F32)
+    op, backward = torch.ops.fastformer.attention, torch.ops.fastformer.attention_backward
+    out, lse, seed, stat, out32 = op(q, k, v, mask, None, 0.0, False, None, True)
+    assert out32.shape == (*shape[:3], 16)
+    grads = backward(torch.ones_like(out), None, q, k, v, out, lse, stat, out32, mask, None,
+                     seed, 0.0, False, None, True)  # fmt: skip
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, mask.shape]
+
+
 @pytest.mark.parametrize("dtype", [F16, F32])
 def test_raw_backward_wants_the_forwards_stat(dtype):
     # stat must have the shape the forward gives it: (B, H, Lq, 2) float32 for float32 inputs

@@ -17,10 +17,9 @@ from fastformer.ops import attention as _attention
 from fastformer.ops import ffn as _ffn
 from fastformer.ops import layer_norm as _layer_norm
 
-try:
+_DTensor = None
+if torch.distributed.is_available():  # (a torch built without it has no DTensor)
     from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # a torch built without torch.distributed
-    _DTensor = None
 
 
 def is_dtensor(t: Tensor) -> bool:

@@ -909,6 +909,7 @@ def _attention_op(
     # (B, L, H * D) projections reshapes for free.
     if stat is None:  # the fake's shapes (it cannot know the backend); never read
         stat = _new_stat(query, attn_mask).zero_()
+    if out32 is None:  # not kept, or the torch backend's (never read)
         out32 = _new_out32(query, value, attn_mask, needs_grad).zero_()
     seed = rng.seed_output(seed, query.device)
     return out.contiguous(), lse.contiguous(), seed, stat, out32
@@ -918,18 +919,19 @@ def _forward(
     query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale, backend=None,
     kv_range=None, like_query=False, needs_grad=False,
 ):  # fmt: skip
-    """(out, lse, seed, stat, out32); stat and out32 None from the torch backend."""
+    """(out, lse, seed, stat, out32); stat and out32 None from the torch backend, out32 None
+    where not kept (`_keeps_out32`)."""
     # like_query (eager calls): out in the query's memory order, as the torch backend's may be.
     seed = rng.call_seed(query.device, dropout_p)
     args = (query, key, value, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale)
     stat = out32 = None
     if (backend or _backend(query, key, value, attn_mask)) == "triton":
         stat = _row_stat(query, key, attn_mask)
-        out32 = _new_out32(query, value, attn_mask, needs_grad)
+        if _keeps_out32(query, attn_mask, needs_grad):
+            out32 = _new_out32(query, value, attn_mask, needs_grad)
         out, lse = _kernels().attention_forward(
-            *args, kv_range=kv_range, like_query=like_query, stat=stat,
-            out32=out32 if out32.numel() else None,
-        )  # fmt: skip
+            *args, kv_range=kv_range, like_query=like_query, stat=stat, out32=out32
+        )
     else:
         rng.check_host_seed(seed, "attention")
         out, lse = _torch_forward(*args)
@@ -1028,8 +1030,8 @@ def _check_saved(
     """attention_backward's tensors against the forward's geometry (torch's CPU flash backward
     indexes them with q's sizes: smaller ones were read out of bounds)."""
     b, h, lq, _ = query.shape
-    # out32 as the forward kept it, or empty (a caller of the op that passed no needs_grad)
-    out32_shape = (0,) if out32.numel() == 0 else (b, h, lq, value.shape[-1])
+    # out32 as the forward kept it, or empty (1-D: not kept; a kept one may have no elements)
+    out32_shape = (0,) if out32 is None or out32.dim() == 1 else (b, h, lq, value.shape[-1])
     float_mask = attn_mask is not None and attn_mask.is_floating_point()
     expected = {
         "grad_out": (grad_out, (b, h, lq, value.shape[-1]), query.dtype),
