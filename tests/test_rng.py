@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from fastformer._ext import cuda_kernels_compiled
 from fastformer.ops import rng
 
 SEEDS = [0, 1, 2**31 - 1, 2**31, 2**32 + 7, 2**62 + 12345, 2**63 - 1]
@@ -181,6 +182,46 @@ def test_draw_seed_cuda_reproducible_and_fresh():
     torch.manual_seed(5)
     assert first == [rng.draw_seed("cuda") for _ in range(3)]
     assert len(set(first)) == 3
+
+
+@pytest.mark.cuda
+def test_draw_seed_cuda_moves_torch_s_offset_on_by_one_call():
+    # The draw reads torch's (seed, offset) and moves the offset on by 4 in one step, so that
+    # torch's own draws, and other threads', never reuse its offsets.
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    torch.manual_seed(5)
+    before = gen.get_offset()
+    seed = rng.draw_seed("cuda")
+    assert gen.get_offset() == before + 4
+    torch.manual_seed(5)
+    assert rng._cuda_philox_advance(torch.cuda.current_device()) == (gen.initial_seed(), before)
+    torch.manual_seed(5)
+    assert rng.draw_seed("cuda") == seed
+
+
+def test_cuda_seed_draw_takes_the_extension_s_one_step(monkeypatch):
+    # The CUDA draw's (seed, offset) come from fastformer._C's cuda_philox_advance (under the
+    # generator's mutex), asked for 4 more offsets; no GPU: a stand-in takes the call.
+    calls = []
+
+    def advance(index, increment):
+        calls.append((index, increment))
+        return 123, 8 * len(calls)
+
+    monkeypatch.setattr(rng, "_philox_advance", lambda: advance)
+    monkeypatch.setattr(rng, "capturing", lambda device: False)
+    seeds = [rng.draw_seed(torch.device("cuda", 1)) for _ in range(2)]
+    assert calls == [(1, 4), (1, 4)] and seeds[0] != seeds[1]
+
+
+@pytest.mark.skipif(not cuda_kernels_compiled(), reason="fastformer._C without CUDA kernels")
+def test_cuda_philox_advance_checks_its_device():
+    from fastformer import _C
+
+    with pytest.raises(ValueError, match="device_index must be in"):
+        _C.cuda_philox_advance(-1, 4)
+    with pytest.raises(RuntimeError):  # no 128th GPU: torch's error, not a crash
+        _C.cuda_philox_advance(127, 4)
 
 
 def test_draw_seed_refuses_cuda_graph_capture(monkeypatch):

@@ -10,6 +10,7 @@ which is how tests feed the exact mask to the eager reference.
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import torch
@@ -281,13 +282,34 @@ def _host_seed(device: torch.device) -> int:
             # below only moves the generator's offset, which vmap cannot see).
             _refuse_batched_draw(torch.randint(0, 2, (), device=device))
         index = device.index if device.index is not None else torch.cuda.current_device()
-        gen = torch.cuda.default_generators[index]
-        base, offset = gen.initial_seed(), gen.get_offset()
-        gen.set_offset(offset + 4)
+        base, offset = _cuda_philox_advance(index)
         return _mix64(_mix64(base) ^ offset) >> (64 - SEED_BITS)
     draw = torch.randint(-(2**63), 2**63 - 1, (), generator=torch.default_generator, device=_CPU)
     _refuse_batched_draw(draw)
     return draw.item() & (2**SEED_BITS - 1)
+
+
+def _cuda_philox_advance(index: int) -> tuple[int, int]:
+    """(seed, offset) of torch's CUDA generator of device `index`, its offset moved on by 4 in
+    the same step: fastformer._C's, under the generator's mutex (get_offset and set_offset from
+    Python are two steps, and a draw of another thread falling between them was lost: both
+    then used the same offsets); those two steps without CUDA kernels in the extension."""
+    advance = _philox_advance()
+    if advance is not None:
+        return advance(index, 4)
+    gen = torch.cuda.default_generators[index]
+    base, offset = gen.initial_seed(), gen.get_offset()
+    gen.set_offset(offset + 4)
+    return base, offset
+
+
+@functools.cache
+def _philox_advance():
+    from fastformer._ext import cuda_kernels_compiled, load_extension
+
+    return (
+        getattr(load_extension(), "cuda_philox_advance", None) if cuda_kernels_compiled() else None
+    )
 
 
 def seed_output(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
