@@ -1370,24 +1370,27 @@ def _launch(
     best = _TUNED.get(key)
     if tma:
         _ensure_allocator()
-    if best is not None:  # key holds meta's items
-        launcher.launch(KERNELS[kernel], grid(best), args, (key, *best.items()), meta, best)
-        return
-    _refuse_tuning_in_capture(kernel, q)
-    with _TUNE_LOCK:
-        best = _TUNED.get(key)  # None unless another thread tuned the key while this one waited
-        if best is None:
-            table_key = _table_key(kernel, meta, q, tma)
-            tuned = _autotuned(kernel, *table_key)
-            known = len(tuned.cache)
-            _precompile([_Launch(kernel, grid, args, meta, tma), *then], q)
-            tuned[grid](*args, **meta)  # tunes on the first call of its key
-            _TUNED[key] = tuned.best_config.all_kwargs()
-            timed = len(tuned.configs) > 1 and len(tuned.cache) > known  # it benchmarked now
-            timings = getattr(tuned, "configs_timings", None) if timed else None
-            _log_tuning(kernel, table_key[3], key, tuned.best_config, timings)
-            return
+    if best is None:
+        _refuse_tuning_in_capture(kernel, q)
+        with _TUNE_LOCK:
+            best = _TUNED.get(key)  # None unless another thread tuned the key while this waited
+            if best is None:
+                _tune(kernel, grid, args, meta, q, key, then, tma)  # its first launch too
+                return
     launcher.launch(KERNELS[kernel], grid(best), args, (key, *best.items()), meta, best)
+
+
+def _tune(kernel: str, grid, args: tuple, meta: dict, q, key: tuple, then: tuple, tma: bool):
+    """Tune `key` (the autotuner's first launch of it) and keep its choice in _TUNED."""
+    table_key = _table_key(kernel, meta, q, tma)
+    tuned = _autotuned(kernel, *table_key)
+    known = len(tuned.cache)
+    _precompile([_Launch(kernel, grid, args, meta, tma), *then], q)
+    tuned[grid](*args, **meta)  # tunes on the first call of its key
+    _TUNED[key] = tuned.best_config.all_kwargs()
+    timed = len(tuned.configs) > 1 and len(tuned.cache) > known  # it benchmarked just now
+    timings = getattr(tuned, "configs_timings", None) if timed else None
+    _log_tuning(kernel, table_key[3], key, tuned.best_config, timings)
 
 
 def _refuse_tuning_in_capture(kernel: str, q: torch.Tensor) -> None:

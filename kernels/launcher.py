@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Hashable
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
@@ -74,10 +75,7 @@ def launch(
     with equal keys and different keyword arguments would launch the first one's kernel.
     """
     if not _direct_ok(fn):
-        if isinstance(fn, InterpretedFunction):
-            with INTERPRETER_LOCK:
-                fn[grid](*args, **meta, **options)
-        else:
+        with INTERPRETER_LOCK if isinstance(fn, InterpretedFunction) else nullcontext():
             fn[grid](*args, **meta, **options)
         return
     entry = _SIGNATURES.get(id(fn))

@@ -208,7 +208,7 @@ def test_cuda_seed_draw_takes_the_extension_s_one_step(monkeypatch):
         calls.append((index, increment))
         return 123, 8 * len(calls)
 
-    monkeypatch.setattr(rng, "_philox_advance", lambda: advance)
+    monkeypatch.setattr(rng, "_compiled_philox_advance", lambda: advance)
     monkeypatch.setattr(rng, "capturing", lambda device: False)
     seeds = [rng.draw_seed(torch.device("cuda", 1)) for _ in range(2)]
     assert calls == [(1, 4), (1, 4)] and seeds[0] != seeds[1]

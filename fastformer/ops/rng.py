@@ -294,7 +294,7 @@ def _cuda_philox_advance(index: int) -> tuple[int, int]:
     the same step: fastformer._C's, under the generator's mutex (get_offset and set_offset from
     Python are two steps, and a draw of another thread falling between them was lost: both
     then used the same offsets); those two steps without CUDA kernels in the extension."""
-    advance = _philox_advance()
+    advance = _compiled_philox_advance()
     if advance is not None:
         return advance(index, 4)
     gen = torch.cuda.default_generators[index]
@@ -304,7 +304,8 @@ def _cuda_philox_advance(index: int) -> tuple[int, int]:
 
 
 @functools.cache
-def _philox_advance():
+def _compiled_philox_advance():
+    # fastformer._C's cuda_philox_advance, None without its CUDA kernels (or in an older build)
     from fastformer._ext import cuda_kernels_compiled, load_extension
 
     return (
@@ -351,7 +352,7 @@ def host_seed(seed: int | torch.Tensor, op: str) -> int:
     seed = saved_seed(seed)
     if isinstance(seed, int):
         return seed
-    if capturing(seed.device):
+    if capturing(seed.device):  # (a device seed cannot be read there)
         check_host_seed(seed, op)
     return int(seed)
 
