@@ -26,6 +26,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def interpreter_bounds_checked():
+    """Every interpreted Triton launch must stay inside its tensors: parity alone misses a
+    load whose lanes are masked out later (kernels/interpreter_bounds.py)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    from fastformer.kernels.interpreter_bounds import checked
+
+    with checked():
+        yield
+
+
 @pytest.fixture
 def keep_mask_never_built(monkeypatch):
     """rng.dropout_keep raising: a keep-mask builder must refuse bad arguments before it."""

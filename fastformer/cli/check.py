@@ -22,6 +22,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -825,6 +826,16 @@ def _set_interpret(argv: list[str] | None) -> int | None:
     return subprocess.call([sys.executable, "-m", "fastformer", *args], env=dict(os.environ))
 
 
+def _bounds_checked(interpret: bool) -> AbstractContextManager:
+    """Under --interpret, a kernel's access outside its tensors errors its case (a GPU would
+    read another allocation there, or fault)."""
+    if not interpret:
+        return nullcontext()
+    from fastformer.kernels.interpreter_bounds import checked
+
+    return checked()
+
+
 def parse_ops(text: str) -> list[str]:
     """`--ops attention,layer_norm` -> the ops of the grid (layer_norm includes rms_norm and
     dropout_add_layer_norm)."""
@@ -866,10 +877,11 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if not args.json:
         print(HEADER)
     deadline = None if args.max_seconds is None else start + args.max_seconds
-    for row in iter_rows(ops, device, args.quick, args.interpret, shard, deadline):
-        rows.append(row)
-        if not args.json:
-            print(_fmt(row), flush=True)
+    with _bounds_checked(args.interpret):
+        for row in iter_rows(ops, device, args.quick, args.interpret, shard, deadline):
+            rows.append(row)
+            if not args.json:
+                print(_fmt(row), flush=True)
     ran = [r for r in rows if r.status not in ("skip", "not run")]
     bad = [r for r in rows if r.status in ("FAIL", "ERROR")]
     not_run = sum(r.status == "not run" for r in rows)

@@ -1,0 +1,167 @@
+"""Bounds checks of the Triton interpreter's memory accesses: a GPU's out-of-bounds reads found
+on a CPU.
+
+On a GPU, a load or store that leaves its tensor reads another allocation's bytes, or faults;
+a load whose lanes are later masked out can give right outputs anyway, so parity tests miss it
+(a `rows < Lq + 1` load of the LSE passed every interpreter parity test). Under `checked()`,
+every load, store and atomic of an interpreted launch (TRITON_INTERPRET=1) must fall, on each
+of its unmasked lanes, inside the extent of one of the launch's tensor arguments; otherwise
+the launch raises `OutOfBounds` (wrapped in Triton's InterpreterError) naming the kernel, the
+access and the argument it came nearest to.
+
+It hooks the interpreter's internals (`GridExecutor`, `InterpreterBuilder`), the same in
+Triton 3.6 and 3.8; tests/test_interpreter_bounds.py checks that it still catches an access one
+element past a tensor.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+from triton.runtime import interpreter as _interp
+
+_state = threading.local()  # the running launch's extents; interpreted launches take a lock
+_install_lock = threading.Lock()
+_installs = 0
+_originals: dict[str, tuple[type, object]] = {}
+
+
+class OutOfBounds(AssertionError):
+    """An interpreted kernel's access outside every tensor argument of its launch."""
+
+
+class _Launch:
+    """The tensor arguments of one interpreted launch as sorted byte extents [lo, hi)."""
+
+    def __init__(self, kernel: str, named: list[tuple[str, torch.Tensor]]) -> None:
+        self.kernel = kernel
+        self.named = [(name, t, *_extent(t)) for name, t in named if t.numel() > 0]
+        spans = sorted((lo, hi) for _, _, lo, hi in self.named)
+        self.lo = np.array([lo for lo, _ in spans], dtype=np.uint64)
+        # Running maximum of the ends: an address is inside some extent iff it is below the
+        # largest end among the extents that start at or before it.
+        self.hi = np.maximum.accumulate(np.array([hi for _, hi in spans], dtype=np.uint64))
+
+    def check(self, ptrs: np.ndarray, mask: np.ndarray, size: int, access: str) -> None:
+        shape = np.broadcast_shapes(ptrs.shape, mask.shape)
+        addrs = np.broadcast_to(ptrs, shape)[np.broadcast_to(mask, shape)].astype(np.uint64)
+        if addrs.size == 0:
+            return
+        at = np.searchsorted(self.lo, addrs, side="right") - 1
+        inside = (at >= 0) & (addrs + np.uint64(size) <= self.hi[np.maximum(at, 0)])
+        if not inside.all():
+            bad = addrs[~inside]
+            raise OutOfBounds(
+                f"{self.kernel}: a {size}-byte {access} on {bad.size} unmasked lane(s) outside "
+                f"every tensor argument, at {self._nearest(int(bad[0]))}"
+            )
+
+    def _nearest(self, addr: int) -> str:
+        def distance(entry: tuple) -> int:
+            _, _, lo, hi = entry
+            return lo - addr if addr < lo else addr - hi + 1
+
+        if not self.named:
+            return f"address {addr:#x} (the launch has no tensor argument with elements)"
+        name, t, lo, hi = min(self.named, key=distance)
+        where = f"{lo - addr} bytes before" if addr < lo else f"{addr - hi} bytes past the end of"
+        return f"{where} argument {name!r} {tuple(t.shape)} {t.dtype} stride {t.stride()}"
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes a tensor's elements span (torch strides are never negative)."""
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _tensors(name: str, arg: object) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(arg, torch.Tensor):
+        yield name, arg
+    elif isinstance(arg, tuple):
+        for i, item in enumerate(arg):
+            yield from _tensors(f"{name}[{i}]", item)
+    elif isinstance(getattr(arg, "base", None), torch.Tensor):  # TensorDescriptor, TensorWrapper
+        yield name, arg.base
+
+
+def _element_size(handle) -> int:
+    return _interp._get_np_dtype(handle.get_element_ty()).itemsize
+
+
+def _check(ptrs, mask: np.ndarray, access: str) -> None:
+    launch = getattr(_state, "launch", None)
+    if launch is not None:
+        launch.check(ptrs.data, mask, _element_size(ptrs), access)
+
+
+def _init_args_hst(self, args_dev, kwargs):
+    args_hst, kwargs_hst = _originals["_init_args_hst"][1](self, args_dev, kwargs)
+    named = [*zip(self.arg_names, args_hst), *kwargs_hst.items()]
+    tensors = [pair for name, arg in named for pair in _tensors(name, arg)]
+    _state.launch = _Launch(self.fn.__name__, tensors)
+    return args_hst, kwargs_hst
+
+
+def _call(self, *args, **kwargs):
+    try:
+        return _originals["__call__"][1](self, *args, **kwargs)
+    finally:
+        _state.launch = None
+
+
+def _masked_load(self, ptrs, mask, *rest, **options):
+    _check(ptrs, mask.data, "load")
+    return _originals["create_masked_load"][1](self, ptrs, mask, *rest, **options)
+
+
+def _masked_store(self, ptrs, value, mask, *rest, **options):
+    _check(ptrs, mask.data, "store")
+    return _originals["create_masked_store"][1](self, ptrs, value, mask, *rest, **options)
+
+
+def _atomic_rmw(self, op, ptr, val, mask, *rest, **options):
+    _check(ptr, mask.data, "atomic")
+    return _originals["create_atomic_rmw"][1](self, op, ptr, val, mask, *rest, **options)
+
+
+def _atomic_cas(self, ptr, cmp, val, *rest, **options):
+    _check(ptr, np.ones_like(ptr.data, dtype=bool), "atomic")
+    return _originals["create_atomic_cas"][1](self, ptr, cmp, val, *rest, **options)
+
+
+_HOOKS = {
+    "_init_args_hst": (_interp.GridExecutor, _init_args_hst),
+    "__call__": (_interp.GridExecutor, _call),
+    "create_masked_load": (_interp.InterpreterBuilder, _masked_load),
+    "create_masked_store": (_interp.InterpreterBuilder, _masked_store),
+    "create_atomic_rmw": (_interp.InterpreterBuilder, _atomic_rmw),
+    "create_atomic_cas": (_interp.InterpreterBuilder, _atomic_cas),
+}
+
+
+@contextmanager
+def checked() -> Iterator[None]:
+    """Bounds-checks every interpreted Triton launch (any thread) while the context is open.
+
+    Nests and may be entered from several threads: the hooks stay until the last exit.
+    Launches outside the interpreter are not affected.
+    """
+    global _installs
+    with _install_lock:
+        if _installs == 0:
+            for name, (cls, hook) in _HOOKS.items():
+                _originals[name] = (cls, cls.__dict__[name])
+                setattr(cls, name, hook)
+        _installs += 1
+    try:
+        yield
+    finally:
+        with _install_lock:
+            _installs -= 1
+            if _installs == 0:
+                for name, (cls, original) in _originals.items():
+                    setattr(cls, name, original)
