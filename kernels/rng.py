@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launcher import launch
+
 
 @triton.jit
 def philox_uniform_kernel(seed, offsets_ptr, out_ptr, n, BLOCK: tl.constexpr):
@@ -23,7 +25,8 @@ def philox_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
     out = torch.empty(offsets.shape, dtype=torch.float32, device=offsets.device)
     n = offsets.numel()
     block = 1024
-    philox_uniform_kernel[(triton.cdiv(n, block),)](seed, offsets, out, n, BLOCK=block)
+    grid = (triton.cdiv(n, block),)
+    launch(philox_uniform_kernel, grid, (seed, offsets, out, n), block, {"BLOCK": block}, {})
     return out
 
 
@@ -45,5 +48,6 @@ def philox4x32(seed: int, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
     n = offsets.numel()
     out = torch.empty((4, n), dtype=torch.int64, device=offsets.device)
     block = 1024
-    philox4x32_kernel[(max(triton.cdiv(n, block), 1),)](seed, offsets, out, n, BLOCK=block)
+    grid = (max(triton.cdiv(n, block), 1),)
+    launch(philox4x32_kernel, grid, (seed, offsets, out, n), block, {"BLOCK": block}, {})
     return tuple(w.view(offsets.shape) for w in out)
