@@ -132,6 +132,19 @@ def test_rows_without_columns(shape, rms):
     assert x.grad.shape == shape and w.grad.shape == (0,)
 
 
+@pytest.mark.parametrize("prenorm", [False, True])
+@pytest.mark.parametrize("p", [0.0, 0.5])
+def test_dropout_add_layer_norm_rows_without_columns(p, prenorm):
+    # As LayerNorm(0): it refused them ("a non-empty last dim").
+    x, res = _make((2, 3, 0)), _make((2, 3, 0), seed=1)
+    w, b = _params(0, "both")
+    out = ln.dropout_add_layer_norm(x, res, w, b, 1e-5, p, prenorm)
+    outs = out if prenorm else (out,)
+    assert all(o.shape == (2, 3, 0) and o.dtype == x.dtype for o in outs)
+    sum(o.sum() for o in outs).backward()
+    assert x.grad.shape == res.grad.shape == (2, 3, 0) and b.grad.shape == (0,)
+
+
 def test_layer_norm_matches_torch_and_eps():
     x = _make((10, 33), grad=False) * 1e-3  # tiny variance: eps matters
     w, b = _params(33, "both")
@@ -552,10 +565,10 @@ def _bad_cases():
             TypeError,
             "prenorm",
         ),
-        "empty last dim": (
-            lambda: ln.dropout_add_layer_norm(torch.randn(3, 0), None, None, None),
+        "0-dim x": (
+            lambda: ln.dropout_add_layer_norm(torch.tensor(1.0), None, None, None),
             ValueError,
-            "last dim",
+            "x must have at least one dim",
         ),
     }
 
