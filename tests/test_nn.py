@@ -277,6 +277,17 @@ def test_multihead_attention_causal_hint_with_a_mask_follows_torch(padding):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_a_causal_hint_drops_a_mask_of_another_length_as_torch_does():
+    # torch.nn never reads a hinted mask without padding, so a (max_len, max_len) causal mask
+    # given for a shorter sequence runs there; it raised a shape error after fastformer.swap.
+    theirs, ours = _pair(nn.TransformerDecoderLayer, fnn.TransformerDecoderLayer, E, H, FF, 0.0)
+    longer = nn.Transformer.generate_square_subsequent_mask(T + 6)
+    args = (_seq(False, T), _seq(False, S, seed=1))
+    module_parity(ours, theirs, args, dict(tgt_mask=longer, tgt_is_causal=True), ["tgt", "memory"])
+    with pytest.raises(TypeError, match="attn_mask must be a bool tensor"):  # its dtype still
+        ours(*args, tgt_mask=longer.int(), tgt_is_causal=True)
+
+
 def test_encoder_layer_unbatched_input():
     theirs, ours = _pair(
         nn.TransformerEncoderLayer, fnn.TransformerEncoderLayer, E, H, FF, dropout=0.0

@@ -80,6 +80,9 @@ def _causal_hint(
     if not is_causal or attn_mask is None:
         return attn_mask, is_causal
     if key_padding_mask is None:
+        # Unread, so its shape is not checked either: torch.nn takes a (max_len, max_len)
+        # causal mask given for a shorter sequence there; a model doing so must still run.
+        _check_mask_dtype("attn_mask", attn_mask)
         return None, True
     return attn_mask, False
 
@@ -116,10 +119,10 @@ def sdpa_masks(
     """
     if key_padding_mask is not None:
         _check_key_padding_mask(key_padding_mask, batch, lk)
-    if attn_mask is not None:
-        attn_mask = _sdpa_attn_mask(attn_mask, batch, heads, lq, lk)
     if causal_hint:
         attn_mask, is_causal = _causal_hint(attn_mask, key_padding_mask, is_causal)
+    if attn_mask is not None:
+        attn_mask = _sdpa_attn_mask(attn_mask, batch, heads, lq, lk)
     if key_padding_mask is not None and key_padding_mask.is_floating_point():
         additive = key_padding_mask.view(batch, 1, 1, lk)
         attn_mask = additive if attn_mask is None else _add_masks(attn_mask, additive, dtype)
