@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 import fastformer.nn as fnn
 from fastformer import reference
@@ -167,6 +169,11 @@ def _skip_reason(name, module, include, exclude) -> str | None:
 def _subclass_reason(module: nn.Module) -> str | None:
     """Why a user subclass of a swappable class is left alone (None if it is not one)."""
     for base in (*_FROM_TORCH, *_FROM_REFERENCE):
+        if isinstance(module, base) and parametrize.is_parametrized(module):
+            return (
+                "parametrized (torch.nn.utils.parametrize subclasses it): swap before "
+                "registering the parametrization"
+            )
         if isinstance(module, base):
             return (
                 f"subclass of {_type_name(base)}: its own methods are kept (use the "
@@ -241,7 +248,36 @@ def _swap_one(module: nn.Module, journal: _Journal) -> tuple[type | None, str | 
         return (None, reason) if reason else (type(module), None)
     if isinstance(module, _FASTFORMER):
         return None, None
+    if isinstance(module, torch.jit.ScriptModule):
+        return None, _script_reason(module)
     return None, _subclass_reason(module)
+
+
+_SWAPPABLE_NAMES = {cls.__name__ for cls in (*_FROM_TORCH, *_FROM_REFERENCE)}
+
+
+def _script_reason(module: torch.jit.ScriptModule) -> str | None:
+    """Why a scripted or traced module of a swappable kind is left (None if not such a kind)."""
+    if getattr(module, "original_name", None) not in _SWAPPABLE_NAMES:
+        return None
+    return (
+        "TorchScript (scripted or traced): its compiled code is kept; swap the eager module "
+        "before tracing it (fastformer modules do not script)"
+    )
+
+
+def _warn_unmatched(arg: str, items: list | None, modules: list[tuple[str, nn.Module]]) -> None:
+    """A name or class that selects nothing is most likely a typo (the report would only show
+    every module as "not selected by include")."""
+    for item in items or ():
+        if not any(_matches(item, name, module) for name, module in modules):
+            shown = _type_name(item) if isinstance(item, type) else repr(item)
+            warnings.warn(
+                f"fastformer.swap: {arg} item {shown} matches none of the model's swappable "
+                "modules (items match a module's exact class, its class name, or its "
+                "qualified name as an fnmatch pattern)",
+                stacklevel=3,
+            )
 
 
 def _check_unchanged(model: nn.Module, keys: list[str], params: list[int]) -> None:
@@ -280,11 +316,21 @@ def swap(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(model, torch.jit.ScriptModule):
+        raise TypeError(
+            "model is a TorchScript module (torch.jit.script / trace): its compiled code "
+            "cannot be swapped; call fastformer.swap on the eager model (and use torch.compile "
+            "or torch.export rather than TorchScript: the fastformer modules do not script)"
+        )
     include, exclude = _selection("include", include), _selection("exclude", exclude)
     keys = list(model.state_dict().keys())
     params = [id(p) for p in model.parameters()]
     report, journal = SwapReport(), _Journal()
-    for name, module in list(model.named_modules(remove_duplicate=True)):
+    modules = list(model.named_modules(remove_duplicate=True))
+    kinds = [(n, m) for n, m in modules if type(m) in _FROM_TORCH or type(m) in _FROM_REFERENCE]
+    _warn_unmatched("include", include, kinds)
+    _warn_unmatched("exclude", exclude, kinds)
+    for name, module in modules:
         old = type(module)
         swappable = old in _FROM_TORCH or old in _FROM_REFERENCE
         skip = _skip_reason(name, module, include, exclude) if swappable else None

@@ -319,6 +319,35 @@ def test_subclasses_are_left_with_a_reason():
     assert type(model[0]) is MyNorm
 
 
+def test_include_or_exclude_items_that_select_nothing_warn():
+    # A misspelled name swapped nothing (or everything) without a word.
+    model = nn.Transformer(E, H, 1, 1, FF)
+    with pytest.warns(UserWarning, match="include item 'LayerNrom' matches none") as seen:
+        report = swap(model, include=["LayerNrom", "encoder.*"], exclude=[nn.RMSNorm])
+    assert "exclude item torch.nn.RMSNorm matches none" in str(seen[1].message)
+    assert len(seen) == 2 and seen[0].filename == __file__  # the caller's line
+    assert type(model.encoder.layers[0]) is fnn.TransformerEncoderLayer and report.replaced
+
+
+def test_torchscript_and_parametrized_modules_are_refused_or_left_with_a_reason():
+    # They were left silently ("replaced 0, left 0"): the user thought the swap had worked.
+    scripted = torch.jit.script(nn.Sequential(nn.LayerNorm(E)))
+    with pytest.raises(TypeError, match="model is a TorchScript module"):
+        swap(scripted)
+    x = torch.randn(S, B, E)
+    model = nn.Sequential(
+        torch.jit.trace(nn.TransformerEncoderLayer(E, H, FF, dropout=0.0), x),
+        nn.LayerNorm(E),
+        nn.LayerNorm(E),
+    )
+    torch.nn.utils.parametrize.register_parametrization(model[2], "weight", nn.Identity())
+    report = swap(model)
+    assert [name for name, _, _ in report.replaced] == ["1"]
+    reasons = {name: reason for name, _, reason in report.left}
+    assert reasons["0"].startswith("TorchScript (scripted or traced)"), reasons
+    assert reasons["2"].startswith("parametrized (torch.nn.utils.parametrize"), reasons
+
+
 def test_modules_whose_instance_replaces_a_method_are_left_with_a_reason():
     # torch.nn's forward calls self._ff_block; the fastformer forward does not, so a patched
     # instance lost its patch (silently different outputs).
