@@ -6,7 +6,10 @@ that the session's other interpreter tests were checked at all.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -88,3 +91,35 @@ def test_the_hooks_leave_with_the_last_exit():
         assert cls.__dict__["create_masked_load"] is before
     assert cls.__dict__["create_masked_load"] is before
     assert before is bounds._masked_load
+
+
+# kernels/attention._lse_log2 with its load one row too long, patched in by a fresh process
+# (conftest's session-wide check is not there: the command's own check must catch it).
+ONE_ROW_PAST = """
+import sys
+import triton
+import triton.language as tl
+from fastformer.cli import main
+from fastformer.kernels import attention
+
+@triton.jit
+def lse_log2_one_row_past(Lse, row_ptrs, rows, Lq):
+    lse = tl.load(Lse + row_ptrs, mask=rows < Lq + 1, other=0.0)
+    return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+attention._lse_log2 = lse_log2_one_row_past
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_check_interpret_errors_a_case_whose_kernel_reads_outside_its_tensors():
+    # The backward reading the LSE one row past its end: parity passes (the row's results
+    # are masked out), a GPU reads another allocation. The bounds check makes the case ERROR.
+    argv = ["check", "--quick", "--interpret", "--ops", "attention", "--shard", "1/3", "--json"]
+    proc = subprocess.run(
+        [sys.executable, "-c", ONE_ROW_PAST, *argv], capture_output=True, text=True
+    )
+    rows = json.loads(proc.stdout)["rows"] if proc.stdout.startswith("{") else []
+    errors = [r["message"] for r in rows if r["backend"] == "triton" and r["status"] == "ERROR"]
+    assert proc.returncode == 1 and errors, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert all("attn_bwd_dq: a 4-byte load" in e and "past the end of" in e for e in errors)
