@@ -225,6 +225,27 @@ def test_parity_other_tile_shapes(monkeypatch, blocks, qk_tiles):
     _parity(Case(lq=97, lk=81, d=16, causal=True, kpm="edges", mask="bool", mask_shape="qk"))
 
 
+def _gpu_tile_shapes() -> list[tuple[int, int, bool]]:
+    from fastformer.kernels import attention as kernels
+
+    configs = (c for configs in kernels.CONFIGS.values() for c in configs)
+    return sorted({(c.block_m, c.block_n, c.qk_tiles) for c in configs})
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter tile config is a CPU-test knob")
+@pytest.mark.parametrize("i, shape", list(enumerate(_gpu_tile_shapes())), ids=str)
+def test_parity_and_bounds_of_every_gpu_tile_shape(monkeypatch, i, shape):
+    # Each (BLOCK_M, BLOCK_N, qk_tiles) of the GPU tables, every other one as its TMA twin,
+    # on partial blocks of rows and keys, GQA, padding, causal and a float32 mask with its
+    # gradient: parity, and (conftest) no access outside the tensors.
+    from fastformer.kernels import attention as kernels
+
+    config = kernels.Config(*shape[:2], 4, 1, shape[2], tma=i % 2 == 1)
+    monkeypatch.setattr(kernels, "INTERPRET_CONFIG", config)
+    c = Case(b=1, h=2, hkv=1, lq=97, lk=81, d=40, dv=24, causal=True, kpm="edges", mask="float")
+    _parity(replace(c, mask_shape="b1qk", mask_dtype=F32, layout="blhd", dtype=F16))
+
+
 def test_lse_matches_reference_and_is_float32():
     c = Case(lq=33, lk=47, d=32, causal=True, dtype=F16, grad=False)
     q, k, v = _qkv(c)
