@@ -9,6 +9,7 @@ slow on CPU); `test_triton_attention_path` runs the Triton kernel itself.
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -286,6 +287,19 @@ def test_a_causal_hint_drops_a_mask_of_another_length_as_torch_does():
     module_parity(ours, theirs, args, dict(tgt_mask=longer, tgt_is_causal=True), ["tgt", "memory"])
     with pytest.raises(TypeError, match="attn_mask must be a bool tensor"):  # its dtype still
         ours(*args, tgt_mask=longer.int(), tgt_is_causal=True)
+
+
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm", "MultiheadAttention"])
+def test_a_list_input_gets_torch_nn_s_error(kind):
+    # It raised "AttributeError: 'list' object has no attribute 'is_nested'" from fastformer.
+    theirs, ours = _pair(
+        getattr(nn, kind), getattr(fnn, kind), *((E, H) if kind[0] == "M" else (E,))
+    )
+    args = ([[0.5] * E],) * (3 if kind[0] == "M" else 1)
+    with pytest.raises(Exception) as want:
+        theirs(*args)
+    with pytest.raises(type(want.value), match=re.escape(str(want.value))):
+        ours(*args)
 
 
 def test_encoder_layer_unbatched_input():

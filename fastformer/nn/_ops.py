@@ -28,6 +28,12 @@ def is_dtensor(t: Tensor) -> bool:
     return _DTensor is not None and isinstance(t, _DTensor)
 
 
+def not_dense(*inputs: object) -> bool:
+    """Whether any input is a nested tensor, or no tensor at all: the module then runs torch.nn's
+    forward (for a list, say, torch's own TypeError rather than an AttributeError of ours)."""
+    return any(not isinstance(t, Tensor) or t.is_nested for t in inputs)
+
+
 # Whether autocast is on for any device: one C call (~0.1 us) where the per-device check below
 # costs ~0.5 us, and every module call asks (torch 2.11 and 2.14 have it; None: ask per device).
 _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)

@@ -252,8 +252,8 @@ class MultiheadAttention(nn.MultiheadAttention):
                 "need_weights=True (torch.nn's default): the fused kernel does not form the "
                 "attention weights; pass need_weights=False"
             )
-        if query.is_nested or key.is_nested or value.is_nested:
-            reasons.append("nested-tensor input: the op takes dense (B, H, L, D) tensors")
+        if _ops.not_dense(query, key, value):
+            reasons.append("nested or non-tensor input: the op takes dense (B, H, L, D) tensors")
         return reasons
 
     def forward(
@@ -277,7 +277,7 @@ class MultiheadAttention(nn.MultiheadAttention):
             and not self.add_zero_attn
             and self.dropout <= _MAX_DROPOUT_P
             and self.head_dim <= MAX_HEAD_DIM
-            and not (query.is_nested or key.is_nested or value.is_nested)
+            and not _ops.not_dense(query, key, value)
         )
         if not plain:
             reasons = self._call_reasons(query, key, value, need_weights)
@@ -443,7 +443,7 @@ class ReferenceMultiheadAttention(MultiheadAttention):
     def _torch_forward(
         self, query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal
     ):
-        if not (query.is_nested or key.is_nested or value.is_nested):
+        if not _ops.not_dense(query, key, value):
             # The reference's own function where the fused path does not apply (need_weights,
             # dropout past the kernels' limits): torch.nn's weights are NaN in a row whose every
             # key is masked, where the reference's (and its output) are 0.

@@ -11,6 +11,8 @@ from fastformer.nn._lookup import param
 
 
 def _input_reasons(input: Tensor) -> list[str]:
+    if not isinstance(input, Tensor):
+        return [f"{type(input).__name__} input: not a tensor"]
     if input.is_nested:
         return ["nested-tensor input: the op takes dense tensors"]
     if _ops.is_dtensor(input):  # SequenceParallel() norms: torch.nn's run on DTensors
@@ -29,7 +31,7 @@ def eps_reasons(eps: float | None) -> list[str]:
 
 def _fallback(module: nn.Module, op: str, input: Tensor) -> bool:
     """Whether `module` runs torch.nn's forward for `input` (the reason recorded)."""
-    plain = not input.is_nested and not _ops.is_dtensor(input)
+    plain = not _ops.not_dense(input) and not _ops.is_dtensor(input)
     if plain and not eps_reasons(module.eps):  # every call: no lists built
         return False
     reasons = _input_reasons(input) + module.fallback_reasons
