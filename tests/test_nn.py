@@ -10,6 +10,7 @@ slow on CPU); `test_triton_attention_path` runs the Triton kernel itself.
 import copy
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -300,6 +301,25 @@ def test_a_list_input_gets_torch_nn_s_error(kind):
         theirs(*args)
     with pytest.raises(type(want.value), match=re.escape(str(want.value))):
         ours(*args)
+
+
+@pytest.mark.parametrize("kpm_dtype, mask_dtype", [("bool", "float32"), ("float16", "float32")])
+def test_mismatched_mask_dtypes_give_torch_nn_s_deprecation_warning(kpm_dtype, mask_dtype):
+    theirs, ours = _pair(nn.MultiheadAttention, fnn.MultiheadAttention, E, H, batch_first=True)
+    x = _randn(B, S, E)
+    kpm = torch.zeros(B, S, dtype=getattr(torch, kpm_dtype))
+    masks = dict(
+        key_padding_mask=kpm, attn_mask=torch.zeros(S, S, dtype=getattr(torch, mask_dtype))
+    )
+    for module in (theirs, ours):
+        with pytest.warns(
+            UserWarning, match="Support for mismatched key_padding_mask and attn_mask"
+        ):
+            module(x, x, x, need_weights=False, **masks)
+    with warnings.catch_warnings():  # same dtypes: none
+        warnings.simplefilter("error")
+        same = dict(key_padding_mask=kpm.bool(), attn_mask=torch.zeros(S, S, dtype=torch.bool))
+        ours(x, x, x, need_weights=False, **same)
 
 
 def test_encoder_layer_unbatched_input():

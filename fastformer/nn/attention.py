@@ -8,6 +8,8 @@ translated to the op's conventions without expanding them over heads.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor, nn
 
@@ -85,6 +87,22 @@ def _causal_hint(
         _check_mask_dtype("attn_mask", attn_mask)
         return None, True
     return attn_mask, False
+
+
+def _warn_mismatched_masks(key_padding_mask: Tensor | None, attn_mask: Tensor | None) -> None:
+    """torch.nn.MultiheadAttention's deprecation warning (F._canonical_mask), shown at the
+    module's forward as torch's is. (torch's layers and encoders give it under their own mask
+    names, once per call; here each attention block gives it, and Python shows it once.) Not
+    under torch.compile: dynamo cannot trace warnings.warn, and a graph break (an error under
+    fullgraph, as torch.nn's module gets) would be the price of a deprecation notice."""
+    if key_padding_mask is None or attn_mask is None or torch.compiler.is_compiling():
+        return
+    if key_padding_mask.dtype != attn_mask.dtype:
+        warnings.warn(
+            "Support for mismatched key_padding_mask and attn_mask is deprecated. Use same "
+            "type for both instead.",
+            stacklevel=3,
+        )
 
 
 def sdpa_masks(
@@ -384,6 +402,8 @@ class MultiheadAttention(nn.MultiheadAttention):
             attn_mask, key_padding_mask, is_causal, batch, self.num_heads, lq, lk,
             self._causal_hint, query.dtype,
         )  # fmt: skip
+        if self._causal_hint:  # torch.nn's module, not the reference's
+            _warn_mismatched_masks(key_padding_mask, attn_mask)
         q, k, v = self._project(query, key, value, batch_first)
         p = self.dropout if self.training else 0.0
         out = _ops.attention(self, q, k, v, mask, p, causal, kpm)
