@@ -5,9 +5,13 @@ On a GPU, a load or store that leaves its tensor reads another allocation's byte
 a load whose lanes are later masked out can give right outputs anyway, so parity tests miss it
 (a `rows < Lq + 1` load of the LSE passed every interpreter parity test). Under `checked()`,
 every load, store and atomic of an interpreted launch (TRITON_INTERPRET=1) must fall, on each
-of its unmasked lanes, inside the extent of one of the launch's tensor arguments; otherwise
-the launch raises `OutOfBounds` (wrapped in Triton's InterpreterError) naming the kernel, the
+of its unmasked lanes, inside the extent of one of the launch's tensor arguments (the bytes from
+its first element to the end of its last: a view's own span, not its storage's); otherwise the
+launch raises `OutOfBounds` (wrapped in Triton's InterpreterError) naming the kernel, the
 access and the argument it came nearest to.
+
+Blind spots: an access that lands in another argument's extent, or between the elements of a
+strided argument (q + D of a packed (L, 3, D) qkv reads k[0], inside q's span), passes.
 
 It hooks the interpreter's internals (`GridExecutor`, `InterpreterBuilder`), the same in
 Triton 3.6 and 3.8; tests/test_interpreter_bounds.py checks that it still catches an access one
@@ -47,12 +51,18 @@ class _Launch:
         self.hi = np.maximum.accumulate(np.array([hi for _, hi in spans], dtype=np.uint64))
 
     def check(self, ptrs: np.ndarray, mask: np.ndarray, size: int, access: str) -> None:
+        # A mask from a scalar condition (`row < n_rows`) arrives as 0/1 integers: as an index
+        # array it would pick lanes 0 and 1 over and over.
+        mask = np.asarray(mask).astype(bool, copy=False)
         shape = np.broadcast_shapes(ptrs.shape, mask.shape)
         addrs = np.broadcast_to(ptrs, shape)[np.broadcast_to(mask, shape)].astype(np.uint64)
         if addrs.size == 0:
             return
-        at = np.searchsorted(self.lo, addrs, side="right") - 1
-        inside = (at >= 0) & (addrs + np.uint64(size) <= self.hi[np.maximum(at, 0)])
+        if self.lo.size == 0:
+            inside = np.zeros(addrs.shape, dtype=bool)
+        else:
+            at = np.searchsorted(self.lo, addrs, side="right") - 1
+            inside = (at >= 0) & (addrs + np.uint64(size) <= self.hi[np.maximum(at, 0)])
         if not inside.all():
             bad = addrs[~inside]
             raise OutOfBounds(
@@ -68,7 +78,12 @@ class _Launch:
         if not self.named:
             return f"address {addr:#x} (the launch has no tensor argument with elements)"
         name, t, lo, hi = min(self.named, key=distance)
-        where = f"{lo - addr} bytes before" if addr < lo else f"{addr - hi} bytes past the end of"
+        if addr < lo:
+            where = f"{lo - addr} bytes before"
+        elif addr < hi:  # a wide access that starts inside and ends past the end
+            where = f"{hi - addr} bytes before the end (straddling it) of"
+        else:
+            where = f"{addr - hi} bytes past the end of"
         return f"{where} argument {name!r} {tuple(t.shape)} {t.dtype} stride {t.stride()}"
 
 
@@ -107,10 +122,11 @@ def _init_args_hst(self, args_dev, kwargs):
 
 
 def _call(self, *args, **kwargs):
+    outer = getattr(_state, "launch", None)  # a launch made by a pre-run hook of another
     try:
         return _originals["__call__"][1](self, *args, **kwargs)
     finally:
-        _state.launch = None
+        _state.launch = outer
 
 
 def _masked_load(self, ptrs, mask, *rest, **options):

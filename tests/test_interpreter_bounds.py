@@ -23,8 +23,6 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     import triton.language as tl
     from triton.runtime.errors import InterpreterError
 
-    from fastformer.kernels import interpreter_bounds as bounds
-
     @triton.jit
     def shifted_copy(X, Y, n, shift, limit, BLOCK: tl.constexpr):
         # Y[i] = X[i + shift] for i < limit: with limit + shift > n the last lanes read past X.
@@ -40,6 +38,19 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     def shifted_add(Y, shift, limit, BLOCK: tl.constexpr):
         i = tl.arange(0, BLOCK)
         tl.atomic_add(Y + i + shift, 1.0, mask=i < limit)
+
+    @triton.jit
+    def row_copy(X, Y, n_rows, n, BLOCK: tl.constexpr):
+        # One program a row; a scalar condition masks the programs past the last row (the
+        # interpreter hands such a mask over as 0/1 integers).
+        row = tl.program_id(0)
+        i = tl.arange(0, BLOCK)
+        keep = (i < n) & (row < n_rows)
+        tl.store(Y + row * BLOCK + i, tl.load(X + row * n + i, mask=keep, other=0.0), mask=keep)
+
+    @triton.jit
+    def wide_load(X, Y, offset):
+        tl.store(Y, tl.load((X + offset).to(tl.pointer_type(tl.int64))))
 
 
 def _xy(n: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,7 +72,7 @@ def test_a_load_outside_its_tensor_raises(shift, limit):
 
 
 def test_a_view_is_bounded_by_its_own_elements_not_its_storage():
-    # A kernel given q of a packed qkv must not read k: the extent is the view's.
+    # The extent is the view's own span, not its storage's: reading on past a slice is caught.
     storage = torch.arange(30, dtype=torch.float32)
     x, y = storage[10:20], torch.zeros(10)
     with pytest.raises(InterpreterError, match="past the end of argument 'X' \\(10,\\)"):
@@ -82,15 +93,50 @@ def test_a_store_and_an_atomic_outside_their_tensor_raise():
         shifted_add[(1,)](y, 5, 6, BLOCK=8)
 
 
+def test_masks_of_scalar_conditions_check_every_lane():
+    # As an index array, a 0/1 mask checked lanes 0 and 1 only: the all-masked program past
+    # the last row raised, and a read of X[2..3] passed.
+    x, y = torch.arange(4.0), torch.zeros(8)
+    row_copy[(2,)](x, y, 1, 4, BLOCK=4)
+    assert torch.equal(y, torch.cat([x, torch.zeros(4)]))
+    with pytest.raises(InterpreterError, match="row_copy: a 4-byte load on 2 unmasked lane"):
+        row_copy[(1,)](torch.arange(2.0), torch.zeros(4), 1, 4, BLOCK=4)
+
+
+def test_a_wide_access_straddling_the_end_and_a_launch_without_tensors():
+    x, y = torch.zeros(4), torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(InterpreterError, match="a 8-byte load .* 4 bytes before the end \\(str"):
+        wide_load[(1,)](x, y, 3)
+    with pytest.raises(InterpreterError, match="no tensor argument with elements"):
+        wide_load[(1,)](torch.zeros(0), torch.zeros(0, dtype=torch.int64), 0)
+
+
+def test_a_launch_from_a_pre_run_hook_leaves_the_outer_launch_checked(monkeypatch):
+    x, y = _xy()
+
+    def hook(*args, **kwargs):
+        shifted_add[(1,)](torch.zeros(4), 0, 4, BLOCK=4)
+
+    monkeypatch.setattr(shifted_copy, "pre_run_hooks", [hook])
+    with pytest.raises(InterpreterError, match="shifted_copy: a 4-byte load"):
+        shifted_copy[(1,)](x, y, 10, 1, 10, BLOCK=16)
+
+
 def test_the_hooks_leave_with_the_last_exit():
-    cls = bounds._interp.InterpreterBuilder
-    before = cls.__dict__["create_masked_load"]  # conftest's session-wide check is on
+    # In a fresh process: this one's conftest keeps the check on for the whole session.
+    script = """
+from triton.runtime.interpreter import InterpreterBuilder as B
+from fastformer.kernels import interpreter_bounds as bounds
+original = B.__dict__["create_masked_load"]
+with bounds.checked():
     with bounds.checked():
-        with bounds.checked():
-            pass
-        assert cls.__dict__["create_masked_load"] is before
-    assert cls.__dict__["create_masked_load"] is before
-    assert before is bounds._masked_load
+        pass
+    assert B.__dict__["create_masked_load"] is bounds._masked_load
+assert B.__dict__["create_masked_load"] is original
+print("restored")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.stdout.strip() == "restored", proc.stderr[-3000:]
 
 
 # kernels/attention._lse_log2 with its load one row too long, patched in by a fresh process
