@@ -31,7 +31,10 @@ def is_dtensor(t: Tensor) -> bool:
 def not_dense(*inputs: object) -> bool:
     """Whether any input is a nested tensor, or no tensor at all: the module then runs torch.nn's
     forward (for a list, say, torch's own TypeError rather than an AttributeError of ours)."""
-    return any(not isinstance(t, Tensor) or t.is_nested for t in inputs)
+    for t in inputs:  # a loop, not any(...): a generator costs ~0.2 us on every module call
+        if not isinstance(t, Tensor) or t.is_nested:
+            return True
+    return False
 
 
 # Whether autocast is on for any device: one C call (~0.1 us) where the per-device check below

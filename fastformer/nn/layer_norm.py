@@ -31,7 +31,7 @@ def eps_reasons(eps: float | None) -> list[str]:
 
 def _fallback(module: nn.Module, op: str, input: Tensor) -> bool:
     """Whether `module` runs torch.nn's forward for `input` (the reason recorded)."""
-    plain = not _ops.not_dense(input) and not _ops.is_dtensor(input)
+    plain = isinstance(input, Tensor) and not input.is_nested and not _ops.is_dtensor(input)
     if plain and not eps_reasons(module.eps):  # every call: no lists built
         return False
     reasons = _input_reasons(input) + module.fallback_reasons
