@@ -96,6 +96,7 @@ _FROM_REFERENCE: dict[type, tuple[type, Callable[[nn.Module], dict]]] = {
 }
 
 _FASTFORMER = tuple(set(_FROM_TORCH.values()))
+_KINDS = (*_FROM_TORCH, *_FROM_REFERENCE)  # every class swap replaces, as isinstance bases
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__)
 
 
@@ -168,12 +169,12 @@ def _skip_reason(name, module, include, exclude) -> str | None:
 
 def _subclass_reason(module: nn.Module) -> str | None:
     """Why a user subclass of a swappable class is left alone (None if it is not one)."""
-    for base in (*_FROM_TORCH, *_FROM_REFERENCE):
-        if isinstance(module, base) and parametrize.is_parametrized(module):
-            return (
-                "parametrized (torch.nn.utils.parametrize subclasses it): swap before "
-                "registering the parametrization"
-            )
+    if isinstance(module, _KINDS) and parametrize.is_parametrized(module):
+        return (
+            "parametrized (torch.nn.utils.parametrize subclasses it): swap before "
+            "registering the parametrization"
+        )
+    for base in _KINDS:
         if isinstance(module, base):
             return (
                 f"subclass of {_type_name(base)}: its own methods are kept (use the "
@@ -327,7 +328,8 @@ def swap(
     params = [id(p) for p in model.parameters()]
     report, journal = SwapReport(), _Journal()
     modules = list(model.named_modules(remove_duplicate=True))
-    kinds = [(n, m) for n, m in modules if type(m) in _FROM_TORCH or type(m) in _FROM_REFERENCE]
+    # Swapped ones and subclasses too: a second swap, or an exclude naming a subclass, selects.
+    kinds = [(name, m) for name, m in modules if isinstance(m, _KINDS)]
     _warn_unmatched("include", include, kinds)
     _warn_unmatched("exclude", exclude, kinds)
     for name, module in modules:

@@ -3,6 +3,7 @@ and the results (parity rule against an unswapped copy of the same model)."""
 
 import copy
 import importlib
+import warnings
 
 import pytest
 import torch
@@ -319,6 +320,10 @@ def test_subclasses_are_left_with_a_reason():
     assert type(model[0]) is MyNorm
 
 
+class MyNorm(nn.LayerNorm):
+    pass
+
+
 def test_include_or_exclude_items_that_select_nothing_warn():
     # A misspelled name swapped nothing (or everything) without a word.
     model = nn.Transformer(E, H, 1, 1, FF)
@@ -327,6 +332,10 @@ def test_include_or_exclude_items_that_select_nothing_warn():
     assert "exclude item torch.nn.RMSNorm matches none" in str(seen[1].message)
     assert len(seen) == 2 and seen[0].filename == __file__  # the caller's line
     assert type(model.encoder.layers[0]) is fnn.TransformerEncoderLayer and report.replaced
+    with warnings.catch_warnings():  # swapped modules and subclasses are selected too
+        warnings.simplefilter("error")
+        swap(model, include=["encoder.*", "LayerNorm"])
+        swap(nn.Sequential(MyNorm(E)), exclude=[MyNorm])
 
 
 def test_torchscript_and_parametrized_modules_are_refused_or_left_with_a_reason():
