@@ -254,7 +254,7 @@ def _swap_one(module: nn.Module, journal: _Journal) -> tuple[type | None, str | 
     return None, _subclass_reason(module)
 
 
-_SWAPPABLE_NAMES = {cls.__name__ for cls in (*_FROM_TORCH, *_FROM_REFERENCE)}
+_SWAPPABLE_NAMES = {cls.__name__ for cls in _KINDS}
 
 
 def _script_reason(module: torch.jit.ScriptModule) -> str | None:
@@ -274,8 +274,8 @@ def _warn_unmatched(arg: str, items: list | None, modules: list[tuple[str, nn.Mo
         if not any(_matches(item, name, module) for name, module in modules):
             shown = _type_name(item) if isinstance(item, type) else repr(item)
             warnings.warn(
-                f"fastformer.swap: {arg} item {shown} matches none of the model's swappable "
-                "modules (items match a module's exact class, its class name, or its "
+                f"fastformer.swap: {arg} item {shown} matches none of the model's modules of "
+                "a swappable kind (items match a module's exact class, its class name, or its "
                 "qualified name as an fnmatch pattern)",
                 stacklevel=3,
             )
