@@ -606,20 +606,58 @@ def test_dropout_mask_read_back_from_the_kernel(lk):
     # q = k = 0 gives uniform probabilities 1/Lk and v = identity reads them back: out * Lk *
     # (1 - p) is exactly the kernel's keep-mask, which must be dropout_keep_mask(seed) element
     # for element (the kernel's column order within a 32-column block included).
-    b, h, lq, p = 2, 2, 64, 0.25
+    p = 0.25
+    expected = _kernel_keep_mask_read_back(lk, p)
+    n = expected.numel()
+    rate = expected.float().mean().item()
+    assert abs(rate - (1 - p)) <= 5 * math.sqrt(p * (1 - p) / n)
+
+
+def _kernel_keep_mask_read_back(lk: int, p: float) -> torch.Tensor:
+    """The kernel's keep-mask read back (see above), asserted equal to dropout_keep_mask's."""
+    b, h, lq = 2, 2, 64
     q = torch.zeros(b, h, lq, 16, device=DEVICE)
     k = torch.zeros(b, h, lk, 16, device=DEVICE)
     v = torch.eye(lk, device=DEVICE).expand(b, h, lk, lk)
-    seed = _predicted_seed(3)
     torch.manual_seed(3)
     out = attn.scaled_dot_product_attention(q, k, v, dropout_p=p)
     kept = out * lk * (1 - p)
     assert torch.allclose(kept, kept.round(), atol=1e-4)
-    expected = attn.dropout_keep_mask(seed, b, h, lq, lk, p, device=DEVICE)
+    expected = attn.dropout_keep_mask(_predicted_seed(3), b, h, lq, lk, p, device=DEVICE)
     assert torch.equal(kept.round().bool(), expected)
-    n = expected.numel()
-    rate = expected.float().mean().item()
-    assert abs(rate - (1 - p)) <= 5 * math.sqrt(p * (1 - p) / n)
+    return expected
+
+
+@pytest.mark.parametrize("lk", [5, 45, 64, 1030], ids=str)
+def test_key_range_is_each_row_s_first_and_last_kept_key(lk):
+    # Parity cannot see a range that is too wide (the extra tiles are all hidden keys: the
+    # kernels only lose their skipping) nor one cut at a block edge by chance.
+    from fastformer.kernels import attention as kernels
+
+    g = torch.Generator().manual_seed(lk)
+    kpm = torch.rand(6, lk, generator=g) < 0.5
+    kpm[0] = True  # every key padding: (0, 0)
+    kpm[1] = False
+    kpm[2, : lk // 2] = True  # leading padding
+    kpm[3, lk // 3 :] = True  # trailing padding
+    kpm[4] = True
+    kpm[4, -1] = False  # only the last key
+    kept = [torch.nonzero(~row).flatten().tolist() for row in kpm]
+    want = [(r[0], r[-1] + 1) if r else (0, 0) for r in kept]
+    assert kernels.key_range(kpm.to(DEVICE)).tolist() == [list(w) for w in want]
+
+
+def test_dropout_keeps_a_lane_equal_to_the_threshold():
+    # A lane is kept when its 16 random bits are >= the threshold p * 2**16: a kernel keeping
+    # only those above it differs on 1 score in 65536, which no other test draws. Find a
+    # threshold that one lane of the read-back's mask equals, and read the mask back there.
+    seed = _predicted_seed(3)
+
+    def keep(t):
+        return attn.dropout_keep_mask(seed, 2, 2, 64, 64, t / 2**16, device=DEVICE)
+
+    t = next(t for t in range(2**14, 2**14 + 64) if not torch.equal(keep(t), keep(t + 1)))
+    assert torch.equal(_kernel_keep_mask_read_back(64, t / 2**16), keep(t))
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="interpreter: the launchers' seed argument")
