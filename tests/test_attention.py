@@ -246,6 +246,25 @@ def test_parity_and_bounds_of_every_gpu_tile_shape(monkeypatch, i, shape):
     _parity(replace(c, mask_shape="b1qk", mask_dtype=F32, layout="blhd", dtype=F16))
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter tile config is a CPU-test knob")
+@pytest.mark.parametrize("qk_tiles", [False, True], ids=["kq_tiles", "qk_tiles"])
+def test_dkdv_runs_the_tile_orientation_its_config_names(monkeypatch, qk_tiles):
+    # Both orientations give the same gradients, so parity cannot tell which one ran; only the
+    # (key x query) one caps P at 1, which GPU configs without qk_tiles rely on.
+    from fastformer.kernels import attention as kernels
+
+    ran = []
+    for name in ("_dkdv_tile_t", "_dkdv_tile_n"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(
+            kernels, name, lambda *a, _r=real, _n=name, **k: ran.append(_n) or _r(*a, **k)
+        )
+    monkeypatch.setattr(kernels, "INTERPRET_CONFIG", kernels.Config(32, 32, 4, 1, qk_tiles))
+    q, k, v = _qkv(Case(b=1, h=1, lq=40, lk=40, d=16))
+    attn.scaled_dot_product_attention(q, k, v).sum().backward()
+    assert set(ran) == {"_dkdv_tile_n" if qk_tiles else "_dkdv_tile_t"}, ran
+
+
 def test_lse_matches_reference_and_is_float32():
     c = Case(lq=33, lk=47, d=32, causal=True, dtype=F16, grad=False)
     q, k, v = _qkv(c)
