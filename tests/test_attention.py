@@ -265,6 +265,45 @@ def test_dkdv_runs_the_tile_orientation_its_config_names(monkeypatch, qk_tiles):
     assert set(ran) == {"_dkdv_tile_n" if qk_tiles else "_dkdv_tile_t"}, ran
 
 
+def test_dkdv_caps_p_at_one_where_the_row_stat_rounds_low():
+    # The (key x query) tiles' k @ q^T may round a dominant score above the forward's row max,
+    # and P came out 1 + 1.2e-4 where the reference's is 1 (a GPU case). A CPU rounds both
+    # orientations alike, so a log2-sum lowered by 2**-10 stands in for that rounding: with one
+    # key P is 1, and dV must be the column sum of dO, not 1.0007 times it.
+    from fastformer.kernels import attention as kernels
+
+    q, k, v = (_randn((1, 1, 5, 16), seed=s) for s in range(3))
+    k, v = k[:, :, :1], v[:, :, :1]
+    mask = torch.zeros(5, 1, device=DEVICE)  # a float mask: P from the stat, as _probs takes it
+    config = kernels.Config(32, 32, 4, 1, False)
+    stat = torch.empty(1, 1, 5, 2, device=DEVICE)
+    out, lse = kernels.attention_forward(
+        q, k, v, mask, None, 0, 0.0, False, 0.25, config, stat=stat
+    )
+    stat[..., 1] -= 2**-10
+    grad_out = _randn(out.shape, seed=3)
+    _, _, dv, _ = kernels.attention_backward(
+        grad_out,
+        None,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        mask,
+        None,
+        0,
+        0.0,
+        False,
+        0.25,
+        False,
+        config,
+        stat=stat,
+    )
+    dv64 = grad_out.double().sum(2, keepdim=True)
+    assert max_abs_diff(dv, dv64) <= 1e-5, max_abs_diff(dv, dv64)
+
+
 def test_lse_matches_reference_and_is_float32():
     c = Case(lq=33, lk=47, d=32, causal=True, dtype=F16, grad=False)
     q, k, v = _qkv(c)
