@@ -10,8 +10,11 @@ its first element to the end of its last: a view's own span, not its storage's);
 launch raises `OutOfBounds` (wrapped in Triton's InterpreterError) naming the kernel, the
 access and the argument it came nearest to.
 
-Blind spots: an access that lands in another argument's extent, or between the elements of a
-strided argument (q + D of a packed (L, 3, D) qkv reads k[0], inside q's span), passes.
+The unmasked lanes of one access must also all fall inside one and the same extent: an access
+that runs on from one argument into the next (two slices of one buffer) is out of bounds too.
+
+Blind spots: an access that lands wholly in another argument's extent, or between the elements
+of a strided argument (q + D of a packed (L, 3, D) qkv reads k[0], inside q's span), passes.
 
 It hooks the interpreter's internals (`GridExecutor`, `InterpreterBuilder`), the same in
 Triton 3.6 and 3.8; tests/test_interpreter_bounds.py checks that it still catches an access one
@@ -69,6 +72,23 @@ class _Launch:
                 f"{self.kernel}: a {size}-byte {access} on {bad.size} unmasked lane(s) outside "
                 f"every tensor argument, at {self._nearest(int(bad[0]))}"
             )
+        # One access comes from one base pointer: lanes that run on from one argument into the
+        # next (two slices of one buffer, or allocations that happen to be adjacent) are out of
+        # bounds even though each lane is inside some argument.
+        first, last = int(addrs.min()), int(addrs.max())
+        if not any(lo <= first and last + size <= hi for _, _, lo, hi in self.named):
+            raise OutOfBounds(
+                f"{self.kernel}: a {size}-byte {access} whose unmasked lanes span more than one "
+                f"tensor argument: its first lane in {self._holder(first)}, its last in "
+                f"{self._holder(last)}"
+            )
+
+    def _holder(self, addr: int) -> str:
+        """The argument whose extent holds a byte (the smallest such one)."""
+        name, t, lo, _ = min(
+            (e for e in self.named if e[2] <= addr < e[3]), key=lambda e: e[3] - e[2]
+        )
+        return f"argument {name!r} {tuple(t.shape)} {t.dtype}, {addr - lo} bytes into it"
 
     def _nearest(self, addr: int) -> str:
         def distance(entry: tuple) -> int:

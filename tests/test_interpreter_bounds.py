@@ -169,3 +169,19 @@ def test_check_interpret_errors_a_case_whose_kernel_reads_outside_its_tensors():
     errors = [r["message"] for r in rows if r["backend"] == "triton" and r["status"] == "ERROR"]
     assert proc.returncode == 1 and errors, (proc.stdout[-3000:], proc.stderr[-3000:])
     assert all("attn_bwd_dq: a 4-byte load" in e and "past the end of" in e for e in errors)
+
+
+def test_an_access_running_from_one_argument_into_the_next_raises():
+    # Each lane lies inside some argument (two adjacent slices of one buffer), but one access
+    # comes from one base pointer: lanes 10..15 of the load from X read Y's first bytes.
+    buffer = torch.arange(26, dtype=torch.float32)
+    x, y = buffer[:10], buffer[10:]
+    with pytest.raises(
+        InterpreterError,
+        match="shifted_copy: a 4-byte load whose unmasked lanes span more than one tensor "
+        "argument: its first lane in argument 'X' .*, its last in argument 'Y' \\(16,\\) "
+        "torch.float32, 20 bytes into it",
+    ):
+        shifted_copy[(1,)](x, y, 10, 0, 16, BLOCK=16)
+    shifted_copy[(1,)](x, y, 10, 0, 10, BLOCK=16)  # the same load within X runs
+    assert torch.equal(y[:10], x)
