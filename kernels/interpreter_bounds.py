@@ -10,11 +10,15 @@ its first element to the end of its last: a view's own span, not its storage's);
 launch raises `OutOfBounds` (wrapped in Triton's InterpreterError) naming the kernel, the
 access and the argument it came nearest to.
 
-The unmasked lanes of one access must also all fall inside one and the same extent: an access
-that runs on from one argument into the next (two slices of one buffer) is out of bounds too.
+The unmasked lanes of one access must also all be elements of one and the same argument (one
+access comes from one base pointer): an access that runs on from one argument into the next
+(two slices of one buffer), or that falls between a strided argument's elements (q + D of a
+packed (L, 3, D) qkv reads k[0], inside q's span), is out of bounds too.
 
-Blind spots: an access that lands wholly in another argument's extent, or between the elements
-of a strided argument (q + D of a packed (L, 3, D) qkv reads k[0], inside q's span), passes.
+Blind spots: an access that lands wholly on another argument's elements passes (the check does
+not know which argument a pointer came from); so does one between the elements of an argument
+whose dims interleave (`as_strided` layouts no view of a dense tensor has), or one whose width
+differs from its argument's element size, anywhere inside the argument's extent.
 
 It hooks the interpreter's internals (`GridExecutor`, `InterpreterBuilder`), the same in
 Triton 3.6 and 3.8; tests/test_interpreter_bounds.py checks that it still catches an access one
@@ -23,6 +27,7 @@ element past a tensor.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,13 +46,59 @@ class OutOfBounds(AssertionError):
     """An interpreted kernel's access outside every tensor argument of its launch."""
 
 
+class _Arg:
+    """One tensor argument: its byte extent [lo, hi) and where its elements lie in it."""
+
+    def __init__(self, name: str, t: torch.Tensor) -> None:
+        self.name, self.t, self.size = name, t, t.element_size()
+        self.lo, self.hi = _extent(t)
+        self.dims = _nested_dims(t)
+        # No gaps between the elements (a contiguous tensor, or one permuted): every aligned
+        # byte offset in the extent is an element's.
+        self.dense = self.dims is not None and self.hi - self.lo == self.size * math.prod(
+            n for n, _ in self.dims
+        )
+
+    def strays(self, addrs: np.ndarray, size: int) -> np.ndarray:
+        """Byte offsets of the lanes (all inside the extent) that are not at an element."""
+        offsets = addrs.astype(np.int64) - self.lo
+        if self.dims is None or size != self.size:  # interleaved dims, or a reinterpreting access
+            return offsets[:0]
+        stray = offsets % self.size != 0
+        if self.dense:
+            return offsets[stray]
+        rest = offsets // self.size
+        for n, stride in self.dims:  # largest stride first: a mixed-radix digit each
+            digit = rest // stride
+            stray |= digit >= n
+            rest -= np.minimum(digit, n - 1) * stride
+        return offsets[stray | (rest != 0)]
+
+    def describe(self) -> str:
+        t = self.t
+        return f"argument {self.name!r} {tuple(t.shape)} {t.dtype} stride {t.stride()}"
+
+
+def _nested_dims(t: torch.Tensor) -> list[tuple[int, int]] | None:
+    """(size, stride) of the dims that move, largest stride first, if each stride is at least
+    the span of the dims below it (every view of a dense tensor: the decomposition of an offset
+    into indices is then unique and greedy); None for interleaved dims."""
+    dims = sorted(((s, n) for n, s in zip(t.shape, t.stride()) if n > 1 and s > 0), reverse=True)
+    span = 1
+    for s, n in reversed(dims):
+        if s < span:
+            return None
+        span += (n - 1) * s
+    return [(n, s) for s, n in dims]
+
+
 class _Launch:
-    """The tensor arguments of one interpreted launch as sorted byte extents [lo, hi)."""
+    """The tensor arguments of one interpreted launch, with their extents sorted."""
 
     def __init__(self, kernel: str, named: list[tuple[str, torch.Tensor]]) -> None:
         self.kernel = kernel
-        self.named = [(name, t, *_extent(t)) for name, t in named if t.numel() > 0]
-        spans = sorted((lo, hi) for _, _, lo, hi in self.named)
+        self.args = [_Arg(name, t) for name, t in named if t.numel() > 0]
+        spans = sorted((a.lo, a.hi) for a in self.args)
         self.lo = np.array([lo for lo, _ in spans], dtype=np.uint64)
         # Running maximum of the ends: an address is inside some extent iff it is below the
         # largest end among the extents that start at or before it.
@@ -61,6 +112,7 @@ class _Launch:
         addrs = np.broadcast_to(ptrs, shape)[np.broadcast_to(mask, shape)].astype(np.uint64)
         if addrs.size == 0:
             return
+        what = f"{self.kernel}: a {size}-byte {access}"
         if self.lo.size == 0:
             inside = np.zeros(addrs.shape, dtype=bool)
         else:
@@ -69,42 +121,49 @@ class _Launch:
         if not inside.all():
             bad = addrs[~inside]
             raise OutOfBounds(
-                f"{self.kernel}: a {size}-byte {access} on {bad.size} unmasked lane(s) outside "
-                f"every tensor argument, at {self._nearest(int(bad[0]))}"
+                f"{what} on {bad.size} unmasked lane(s) outside every tensor argument, at "
+                f"{self._nearest(int(bad[0]))}"
             )
-        # One access comes from one base pointer: lanes that run on from one argument into the
-        # next (two slices of one buffer, or allocations that happen to be adjacent) are out of
-        # bounds even though each lane is inside some argument.
+        # One access comes from one base pointer, so its lanes must all be elements of one
+        # argument: not run on from one argument into the next (two slices of one buffer), nor
+        # fall between a strided argument's elements (q's row stride wrong in a packed qkv).
         first, last = int(addrs.min()), int(addrs.max())
-        if not any(lo <= first and last + size <= hi for _, _, lo, hi in self.named):
+        holders = sorted(
+            (a for a in self.args if a.lo <= first and last + size <= a.hi),
+            key=lambda a: a.hi - a.lo,
+        )
+        if not holders:
             raise OutOfBounds(
-                f"{self.kernel}: a {size}-byte {access} whose unmasked lanes span more than one "
-                f"tensor argument: its first lane in {self._holder(first)}, its last in "
-                f"{self._holder(last)}"
+                f"{what} whose unmasked lanes span more than one tensor argument: its first "
+                f"lane in {self._holder(first)}, its last in {self._holder(last)}"
             )
+        if any(a.strays(addrs, size).size == 0 for a in holders):
+            return
+        strays = holders[0].strays(addrs, size)
+        raise OutOfBounds(
+            f"{what} on {strays.size} unmasked lane(s) between the elements of "
+            f"{holders[0].describe()}, the first {int(strays[0])} bytes into it"
+        )
 
     def _holder(self, addr: int) -> str:
         """The argument whose extent holds a byte (the smallest such one)."""
-        name, t, lo, _ = min(
-            (e for e in self.named if e[2] <= addr < e[3]), key=lambda e: e[3] - e[2]
-        )
-        return f"argument {name!r} {tuple(t.shape)} {t.dtype}, {addr - lo} bytes into it"
+        a = min((a for a in self.args if a.lo <= addr < a.hi), key=lambda a: a.hi - a.lo)
+        return f"{a.describe()}, {addr - a.lo} bytes into it"
 
     def _nearest(self, addr: int) -> str:
-        def distance(entry: tuple) -> int:
-            _, _, lo, hi = entry
-            return lo - addr if addr < lo else addr - hi + 1
+        def distance(a: _Arg) -> int:
+            return a.lo - addr if addr < a.lo else addr - a.hi + 1
 
-        if not self.named:
+        if not self.args:
             return f"address {addr:#x} (the launch has no tensor argument with elements)"
-        name, t, lo, hi = min(self.named, key=distance)
-        if addr < lo:
-            where = f"{lo - addr} bytes before"
-        elif addr < hi:  # a wide access that starts inside and ends past the end
-            where = f"{hi - addr} bytes before the end (straddling it) of"
+        a = min(self.args, key=distance)
+        if addr < a.lo:
+            where = f"{a.lo - addr} bytes before"
+        elif addr < a.hi:  # a wide access that starts inside and ends past the end
+            where = f"{a.hi - addr} bytes before the end (straddling it) of"
         else:
-            where = f"{addr - hi} bytes past the end of"
-        return f"{where} argument {name!r} {tuple(t.shape)} {t.dtype} stride {t.stride()}"
+            where = f"{addr - a.hi} bytes past the end of"
+        return f"{where} {a.describe()}"
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -180,8 +181,43 @@ def test_an_access_running_from_one_argument_into_the_next_raises():
         InterpreterError,
         match="shifted_copy: a 4-byte load whose unmasked lanes span more than one tensor "
         "argument: its first lane in argument 'X' .*, its last in argument 'Y' \\(16,\\) "
-        "torch.float32, 20 bytes into it",
+        "torch.float32 stride \\(1,\\), 20 bytes into it",
     ):
         shifted_copy[(1,)](x, y, 10, 0, 16, BLOCK=16)
     shifted_copy[(1,)](x, y, 10, 0, 10, BLOCK=16)  # the same load within X runs
     assert torch.equal(y[:10], x)
+
+
+def test_an_access_between_the_elements_of_a_strided_argument_raises():
+    # x is every other element of a buffer (a packed pair's first half): a contiguous read of
+    # x stays inside its span but reads the other half's elements.
+    pairs = torch.arange(16, dtype=torch.float32).view(8, 2)
+    x, y = pairs[:, 0], torch.zeros(8)
+    with pytest.raises(
+        InterpreterError,
+        match="shifted_copy: a 4-byte load on 7 unmasked lane\\(s\\) between the elements of "
+        "argument 'X' \\(8,\\) torch.float32 stride \\(2,\\), the first 4 bytes into it",
+    ):
+        shifted_copy[(1,)](x, y, 8, 0, 15, BLOCK=16)
+    shifted_copy[(1,)](x.contiguous(), y, 8, 0, 8, BLOCK=16)
+    assert torch.equal(y, x)
+
+
+@pytest.mark.parametrize(
+    "shape, stride, interleaved",
+    [((4, 3), (3, 1), False), ((3, 4), (1, 3), False), ((2, 5, 3), (0, 3, 1), False),
+     ((3, 2), (2, 3), True), ((2, 2), (2, 2), True)],
+)  # fmt: skip
+def test_element_offsets_of_a_layout(shape, stride, interleaved):
+    # Every element's offset is accepted and every other byte of the extent refused, computed
+    # from the layout directly; interleaved dims are not judged (nothing refused).
+    from fastformer.kernels.interpreter_bounds import _Arg
+
+    t = torch.zeros(64).as_strided(shape, stride)
+    arg = _Arg("t", t)
+    idx = torch.cartesian_prod(*(torch.arange(n) for n in shape)).view(-1, len(shape))
+    elements = {int((idx * torch.tensor(stride)).sum(1)[i]) * 4 for i in range(idx.shape[0])}
+    offsets = np.arange(arg.hi - arg.lo, dtype=np.int64)
+    strays = set(arg.strays(offsets.astype(np.uint64) + np.uint64(arg.lo), 4).tolist())
+    assert (arg.dims is None) == interleaved
+    assert strays == (set() if interleaved else set(offsets.tolist()) - elements)
