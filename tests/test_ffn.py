@@ -635,3 +635,40 @@ def test_backend_reasons_refuses_what_ffn_refuses():
     with pytest.raises(TypeError, match="backend_reasons: x must have a floating dtype"):
         ffn_mod.backend_reasons(torch.zeros(2, 4, dtype=torch.int64))
     assert [name for name, why in ffn_mod.backend_reasons(torch.zeros(2, 4)) if not why]
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_parity_with_d_ff_past_the_cpu_chunk(activation, dropout_p):
+    # The CPU pass takes a row of h in chunks of 256 columns: d_ff 300 runs a full chunk and a
+    # ragged one, each reading its own columns of both gated halves.
+    check_parity(make_inputs((2, 3), 16, 300, activation), activation, dropout_p)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "silu"])
+def test_bfloat16_infinity_passes_as_in_torch(activation):
+    # torch's bfloat16 relu / gelu / silu pass +inf through, and linear2 of it with positive
+    # weights is +inf: the CPU pass's bfloat16 rounding must keep an infinity one, not a NaN.
+    # Forward only (gradients through an infinity are NaN in the reference too).
+    x = torch.tensor([[float("inf")], [1.0], [-2.0]], dtype=torch.bfloat16)
+    w1 = torch.ones(4, 1, dtype=torch.bfloat16)
+    w2 = torch.full((2, 4), 0.5, dtype=torch.bfloat16)
+    inputs = [x, w1, None, w2, None]
+    results = compare_with_reference(
+        lambda *a: ffn(*a, activation), lambda *a: reference.ffn(*a, activation), inputs
+    )
+    assert_parity(results)
+    assert torch.equal(ffn(*inputs, activation)[0], torch.full((2,), float("inf")).bfloat16())
+
+
+def test_gelu_tanh_derivative_keeps_its_digits_in_the_right_tail():
+    # The gate's derivative takes e * s where e = exp(-2u) <= 1 rather than 1 - s, which loses
+    # digits as s -> 1 (relative error 2e-6 against 1.5e-7, measured on the CI VM; torch's own
+    # float32 error there is 1e-6). Below the parity rule's floor, so a bound of its own, as the
+    # left-tail test's.
+    x = torch.linspace(0, 9, 3601)[:, None].requires_grad_()
+    one = torch.ones(1, 1)
+    (dx,) = torch.autograd.grad(ffn(x, one, None, one, None, "gelu_tanh").sum(), x)
+    x64 = x.detach().double().requires_grad_()
+    (dx64,) = torch.autograd.grad(_exact_gelu_tanh(x64).sum(), x64)
+    assert ((dx - dx64).abs() <= 8e-7 * dx64.abs()).all()

@@ -18,7 +18,7 @@ from fastformer import reference as ref
 from fastformer._ext import extension_error
 from fastformer.ops import _dispatch, rng
 from fastformer.ops import layer_norm as ln
-from fastformer.testing import ATOL_FLOOR, assert_parity, compare_with_reference
+from fastformer.testing import ATOL_FLOOR, assert_parity, compare_with_reference, parity
 
 needs_ext = pytest.mark.skipif(extension_error() is not None, reason="fastformer._C not built")
 CUDA = "cuda"
@@ -1104,3 +1104,108 @@ def test_torch_backend_rms_norm_reads_eps(monkeypatch):
     torch.testing.assert_close(
         ln.rms_norm(x, (8,), w, eps=0.1), torch.nn.functional.rms_norm(x, (8,), w, eps=0.1)
     )
+
+
+@pytest.mark.parametrize(("hidden", "shift"), [(16, 1e4), (64, 1e4), (1000, 1e4), (64, 3e4)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_layer_norm_gradients_of_offset_rows_match_a_centred_reference(fused, hidden, shift):
+    # The kernels' gradients are those of exactly centred xhat (the rounded mean's shift taken
+    # out). Against ref.layer_norm(x) the bound would hide an error of that shift: it has the
+    # form of the float32 reference's own error (autograd through `x - mean` with a rounded
+    # mean). LayerNorm is translation invariant, so the reference normalizes x - x[:, :1] (exact
+    # for rows within a factor 2 of their first element): the same function and gradients,
+    # with no large mean to round, and a tight bound. Gradients only: `out` keeps the rounded
+    # mean's offset, as the float32 reference of x does.
+    def fast(x, w, b):
+        if fused:  # LayerNorm(x + 0) through the fused op's backward
+            return ln.dropout_add_layer_norm(x, torch.zeros_like(x), w, b)
+        return ln.layer_norm(x, hidden, w, b)
+
+    def centred_reference(x, w, b):
+        return ref.layer_norm(x - x.detach()[:, :1], hidden, w, b)
+
+    failed = []
+    for seed in range(20):
+        x = _make((8, hidden), seed=seed, shift=shift)
+        assert torch.equal((x - x[:, :1]).double(), x.double() - x.double()[:, :1])  # exact
+        w, b = _params(hidden, "both", seed=seed + 1000)
+        results = compare_with_reference(fast, centred_reference, [x, w, b], names="xwb")
+        grads = [r for r in results if r.name != "out"]
+        assert len(grads) == 3
+        failed += [f"seed {seed}: {r}" for r in grads if not r.passed]
+    assert not failed, "\n".join(failed)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("affine", ["none", "weight", "bias"])
+@pytest.mark.parametrize(("rows", "hidden"), [(3, 7), (5, 13), (4, 1023)])
+def test_layer_norm_low_precision_affine_variants(dtype, affine, rows, hidden):
+    # 16-bit rows without weight or bias store through their own path, vector lanes and tail.
+    x = _make((rows, hidden), dtype, scale=2.0, shift=1.0)
+    w, b = _params(hidden, affine)  # fp32 parameters, or none
+    _ln_parity(x, hidden, w, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_fused_out_is_the_layer_norm_of_the_returned_pre(dtype, p):
+    # out must be the LayerNorm of pre as returned, rounded to the input dtype: the backward
+    # differentiates that. The parity checks cannot see a kernel that normalizes the unrounded
+    # sum (it is closer to ref64, which is fed the exact sum). A residual at 64 with a spread of
+    # ~1 makes one rounding of pre large against the spread; the reference normalizes
+    # pre - pre[:, :1] (exact here: every value within a factor 2 of 64), which keeps ref_lp's
+    # own error (a 16-bit mean at 64) out of the bound.
+    x = _make((16, 200), dtype, scale=0.7, grad=False)
+    res = _make((16, 200), dtype, seed=4, shift=64.0, grad=False)
+    w, b = (t.detach() for t in _params(200, "both"))  # fp32 parameters
+    torch.manual_seed(3)
+    out, pre = ln.dropout_add_layer_norm(x, res, w, b, 1e-5, p, prenorm=True)
+    centred = pre - pre[:, :1]
+    assert torch.equal(centred.double(), pre.double() - pre[:, :1].double())  # exact
+    ref64 = ref.layer_norm(centred.double(), 200, w.double(), b.double())
+    ref_lp = ref.layer_norm(centred, 200, w, b).to(dtype)
+    assert_parity([parity("out", out, ref64, ref_lp)])
+
+
+@pytest.mark.parametrize("prenorm", [False, True])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("p", [0.1, 0.3])
+def test_dropout_add_layer_norm_float64_matches_reference(prenorm, with_residual, p):
+    # float64 runs the C++ kernels too (gradcheck's dtype), where the parity bound is the float64
+    # floor: the dropout scale 1 / (1 - p) must be a double (gradcheck cannot see a scale that
+    # the forward and backward share).
+    x = _make((2, 5, 33), torch.float64, scale=1.5)
+    res = _make((2, 5, 33), torch.float64, seed=9) if with_residual else None
+    _fused_parity(x, res, *_params(33, "both", torch.float64), p, prenorm)
+
+
+def _row_regions(rows, cols):
+    """Element indices of the scalar head, the aligned groups of four, and the scalar tail of
+    each row (row r covers r * cols .. r * cols + cols - 1)."""
+    regions = {"head": [], "vector": [], "tail": []}
+    for r in range(rows):
+        first, end = r * cols, (r + 1) * cols
+        aligned = min(end, (first + 3) // 4 * 4)
+        groups_end = aligned + (end - aligned) // 4 * 4
+        regions["head"] += range(first, aligned)
+        regions["vector"] += range(aligned, groups_end)
+        regions["tail"] += range(groups_end, end)
+    return regions
+
+
+@pytest.mark.parametrize("where", ["head", "vector", "tail"])
+@pytest.mark.parametrize("prenorm", [False, True])
+def test_dropout_keeps_an_element_whose_uniform_equals_p(where, prenorm):
+    # An element is kept when its uniform >= p; random data hits u == p once in ~2**24
+    # elements. Here p is the uniform of one element (a float32, exact as a Python float) in
+    # each region of a 7-column row the kernels treat apart: the scalar head, the aligned
+    # groups of four, the scalar tail.
+    rows, cols = 6, 7
+    seed = _seed_of_next_call(123)  # _fused_parity's call draws this seed
+    u = rng.element_uniform(seed, torch.arange(rows * cols))
+    element = next(e for e in _row_regions(rows, cols)[where] if 0.05 < u[e] < 0.95)
+    p = float(u[element])
+    assert ln.dropout_add_layer_norm_keep_mask(seed, (rows, cols), p).view(-1)[element]
+    x = _make((rows, cols), scale=1.5)
+    res = _make((rows, cols), seed=9)
+    _fused_parity(x, res, *_params(cols, "both"), p, prenorm)
