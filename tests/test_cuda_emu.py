@@ -753,13 +753,16 @@ def _relative_error(fast: torch.Tensor, ref64: torch.Tensor) -> float:
     return float((fast.detach().double() - ref64.detach()).abs().max() / ref64.detach().abs().max())
 
 
+@pytest.mark.parametrize("roll", [0, 1], ids=["first", "second"])
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize(("dtype", "cols", "path"), STAT_PATHS[:4], ids=STAT_IDS[:4])
-def test_rows_whose_squares_overflow_share_blocks_with_plain_rows(dtype, cols, path, rms):
+def test_rows_whose_squares_overflow_share_blocks_with_plain_rows(dtype, cols, path, rms, roll):
     # Row 0's squares overflow float32 (row 2's sum too): those rows are summed again scaled by
     # 2^-96, a branch every thread of a block takes when any of its rows needs it. Unscaled,
     # rstd was 0 and the output the bias; the plain rows in the same blocks must not change.
+    # Rolled one row on, the overflowing rows are the second of their two-row blocks.
     scales = torch.tensor([1e30, 1.0, 5e37 if not rms else 1e37, 1e-3, 1.0])[:, None]
+    scales = scales.roll(roll, 0)
     x = (_make((5, cols), grad=False) * scales).requires_grad_()
     w, b = _make((cols,), seed=1), None if rms else _make((cols,), seed=2)
     dy = _make((5, cols), seed=3, grad=False)
@@ -1050,3 +1053,134 @@ def test_ffn_empty_batch_gives_zero_bias_gradient(emulator):
             torch.empty(0, 6), torch.empty(0, 12), "geglu", 0.0, 0
         )
     assert dh.shape == (0, 12) and torch.equal(db1, torch.zeros(12))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cols"), [(F32, 1024), (BF16, 1024), (F16, 64), (BF16, 8200), (F32, 8196)]
+)
+@pytest.mark.parametrize("misaligned", ["dout", "dpre"])
+def test_layer_norm_misaligned_gradient_takes_the_generic_backward(dtype, cols, misaligned):
+    # The gradient of out (or of pre) may be a view one element into its storage (a slice of
+    # a larger gradient: torch.cat's backward, say); the glue's contiguous() keeps it so. The
+    # vector backward kernels would fault on the GPU: the scalar generic kernel runs instead.
+    rows = 5
+    x, r = _make((rows, cols), dtype), _make((rows, cols), dtype, seed=9)
+    w, b = _make((cols,), seed=1), _make((cols,), seed=2)
+    gen = torch.Generator().manual_seed(4)
+    cot = [torch.randn(rows * cols + 1, generator=gen).to(dtype)[1:].view(rows, cols)]
+    cot.append(torch.randn(rows, cols, generator=gen).to(dtype))
+    if misaligned == "dpre":
+        cot.reverse()
+    assert [c.data_ptr() % 16 != 0 for c in cot] == [misaligned == "dout", misaligned == "dpre"]
+    inputs = [x, r, w, b]
+
+    def grads(fn, dtype_):
+        ins = [t.detach().to(dtype_).requires_grad_() for t in inputs]
+        outs = fn(*ins)
+        return [*outs, *torch.autograd.grad(outs, ins, [c.to(dtype_) for c in cot])]
+
+    ce.clear_launches()
+    with ce.device():
+        fast = grads(lambda x, r, w, b: ce.layer_norm(x, w, b, r, prenorm=True), dtype)
+    assert ce.launches()[1].kernel == "ln_bwd_any_kernel"
+
+    def reference(x, r, w, b):
+        out, pre = ref.dropout_add_layer_norm(x, r, w, b, 1e-5, 0.0, True)
+        return out.to(x.dtype), pre
+
+    ref64 = grads(reference, torch.float64)
+    ref_lp = grads(reference, dtype)
+    names = ["out", "pre", "dx", "dresidual", "dweight", "dbias"]
+    floor = ATOL_FLOOR[dtype]
+    assert_parity(
+        [parity(n, f, r64, lp, floor) for n, f, r64, lp in zip(names, fast, ref64, ref_lp)]
+    )
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cols"), [(F32, 1024), (BF16, 1024), (F16, 64), (BF16, 8200), (F32, 8196)]
+)
+def test_layer_norm_misaligned_bias_takes_the_generic_forward(dtype, cols):
+    rows = 5
+    x = _make((rows, cols), dtype)
+    w = _make((cols,), dtype, seed=1)
+    b = _make((cols + 1,), dtype, seed=2, grad=False)[1:].requires_grad_()
+    assert b.data_ptr() % 16 != 0
+    launches = _parity_in_orders(
+        _ln_fast, _ln_ref, [x, w, b], ["x", "weight", "bias"], ATOL_FLOOR[dtype]
+    )
+    # The backward never reads the bias: it keeps its kernel.
+    assert [launch.kernel for launch in launches[:2]] == [
+        "ln_fwd_any_kernel",
+        _bwd_kernel(dtype, cols),
+    ]
+
+
+@pytest.mark.parametrize("act", ["gelu", "relu", "swiglu"])
+def test_ffn_misaligned_dg_takes_the_scalar_backward(emulator, act):
+    h, base = _ffn_inputs(70, 40, act, BF16)
+    dg = torch.cat([base.view(-1)[:1], base.view(-1)])[1:].view(70, 40)  # one element off
+    assert dg.data_ptr() % 16 != 0
+    launches = _check_ffn_stages(emulator, h, dg, act, 0.3, BF16)
+    assert launches[0].params["VEC"] == "1"  # 40 columns would take 8-wide vectors
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=["fp32", "fp16", "bf16"])
+def test_ffn_column_sum_of_misaligned_src_takes_the_scalar_kernel(emulator, dtype):
+    rows, cols = 70, 40
+    src = _make((rows * cols + 1,), dtype, seed=3, grad=False)[1:].view(rows, cols)
+    assert src.data_ptr() % 16 != 0
+    ce.clear_launches()
+    with ce.device():
+        got = emulator.ops.ffn_column_sum(src)
+    assert ce.launches()[0].params["VEC"] == "1"
+    want64, want_lp = src.double().sum(0), src.float().sum(0).to(dtype)
+    assert_parity([parity("db2", got, want64, want_lp, ATOL_FLOOR[dtype])])
+
+
+def test_ffn_gelu_tanh_gradient_in_the_far_left_tail(emulator):
+    # Below x ~ -10 the gate's e^-2u overflows to inf (s = 0): 1 - s must come from 1 - s,
+    # not e * s (inf * 0, a NaN gradient). torch's gradient there is 0 to float32.
+    h = torch.linspace(-60, -5, 1600).view(-1, 8)
+    dg = torch.ones_like(h)
+    with ce.device():
+        g = emulator.ops.ffn_forward(h, "gelu_tanh", 0.0, SEED)
+        dh = emulator.ops.ffn_backward(dg, h, "gelu_tanh", 0.0, SEED)[0]
+    h64 = h.double().requires_grad_()
+    u = (2 / torch.pi) ** 0.5 * (h64 + 0.044715 * h64**3)
+    g64 = h64 * torch.sigmoid(2 * u)  # float64's 1 + tanh(u) cancels too
+    (dh64,) = torch.autograd.grad(g64.sum(), h64)
+    assert g.isfinite().all() and ((g - g64).abs() <= 2e-5 * g64.abs() + 1e-30).all()
+    assert ((dh - dh64).abs() <= 2e-5 * dh64.abs() + 1e-7).all()
+
+
+@pytest.mark.parametrize(
+    ("rows", "cols", "shift", "kernel"),
+    [(256, 7, 1e4, ANY), (256, 64, 1e4, VEC), (128, 200, 1e5, VEC)],
+    ids=["any", "vec1", "vec2-padded"],
+)
+def test_layer_norm_weight_gradient_of_rows_whose_mean_dwarfs_their_spread(
+    rows, cols, shift, kernel
+):
+    # dweight sums dy * xc, of the exactly centred xhat (see DxConsts): its error stays at the
+    # parity floor however far the rows sit from 0, while torch's float32 (whose xhat carries
+    # the rounding of the mean) misses that floor. The parity rule alone (twice torch's error)
+    # would let a dweight of the uncentred xhat pass.
+    x = _make((rows, cols), shift=shift)
+    w, b = _make((cols,), seed=1), _make((cols,), seed=2)
+    dy = _make((rows, cols), seed=3, shift=1.0, grad=False)  # mean(dy) far from 0
+
+    def grads(fn, *inputs):
+        inputs = [t.detach().requires_grad_() for t in inputs]
+        return torch.autograd.grad(fn(*inputs), inputs, dy.to(inputs[0].dtype))
+
+    ce.clear_launches()
+    with ce.device():
+        fast = grads(lambda x, w, b: ce.layer_norm(x, w, b), x, w, b)
+    assert ce.launches()[1].kernel == f"ln_bwd_{kernel}_kernel"
+    ref64 = grads(_ln_ref, x.double(), w.double(), b.double())
+    # parity against float64 rounded to float32: the bound is the floor (and that rounding)
+    floor_only = [
+        parity(f"d{n}", f, r, r.float()) for n, f, r in zip(["weight", "bias"], fast[1:], ref64[1:])
+    ]
+    assert_parity(floor_only)

@@ -132,6 +132,61 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "                          w_row[i]);\n    }\n  }\n"
         "  const int64_t step = static_cast<int64_t>(gridDim.x > 1 ? gridDim.x - 1 : 1) * blockDim.y;",
     ),
+    # The block's overflow test looks at its first row group only: an overflowing second row
+    # keeps rstd 0 (its output the bias) when the first row is plain.
+    "ln_nonfinite_first_row_only": (
+        "layer_norm/layer_norm_cuda.cu",
+        "for (int y = 0; y < blockDim.y; ++y) *nonfinite",
+        "for (int y = 0; y < 1; ++y) *nonfinite",
+    ),
+    # The vector forward accepts a misaligned bias (a fault on the GPU).
+    "ln_fwd_ignores_bias_alignment": (
+        "layer_norm/layer_norm_cuda.cu",
+        "aligned16(a.bias) && aligned16(a.out)",
+        "aligned16(a.out)",
+    ),
+    # The vector backward accepts a misaligned dy ...
+    "ln_bwd_ignores_dy_alignment": (
+        "layer_norm/layer_norm_cuda.cu",
+        "const bool vec_ok = aligned16(a.dy) && aligned16(a.dpre)",
+        "const bool vec_ok = aligned16(a.dpre)",
+    ),
+    # ... or a misaligned gradient of pre (prenorm).
+    "ln_bwd_ignores_dpre_alignment": (
+        "layer_norm/layer_norm_cuda.cu",
+        "const bool vec_ok = aligned16(a.dy) && aligned16(a.dpre)",
+        "const bool vec_ok = aligned16(a.dy)",
+    ),
+    # The generic backward's dweight sums dy * the uncentred xhat (the stored mean's rounding).
+    "ln_bwd_any_dweight_uncentred": (
+        "layer_norm/layer_norm_cuda.cu",
+        "      if (pw != nullptr) pw[c] += dyv * xc;",
+        "      if (pw != nullptr) pw[c] += dyv * (xc + k.shift);",
+    ),
+    # ... and the vector backward's (float32 rows: kCentre).
+    "ln_bwd_vec_dweight_uncentred": (
+        "layer_norm/layer_norm_cuda.cu",
+        "        dyx[e] = dy[e] * xc;\n      }\n      if (want_w && kCentre)",
+        "        dyx[e] = dy[e] * ((x[e] - mean) * rstd);\n      }\n      if (want_w && kCentre)",
+    ),
+    # ffn_column_sum takes the vector partials kernel for any src.
+    "ffn_colsum_ignores_alignment": (
+        "ffn/ffn_cuda.cu",
+        "if (any && args.cols % kVec == 0 && aligned16(args.src))",
+        "if (any && args.cols % kVec == 0)",
+    ),
+    # The FFN backward takes the vector kernel for a misaligned dg.
+    "ffn_bwd_ignores_dg_alignment": (
+        "ffn/ffn_cuda.cu",
+        "args.d_ff % kVec == 0 && aligned16(args.dg) &&",
+        "args.d_ff % kVec == 0 &&",
+    ),
+    # 1 - s of the tanh GELU's gate from e * s where e^-2u is large: inf * 0 = NaN below -10.
+    "ffn_gelu_tanh_gate_swapped": (
+        "ffn/ffn_cuda.cu",
+        "  return make_float2(s, e > 1.f ? 1.f - s : e * s);",
+        "  return make_float2(s, e < 1.f ? 1.f - s : e * s);",
+    ),
 }
 
 
