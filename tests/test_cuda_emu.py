@@ -885,9 +885,12 @@ def _stage_ref_grads(h, dg, act, keep, p):
     return g.detach(), dh, dh.sum(0)
 
 
-def test_ffn_gelu_tanh_keeps_its_digits_in_the_left_tail(emulator):
+@pytest.mark.parametrize("low, high", [(-9, 9), (-60, -5)])
+def test_ffn_gelu_tanh_keeps_its_digits_in_the_left_tail(emulator, low, high):
     # The stage's gate is 1 / (1 + e^-2u): from tanhf, 1 + tanh(u) cancelled (0 at x = -5).
-    h = torch.linspace(-9, 9, 3600).view(-1, 8)
+    # Below x ~ -10 e^-2u overflows to inf (s = 0): 1 - s must then come from 1 - s, not e * s
+    # (inf * 0, a NaN gradient). torch's gradient there is 0 to float32.
+    h = torch.linspace(low, high, 3600).view(-1, 8)
     dg = torch.ones_like(h)
     with ce.device():
         g = emulator.ops.ffn_forward(h, "gelu_tanh", 0.0, SEED)
@@ -896,7 +899,7 @@ def test_ffn_gelu_tanh_keeps_its_digits_in_the_left_tail(emulator):
     u = (2 / torch.pi) ** 0.5 * (h64 + 0.044715 * h64**3)
     g64 = h64 * torch.sigmoid(2 * u)  # float64's 1 + tanh(u) cancels too
     (dh64,) = torch.autograd.grad(g64.sum(), h64)
-    assert ((g - g64).abs() <= 2e-5 * g64.abs()).all()
+    assert g.isfinite().all() and ((g - g64).abs() <= 2e-5 * g64.abs() + 1e-30).all()
     assert ((dh - dh64).abs() <= 2e-5 * dh64.abs() + 1e-7).all()
 
 
@@ -1136,22 +1139,6 @@ def test_ffn_column_sum_of_misaligned_src_takes_the_scalar_kernel(emulator, dtyp
     assert ce.launches()[0].params["VEC"] == "1"
     want64, want_lp = src.double().sum(0), src.float().sum(0).to(dtype)
     assert_parity([parity("db2", got, want64, want_lp, ATOL_FLOOR[dtype])])
-
-
-def test_ffn_gelu_tanh_gradient_in_the_far_left_tail(emulator):
-    # Below x ~ -10 the gate's e^-2u overflows to inf (s = 0): 1 - s must come from 1 - s,
-    # not e * s (inf * 0, a NaN gradient). torch's gradient there is 0 to float32.
-    h = torch.linspace(-60, -5, 1600).view(-1, 8)
-    dg = torch.ones_like(h)
-    with ce.device():
-        g = emulator.ops.ffn_forward(h, "gelu_tanh", 0.0, SEED)
-        dh = emulator.ops.ffn_backward(dg, h, "gelu_tanh", 0.0, SEED)[0]
-    h64 = h.double().requires_grad_()
-    u = (2 / torch.pi) ** 0.5 * (h64 + 0.044715 * h64**3)
-    g64 = h64 * torch.sigmoid(2 * u)  # float64's 1 + tanh(u) cancels too
-    (dh64,) = torch.autograd.grad(g64.sum(), h64)
-    assert g.isfinite().all() and ((g - g64).abs() <= 2e-5 * g64.abs() + 1e-30).all()
-    assert ((dh - dh64).abs() <= 2e-5 * dh64.abs() + 1e-7).all()
 
 
 @pytest.mark.parametrize(

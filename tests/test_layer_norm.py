@@ -170,6 +170,17 @@ def test_layer_norm_long_rows_with_a_large_offset(dtype, rows, hidden, shift):
     _ln_parity(x, hidden, *_params(hidden, "both"))
 
 
+def _plain_or_fused(fused, hidden):
+    """layer_norm, or LayerNorm(x + 0) through the fused op's backward."""
+
+    def fast(x, w, b):
+        if fused:
+            return ln.dropout_add_layer_norm(x, torch.zeros_like(x), w, b)
+        return ln.layer_norm(x, hidden, w, b)
+
+    return fast
+
+
 @pytest.mark.parametrize(("hidden", "shift"), [(4, 1e4), (8, 1e5), (8, 1e6)])
 @pytest.mark.parametrize("fused", [False, True])
 def test_layer_norm_gradients_of_rows_whose_mean_dwarfs_their_spread(fused, hidden, shift):
@@ -177,11 +188,7 @@ def test_layer_norm_gradients_of_rows_whose_mean_dwarfs_their_spread(fused, hidd
     # every xhat of a row; the backward must take that out as the mean's derivative does. Before
     # it did, dx missed the parity bound in 15% of these draws at 1e4 (by up to 4x), dweight in
     # 3% (2.3x). Small calls, many draws: each call's bound is its own reference's error.
-    def fast(x, w, b):
-        if fused:  # LayerNorm(x + 0) through the fused op's backward
-            return ln.dropout_add_layer_norm(x, torch.zeros_like(x), w, b)
-        return ln.layer_norm(x, hidden, w, b)
-
+    fast = _plain_or_fused(fused, hidden)
     failed = []
     for seed in range(60):
         x = _make((8, hidden), seed=seed, shift=shift)
@@ -1116,10 +1123,7 @@ def test_layer_norm_gradients_of_offset_rows_match_a_centred_reference(fused, hi
     # for rows within a factor 2 of their first element): the same function and gradients,
     # with no large mean to round, and a tight bound. Gradients only: `out` keeps the rounded
     # mean's offset, as the float32 reference of x does.
-    def fast(x, w, b):
-        if fused:  # LayerNorm(x + 0) through the fused op's backward
-            return ln.dropout_add_layer_norm(x, torch.zeros_like(x), w, b)
-        return ln.layer_norm(x, hidden, w, b)
+    fast = _plain_or_fused(fused, hidden)
 
     def centred_reference(x, w, b):
         return ref.layer_norm(x - x.detach()[:, :1], hidden, w, b)
