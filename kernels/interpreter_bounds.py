@@ -10,14 +10,15 @@ its first element to the end of its last: a view's own span, not its storage's);
 launch raises `OutOfBounds` (wrapped in Triton's InterpreterError) naming the kernel, the
 access and the argument it came nearest to.
 
-The unmasked lanes of one access must also all be elements of one and the same argument (one
-access comes from one base pointer): an access that runs on from one argument into the next
-(two slices of one buffer), or that falls between a strided argument's elements (q + D of a
-packed (L, 3, D) qkv reads k[0], inside q's span), is out of bounds too.
+The unmasked lanes of one access must also all be elements of one and the same argument: an
+access that runs on from one argument into the next (two slices of one buffer), or that falls
+between a strided argument's elements (q + D of a packed (L, 3, D) qkv reads k[0], inside q's
+span), is out of bounds too. This assumes one access comes from one base pointer, as in every
+kernel of fastformer; a kernel that loads through `tl.where(c, a_ptr, b_ptr)` would fail it.
 
 Blind spots: an access that lands wholly on another argument's elements passes (the check does
 not know which argument a pointer came from); so does one between the elements of an argument
-whose dims interleave (`as_strided` layouts no view of a dense tensor has), or one whose width
+whose layout interleaves or overlaps its dims (`unfold`, `as_strided`), or one whose width
 differs from its argument's element size, anywhere inside the argument's extent.
 
 It hooks the interpreter's internals (`GridExecutor`, `InterpreterBuilder`), the same in
@@ -43,7 +44,8 @@ _originals: dict[str, tuple[type, object]] = {}
 
 
 class OutOfBounds(AssertionError):
-    """An interpreted kernel's access outside every tensor argument of its launch."""
+    """An interpreted kernel's access outside, or not on the elements of, one tensor argument of
+    its launch."""
 
 
 class _Arg:
@@ -81,8 +83,9 @@ class _Arg:
 
 def _nested_dims(t: torch.Tensor) -> list[tuple[int, int]] | None:
     """(size, stride) of the dims that move, largest stride first, if each stride is at least
-    the span of the dims below it (every view of a dense tensor: the decomposition of an offset
-    into indices is then unique and greedy); None for interleaved dims."""
+    the span of the dims below it (views of a dense tensor by slicing, permuting, expanding: the
+    decomposition of an offset into indices is then unique and greedy); None for interleaved or
+    overlapping dims (`unfold`, `as_strided`)."""
     dims = sorted(((s, n) for n, s in zip(t.shape, t.stride()) if n > 1 and s > 0), reverse=True)
     span = 1
     for s, n in reversed(dims):
@@ -124,6 +127,9 @@ class _Launch:
                 f"{what} on {bad.size} unmasked lane(s) outside every tensor argument, at "
                 f"{self._nearest(int(bad[0]))}"
             )
+        self._check_one_argument(addrs, size, what)
+
+    def _check_one_argument(self, addrs: np.ndarray, size: int, what: str) -> None:
         # One access comes from one base pointer, so its lanes must all be elements of one
         # argument: not run on from one argument into the next (two slices of one buffer), nor
         # fall between a strided argument's elements (q's row stride wrong in a packed qkv).
@@ -142,7 +148,7 @@ class _Launch:
         strays = holders[0].strays(addrs, size)
         raise OutOfBounds(
             f"{what} on {strays.size} unmasked lane(s) between the elements of "
-            f"{holders[0].describe()}, the first {int(strays[0])} bytes into it"
+            f"{holders[0].describe()}, the lowest {int(strays.min())} bytes into it"
         )
 
     def _holder(self, addr: int) -> str:

@@ -1100,10 +1100,11 @@ def test_layer_norm_misaligned_gradient_takes_the_generic_backward(dtype, cols, 
     )
 
 
-@pytest.mark.parametrize(
-    ("dtype", "cols"), [(F32, 1024), (BF16, 1024), (F16, 64), (BF16, 8200), (F32, 8196)]
-)
+@pytest.mark.parametrize(("dtype", "cols"), [(F32, 1024), (BF16, 1024), (F16, 64), (BF16, 8200)])
 def test_layer_norm_misaligned_bias_takes_the_generic_forward(dtype, cols):
+    # A bias one element into its storage (parameters sliced from one flat buffer): the vector
+    # forward would fault on a GPU, the generic one runs (each case takes the vector forward
+    # when its bias is aligned).
     rows = 5
     x = _make((rows, cols), dtype)
     w = _make((cols,), dtype, seed=1)
@@ -1121,6 +1122,7 @@ def test_layer_norm_misaligned_bias_takes_the_generic_forward(dtype, cols):
 
 @pytest.mark.parametrize("act", ["gelu", "relu", "swiglu"])
 def test_ffn_misaligned_dg_takes_the_scalar_backward(emulator, act):
+    # The op's dg is a fresh GEMM output; the launcher's own contract takes any dg.
     h, base = _ffn_inputs(70, 40, act, BF16)
     dg = torch.cat([base.view(-1)[:1], base.view(-1)])[1:].view(70, 40)  # one element off
     assert dg.data_ptr() % 16 != 0

@@ -196,7 +196,7 @@ def test_an_access_between_the_elements_of_a_strided_argument_raises():
     with pytest.raises(
         InterpreterError,
         match="shifted_copy: a 4-byte load on 7 unmasked lane\\(s\\) between the elements of "
-        "argument 'X' \\(8,\\) torch.float32 stride \\(2,\\), the first 4 bytes into it",
+        "argument 'X' \\(8,\\) torch.float32 stride \\(2,\\), the lowest 4 bytes into it",
     ):
         shifted_copy[(1,)](x, y, 8, 0, 15, BLOCK=16)
     shifted_copy[(1,)](x.contiguous(), y, 8, 0, 8, BLOCK=16)
@@ -206,6 +206,7 @@ def test_an_access_between_the_elements_of_a_strided_argument_raises():
 @pytest.mark.parametrize(
     "shape, stride, interleaved",
     [((4, 3), (3, 1), False), ((3, 4), (1, 3), False), ((2, 5, 3), (0, 3, 1), False),
+     ((3, 2), (4, 1), False), ((2, 3), (1, 4), False), ((2, 2), (6, 2), False),
      ((3, 2), (2, 3), True), ((2, 2), (2, 2), True)],
 )  # fmt: skip
 def test_element_offsets_of_a_layout(shape, stride, interleaved):
