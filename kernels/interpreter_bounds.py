@@ -96,16 +96,11 @@ def _nested_dims(t: torch.Tensor) -> list[tuple[int, int]] | None:
 
 
 class _Launch:
-    """The tensor arguments of one interpreted launch, with their extents sorted."""
+    """The tensor arguments of one interpreted launch."""
 
     def __init__(self, kernel: str, named: list[tuple[str, torch.Tensor]]) -> None:
         self.kernel = kernel
         self.args = [_Arg(name, t) for name, t in named if t.numel() > 0]
-        spans = sorted((a.lo, a.hi) for a in self.args)
-        self.lo = np.array([lo for lo, _ in spans], dtype=np.uint64)
-        # Running maximum of the ends: an address is inside some extent iff it is below the
-        # largest end among the extents that start at or before it.
-        self.hi = np.maximum.accumulate(np.array([hi for _, hi in spans], dtype=np.uint64))
 
     def check(self, ptrs: np.ndarray, mask: np.ndarray, size: int, access: str) -> None:
         # A mask from a scalar condition (`row < n_rows`) arrives as 0/1 integers: as an index
@@ -115,21 +110,6 @@ class _Launch:
         addrs = np.broadcast_to(ptrs, shape)[np.broadcast_to(mask, shape)].astype(np.uint64)
         if addrs.size == 0:
             return
-        what = f"{self.kernel}: a {size}-byte {access}"
-        if self.lo.size == 0:
-            inside = np.zeros(addrs.shape, dtype=bool)
-        else:
-            at = np.searchsorted(self.lo, addrs, side="right") - 1
-            inside = (at >= 0) & (addrs + np.uint64(size) <= self.hi[np.maximum(at, 0)])
-        if not inside.all():
-            bad = addrs[~inside]
-            raise OutOfBounds(
-                f"{what} on {bad.size} unmasked lane(s) outside every tensor argument, at "
-                f"{self._nearest(int(bad[0]))}"
-            )
-        self._check_one_argument(addrs, size, what)
-
-    def _check_one_argument(self, addrs: np.ndarray, size: int, what: str) -> None:
         # One access comes from one base pointer, so its lanes must all be elements of one
         # argument: not run on from one argument into the next (two slices of one buffer), nor
         # fall between a strided argument's elements (q's row stride wrong in a packed qkv).
@@ -138,15 +118,29 @@ class _Launch:
             (a for a in self.args if a.lo <= first and last + size <= a.hi),
             key=lambda a: a.hi - a.lo,
         )
+        if not any(a.strays(addrs, size).size == 0 for a in holders):
+            raise OutOfBounds(self._violation(addrs, size, access, holders))
+
+    def _violation(self, addrs: np.ndarray, size: int, access: str, holders: list[_Arg]) -> str:
+        """What is wrong with an access that no single argument holds as elements."""
+        what = f"{self.kernel}: a {size}-byte {access}"
+        inside = np.zeros(addrs.shape, dtype=bool)
+        for a in self.args:
+            inside |= (addrs >= np.uint64(a.lo)) & (addrs + np.uint64(size) <= np.uint64(a.hi))
+        if not inside.all():
+            bad = addrs[~inside]
+            return (
+                f"{what} on {bad.size} unmasked lane(s) outside every tensor argument, at "
+                f"{self._nearest(int(bad[0]))}"
+            )
         if not holders:
-            raise OutOfBounds(
+            first, last = int(addrs.min()), int(addrs.max())
+            return (
                 f"{what} whose unmasked lanes span more than one tensor argument: its first "
                 f"lane in {self._holder(first)}, its last in {self._holder(last)}"
             )
-        if any(a.strays(addrs, size).size == 0 for a in holders):
-            return
         strays = holders[0].strays(addrs, size)
-        raise OutOfBounds(
+        return (
             f"{what} on {strays.size} unmasked lane(s) between the elements of "
             f"{holders[0].describe()}, the lowest {int(strays.min())} bytes into it"
         )

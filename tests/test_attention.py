@@ -283,23 +283,9 @@ def test_dkdv_caps_p_at_one_where_the_row_stat_rounds_low():
     stat[..., 1] -= 2**-10
     grad_out = _randn(out.shape, seed=3)
     _, _, dv, _ = kernels.attention_backward(
-        grad_out,
-        None,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        mask,
-        None,
-        0,
-        0.0,
-        False,
-        0.25,
-        False,
-        config,
+        grad_out, None, q, k, v, out, lse, mask, None, 0, 0.0, False, 0.25, False, config,
         stat=stat,
-    )
+    )  # fmt: skip
     dv64 = grad_out.double().sum(2, keepdim=True)
     assert max_abs_diff(dv, dv64) <= 1e-5, max_abs_diff(dv, dv64)
 

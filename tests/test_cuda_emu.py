@@ -386,35 +386,41 @@ def test_layer_norm_one_parameter_gradient(dtype, cols, frozen):
     assert launches[1].kernel == _bwd_kernel(dtype, cols)
 
 
+def _fused_ln_ref(x, r, w, b):
+    """The reference of LayerNorm(x + r) with prenorm, out in x's dtype."""
+    out, pre = ref.dropout_add_layer_norm(x, r, w, b, 1e-5, 0.0, True)
+    return out.to(x.dtype), pre
+
+
 @pytest.mark.parametrize(
     ("dtype", "cols"), [(F32, 1024), (BF16, 1024), (F16, 64), (BF16, 8200), (F32, 8196)]
 )
-@pytest.mark.parametrize("misaligned", ["x", "weight", "residual"])
+@pytest.mark.parametrize("misaligned", ["x", "weight", "bias", "residual"])
 def test_layer_norm_misaligned_pointer_takes_the_generic_kernels(dtype, cols, misaligned):
-    # A view one element into its storage is not 16-byte aligned: the vector kernels would
-    # fault on the GPU (the emulator reports such an access as an error).
+    # A view one element into its storage is not 16-byte aligned (a parameter sliced from one
+    # flat buffer, say): the vector kernels would fault on the GPU (the emulator reports such
+    # an access as an error).
     rows = 5
     shifted = _make((rows * cols + 1,), dtype, seed=3, grad=False)[1:]
     x = shifted.view(rows, cols) if misaligned == "x" else _make((rows, cols), dtype, grad=False)
     w = shifted[:cols] if misaligned == "weight" else _make((cols,), dtype, seed=1, grad=False)
-    b = _make((cols,), dtype, seed=2)
-    x, w = x.requires_grad_(), w.requires_grad_()
+    b = shifted[:cols] if misaligned == "bias" else _make((cols,), dtype, seed=2, grad=False)
+    x, w, b = x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
     if misaligned == "residual":  # the fused kernels; their backward reads pre, a new tensor
         r = shifted.view(rows, cols).requires_grad_()
 
         def fast(x, r, w, b, record):
             return ce.layer_norm(x, w, b, r, prenorm=True, record=record)
 
-        def reference(x, r, w, b):
-            out, pre = ref.dropout_add_layer_norm(x, r, w, b, 1e-5, 0.0, True)
-            return out.to(x.dtype), pre
-
-        inputs, names = [x, r, w, b], ["x", "residual", "weight", "bias"]
+        reference, inputs = _fused_ln_ref, [x, r, w, b]
+        names = ["x", "residual", "weight", "bias"]
     else:
         fast, reference, inputs, names = _ln_fast, _ln_ref, [x, w, b], ["x", "weight", "bias"]
     launches = _parity_in_orders(fast, reference, inputs, names, ATOL_FLOOR[dtype])
-    # The backward of the fused kernels reads pre (aligned), not the residual.
-    backward = _bwd_kernel(dtype, cols) if misaligned == "residual" else "ln_bwd_any_kernel"
+    # The backward of the fused kernels reads pre (aligned), not the residual; none reads the
+    # bias.
+    aligned_bwd = misaligned in ("residual", "bias")
+    backward = _bwd_kernel(dtype, cols) if aligned_bwd else "ln_bwd_any_kernel"
     assert [launch.kernel for launch in launches[:2]] == ["ln_fwd_any_kernel", backward]
 
 
@@ -1087,37 +1093,13 @@ def test_layer_norm_misaligned_gradient_takes_the_generic_backward(dtype, cols, 
         fast = grads(lambda x, r, w, b: ce.layer_norm(x, w, b, r, prenorm=True), dtype)
     assert ce.launches()[1].kernel == "ln_bwd_any_kernel"
 
-    def reference(x, r, w, b):
-        out, pre = ref.dropout_add_layer_norm(x, r, w, b, 1e-5, 0.0, True)
-        return out.to(x.dtype), pre
-
-    ref64 = grads(reference, torch.float64)
-    ref_lp = grads(reference, dtype)
+    ref64 = grads(_fused_ln_ref, torch.float64)
+    ref_lp = grads(_fused_ln_ref, dtype)
     names = ["out", "pre", "dx", "dresidual", "dweight", "dbias"]
     floor = ATOL_FLOOR[dtype]
     assert_parity(
         [parity(n, f, r64, lp, floor) for n, f, r64, lp in zip(names, fast, ref64, ref_lp)]
     )
-
-
-@pytest.mark.parametrize(("dtype", "cols"), [(F32, 1024), (BF16, 1024), (F16, 64), (BF16, 8200)])
-def test_layer_norm_misaligned_bias_takes_the_generic_forward(dtype, cols):
-    # A bias one element into its storage (parameters sliced from one flat buffer): the vector
-    # forward would fault on a GPU, the generic one runs (each case takes the vector forward
-    # when its bias is aligned).
-    rows = 5
-    x = _make((rows, cols), dtype)
-    w = _make((cols,), dtype, seed=1)
-    b = _make((cols + 1,), dtype, seed=2, grad=False)[1:].requires_grad_()
-    assert b.data_ptr() % 16 != 0
-    launches = _parity_in_orders(
-        _ln_fast, _ln_ref, [x, w, b], ["x", "weight", "bias"], ATOL_FLOOR[dtype]
-    )
-    # The backward never reads the bias: it keeps its kernel.
-    assert [launch.kernel for launch in launches[:2]] == [
-        "ln_fwd_any_kernel",
-        _bwd_kernel(dtype, cols),
-    ]
 
 
 @pytest.mark.parametrize("act", ["gelu", "relu", "swiglu"])
@@ -1132,6 +1114,8 @@ def test_ffn_misaligned_dg_takes_the_scalar_backward(emulator, act):
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=["fp32", "fp16", "bf16"])
 def test_ffn_column_sum_of_misaligned_src_takes_the_scalar_kernel(emulator, dtype):
+    # grad_out may be a view one element into its storage (contiguous() keeps it so): its 40
+    # columns would take vectors in every dtype, which would fault on the GPU.
     rows, cols = 70, 40
     src = _make((rows * cols + 1,), dtype, seed=3, grad=False)[1:].view(rows, cols)
     assert src.data_ptr() % 16 != 0
