@@ -959,6 +959,21 @@ def test_nested_input_with_fastformers_own_activation_is_a_clear_error():
         layer.eval()(nested)
 
 
+@pytest.mark.parametrize("kind", ["fastformer", "swapped reference"])
+def test_nested_input_with_is_causal_is_a_clear_error(kind):
+    # torch.nn's nested path ignores is_causal (a non-causal output); fastformer raised
+    # "NestedTensorImpl doesn't support sizes" building the mask.
+    if kind == "fastformer":
+        mha = fnn.MultiheadAttention(E, H, batch_first=True)
+    else:
+        model = nn.Sequential(reference.MultiheadAttention(E, H, batch_first=True))
+        fastformer.swap(model)
+        mha = model[0]
+    nested = torch.nested.nested_tensor([torch.randn(5, E), torch.randn(3, E)])
+    with torch.no_grad(), pytest.raises(ValueError, match="is_causal=True is not supported"):
+        mha.eval()(nested, nested, nested, need_weights=False, is_causal=True)
+
+
 def test_head_dims_past_the_kernels_take_torch_nns_path():
     # head_dim 512: the op refuses it, so the module ran into its ValueError where torch.nn works.
     torch.manual_seed(0)
@@ -1357,3 +1372,125 @@ def test_other_plain_activations_keep_torch_s_init(activation):
     theirs = nn.TransformerEncoderLayer(16, 2, 32)
     for (n1, a), (n2, b) in zip(ours.state_dict().items(), theirs.state_dict().items()):
         assert n1 == n2 and torch.equal(a, b), n1
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_each_dropout_module_acts_where_torch_nn_s_does(kind, norm_first):
+    """p = 1 in one dropout module at a time (0 in the others), in training: deterministic,
+    and each module (dropout, dropout1-3, the attentions') must act where torch.nn's does (the
+    layers' other dropout tests set one p for all, so a dropout1 read for dropout2 passed)."""
+    torch_cls, fast_cls = {
+        "encoder": (nn.TransformerEncoderLayer, fnn.TransformerEncoderLayer),
+        "decoder": (nn.TransformerDecoderLayer, fnn.TransformerDecoderLayer),
+    }[kind]
+    theirs, ours = _pair(
+        torch_cls, fast_cls, E, H, FF, dropout=0.0, batch_first=True, norm_first=norm_first
+    )
+    args = (_seq(True, T),) if kind == "encoder" else (_seq(True, T), _seq(True, S, seed=1))
+    kinds = (nn.Dropout, nn.MultiheadAttention)
+    names = [n for n, m in theirs.named_children() if isinstance(m, kinds)]
+    for name in names:
+        for layer in (theirs, ours):
+            layer.train()
+            for n in names:
+                child, p = getattr(layer, n), 1.0 if n == name else 0.0
+                if isinstance(child, nn.Dropout):
+                    child.p = p
+                else:
+                    child.dropout = p
+        module_parity(ours, theirs, args, None, ["x", "memory"])
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_a_dropout_module_in_eval_mode_does_not_drop_in_a_training_layer(norm_first):
+    # torch.nn's residual dropout is a module of its own: its training flag decides, not the
+    # layer's (the fused op read drop.training; the layer's flag passed every other test).
+    theirs, ours = _pair(
+        nn.TransformerEncoderLayer, fnn.TransformerEncoderLayer, E, H, FF, dropout=0.0,
+        batch_first=True, norm_first=norm_first,
+    )  # fmt: skip
+    for layer in (theirs, ours):
+        layer.train()
+        layer.dropout1.p = 0.5
+        layer.dropout1.eval()
+    module_parity(ours, theirs, (_seq(True, S),), None, ["src"])
+
+
+def test_pre_ln_fallback_reasons_name_the_norm_fused_with_each_dropout():
+    # Pre-LN fuses dropout_i's residual add with norm_(i+1) (norm1 runs on its own).
+    layer = fnn.TransformerEncoderLayer(E, H, FF, norm_first=True)
+    layer.norm2.eps = 0.0
+    assert any(r.startswith("norm2 + dropout1: eps=0.0") for r in layer.fallback_reasons), (
+        layer.fallback_reasons
+    )
+    decoder = fnn.TransformerDecoderLayer(E, H, FF, norm_first=True)
+    decoder.norm3.eps = 0.0
+    assert any(r.startswith("norm3 + dropout2: eps=0.0") for r in decoder.fallback_reasons), (
+        decoder.fallback_reasons
+    )
+
+
+def test_positional_encoding_takes_max_len_positions():
+    ours = fnn.PositionalEncoding(E, dropout=0.0, max_len=S)
+    x = _randn(B, S, E, grad=False)
+    torch.testing.assert_close(ours(x), reference.PositionalEncoding(E, 0.0, S)(x), atol=0, rtol=0)
+
+
+def test_encoder_keeps_the_enable_nested_tensor_argument():
+    # Accepted and ignored, but kept as torch.nn keeps it (code reading the attribute).
+    layer = fnn.TransformerEncoderLayer(E, H, FF)
+    for flag in (True, False):
+        encoder = fnn.TransformerEncoder(layer, 1, enable_nested_tensor=flag)
+        assert encoder.enable_nested_tensor is flag
+
+
+@pytest.mark.parametrize("mask", ["none", "biased_causal"])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_multihead_attention_is_causal_with_need_weights_follows_torch(batch_first, mask):
+    # need_weights=True takes torch.nn's path. is_causal alone: it needs the (Lq, Lk) mask
+    # is_causal stands for, sized from the sequence dim of each layout (cross-attention with
+    # Lq != Lk != batch). With an attn_mask: torch.nn applies that mask as given (the hint is
+    # not used for the weights), so a bias on the causal mask counts.
+    theirs, ours = _pair(
+        nn.MultiheadAttention, fnn.MultiheadAttention, E, H, batch_first=batch_first
+    )
+    q, k = _seq(batch_first, T, seed=1), _seq(batch_first, S, seed=2)
+    blocked = torch.ones(T, S, dtype=torch.bool).triu(1)
+    if mask == "none":
+        out, weights = ours(q, k, k, need_weights=True, is_causal=True)
+        want, want_weights = theirs(q, k, k, need_weights=True, attn_mask=blocked)
+    else:
+        biased = _randn(T, S, seed=3, grad=False).masked_fill(blocked, float("-inf"))
+        out, weights = ours(q, k, k, need_weights=True, attn_mask=biased, is_causal=True)
+        want, want_weights = theirs(q, k, k, need_weights=True, attn_mask=biased, is_causal=True)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(weights, want_weights, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+def test_infinite_eps_runs_torch_nn_path_with_reason(kind):
+    # torch.nn takes eps=inf (the output is then the bias, or 0); the ops take a finite eps.
+    theirs, ours = _pair(getattr(nn, kind), getattr(fnn, kind), E, eps=math.inf)
+    assert any("eps=inf" in why for why in ours.fallback_reasons), ours.fallback_reasons
+    module_parity(ours, theirs, (_randn(B, 4, E) * 3 + 1,), None, ["input"])
+
+
+@pytest.mark.parametrize("activation", list(reference.ACTIVATIONS))
+def test_feed_forward_with_a_hook_runs_the_same_function(activation):
+    # A hook on linear1 makes the FFN run unfused (torch.nn's modules and the eager activation,
+    # gated ones included): it must still be the reference's function.
+    ours = perturb(fnn.FeedForward(E, FF, dropout=0.0, activation=activation))
+    ours.linear1.register_forward_hook(lambda module, args, out: None)
+    assert "linear1 is not a plain nn.Linear without hooks" in ours.fallback_reasons
+
+    class Ref(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear1, self.linear2 = copy.deepcopy(ours.linear1), copy.deepcopy(ours.linear2)
+
+        def forward(self, x):
+            l1, l2 = self.linear1, self.linear2
+            return reference.ffn(x, l1.weight, l1.bias, l2.weight, l2.bias, activation)
+
+    module_parity(ours, Ref(), (_randn(B, S, E),), None, ["x"])

@@ -624,3 +624,135 @@ def test_transformer_model_training_dropout_runs():
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     model.eval()
     torch.testing.assert_close(model(src, tgt), model(src, tgt), atol=0, rtol=0)
+
+
+def test_sdpa_scale_zero_is_a_scale_not_the_default():
+    # SDPA takes scale=0.0 as given (uniform attention); a falsy test took the default 1/sqrt(D).
+    q, k, v = _qkv()
+    out = ref.scaled_dot_product_attention(q, k, v, scale=0.0)
+    _close(out, F.scaled_dot_product_attention(q, k, v, scale=0.0))
+
+
+def test_dropout_p_1_keeps_nothing_whatever_the_mask():
+    # p = 1 drops everything (F.dropout(x, 1.0) is 0): a keep-mask of True must not let values
+    # through unscaled.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4, 8, generator=g, dtype=F64)
+    w1, b1 = torch.randn(12, 8, generator=g, dtype=F64), torch.randn(12, generator=g, dtype=F64)
+    w2, b2 = torch.randn(8, 12, generator=g, dtype=F64), torch.randn(8, generator=g, dtype=F64)
+    keep = torch.ones(3, 4, 12, dtype=torch.bool)
+    _close(ref.ffn(x, w1, b1, w2, b2, "relu", 1.0, keep_mask=keep), b2.expand(3, 4, 8))
+    q, k, v = _qkv()
+    out = ref.scaled_dot_product_attention(
+        q, k, v, dropout_p=1.0, dropout_mask=torch.ones(2, 4, 7, 9, dtype=torch.bool)
+    )
+    _close(out, torch.zeros_like(out))
+
+
+def test_module_dropout_keeps_a_fraction_1_minus_p():
+    # The modules draw their own keep-masks: True with probability 1 - p, kept values scaled by
+    # 1 / (1 - p) (a mask kept with probability p passed every other test).
+    torch.manual_seed(0)
+    mha = ref.MultiheadAttention(16, 2, dropout=0.25, batch_first=True, dtype=F64).train()
+    x = torch.randn(4, 32, 16, dtype=F64)
+    _, weights = mha(x, x, x, need_weights=True, average_attn_weights=False)
+    assert weights.shape == (4, 2, 32, 32)
+    assert abs((weights == 0).double().mean().item() - 0.25) < 0.02  # 4 sigma
+    assert abs(weights.sum(-1).mean().item() - 1.0) < 0.02  # rows still sum to 1 on average
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_each_dropout_acts_where_torch_nn_s_does(kind, norm_first):
+    """In training, p = 1 in one dropout at a time (0 in the others) makes the output
+    deterministic: the attention probabilities', the FFN's inner one and each residual one must
+    drop what torch.nn's layer drops (in eval, where every other test runs, none of them acts)."""
+    torch.manual_seed(0)
+    kw = dict(LAYER_KW, norm_first=norm_first, batch_first=True)
+    if kind == "encoder":
+        theirs, mine = nn.TransformerEncoderLayer(**kw), ref.TransformerEncoderLayer(**kw)
+    else:
+        theirs, mine = nn.TransformerDecoderLayer(**kw), ref.TransformerDecoderLayer(**kw)
+    for name, p in theirs.named_parameters():  # non-zero biases: a dropped branch still shows
+        if p.dim() == 1:
+            nn.init.normal_(p, mean=1.0 if "norm" in name else 0.0, std=0.3)
+    _copy_weights(theirs, mine)
+    x, memory = torch.randn(3, 5, 16, dtype=F64), torch.randn(3, 7, 16, dtype=F64)
+    args = (x,) if kind == "encoder" else (x, memory)
+    kinds = (nn.Dropout, nn.MultiheadAttention)
+    names = [n for n, m in theirs.named_children() if isinstance(m, kinds)]
+    assert len(names) == (4 if kind == "encoder" else 6)
+    for name in names:
+        for layer in (theirs, mine):
+            layer.train()
+            for n in names:
+                child, p = getattr(layer, n), 1.0 if n == name else 0.0
+                if isinstance(child, nn.Dropout):
+                    child.p = p
+                else:
+                    child.dropout = p
+        _close(mine(*args), theirs(*args))
+
+
+def test_positional_encoding_dropout_applies_to_the_sum():
+    # forward is dropout(x + pe): p = 1 in training leaves nothing (not x + dropout(pe)).
+    pe = ref.PositionalEncoding(6, dropout=1.0, max_len=20).train()
+    x = torch.randn(2, 5, 6)
+    assert torch.equal(pe(x), torch.zeros_like(x))
+    assert torch.equal(pe.eval()(x), x + pe.pe[:5])
+
+
+def test_init_matches_torch_with_the_same_seed():
+    # Same constructor, same seed, same weights as torch.nn (out_proj.bias zeroed, xavier-uniform
+    # matrices): only loaded state_dicts were compared before.
+    cases = [
+        (lambda: nn.MultiheadAttention(16, 4), lambda: ref.MultiheadAttention(16, 4)),
+        (lambda: nn.Transformer(16, 4, 2, 2, 24), lambda: ref.Transformer(16, 4, 2, 2, 24)),
+    ]
+    for make_theirs, make_mine in cases:
+        torch.manual_seed(0)
+        theirs = make_theirs().state_dict()
+        torch.manual_seed(0)
+        mine = make_mine().state_dict()
+        assert list(mine) == list(theirs)
+        for name, t in theirs.items():
+            assert torch.equal(mine[name], t), name
+
+
+def test_transformer_model_loss_ignores_padding_targets():
+    torch.manual_seed(0)
+    model = ref.TransformerModel(11, 11, 16, 4, 1, 1, 24, dropout=0.0).double().eval()
+    src = torch.tensor([[5, 6, 7, 2], [8, 9, 2, 0]])
+    tgt = torch.tensor([[3, 4, 2, 0, 0], [5, 2, 0, 0, 0]])
+    logits = model(src, ref.shift_right(tgt, model.bos_id))
+    real = tgt != model.pad_id
+    _close(model.loss(src, tgt), F.cross_entropy(logits[real], tgt[real]))
+
+
+def test_transformer_model_embedding_init():
+    # N(0, d_model^-0.5): times sqrt(d_model) in _embed, the embeddings have unit scale.
+    torch.manual_seed(0)
+    model = ref.TransformerModel(1000, 1000, 64, 4, 1, 1, 32)
+    for embed in (model.src_embed, model.tgt_embed):
+        assert embed.weight.std().item() == pytest.approx(64**-0.5, rel=0.03)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multihead_attention_bool_mask_with_float_padding_matches_torch(need_weights):
+    # A bool attn_mask together with a float key_padding_mask (each case of
+    # test_multihead_attention_matches_torch has one of the two only).
+    torch.manual_seed(0)
+    b, lq, lk, e, h = 3, 5, 7, 16, 4
+    theirs = nn.MultiheadAttention(e, h, batch_first=True, dtype=F64).eval()
+    nn.init.normal_(theirs.in_proj_bias)
+    mine = _copy_weights(theirs, ref.MultiheadAttention(e, h, batch_first=True, dtype=F64))
+    query, memory = torch.randn(b, lq, e, dtype=F64), torch.randn(b, lk, e, dtype=F64)
+    attn_mask = torch.rand(lq, lk) > 0.7
+    attn_mask[:, 0] = False
+    kpm = torch.randn(b, lk, dtype=F64)
+    kwargs = dict(key_padding_mask=kpm, attn_mask=attn_mask, need_weights=need_weights)
+    out, w = mine(query, memory, memory, **kwargs)
+    out_t, w_t = theirs(query, memory, memory, **kwargs)
+    _close(out, out_t)
+    if need_weights:
+        _close(w, w_t)

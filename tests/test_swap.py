@@ -619,3 +619,64 @@ def test_every_tensor_factory_in_the_ops_names_its_device():
                 if func.attr in factories and not keywords & {"device", None}:
                     missing.append(f"{path.name}:{node.lineno} torch.{func.attr}")
     assert not missing, missing
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: reference.LayerNorm(E, bias=False),
+        lambda: reference.LayerNorm(E, elementwise_affine=False),
+        lambda: reference.RMSNorm(E),
+        lambda: reference.RMSNorm(E, eps=1e-3, elementwise_affine=False),
+    ],
+    ids=["layer_norm_no_bias", "layer_norm_no_affine", "rms_norm", "rms_norm_no_affine"],
+)
+def test_every_reference_norm_is_swapped(make):
+    # Only the reference's LayerNorm with a bias was swapped by a test: its RMSNorm could have
+    # been left out of the table, and a bias-free LayerNorm left with "parameters differ".
+    model = _perturb(nn.Sequential(make()))
+    original = copy.deepcopy(model)
+    report = swap(model)
+    assert report.left == [] and len(report.replaced) == 1, str(report)
+    assert type(model[0]) in (fnn.LayerNorm, fnn.RMSNorm)
+    _model_parity(model, original, (torch.randn(B, S, E) * 3 + 1,))
+
+
+def test_swapped_reference_attention_has_torch_nn_s_attributes():
+    # A swapped reference attention is a torch.nn.MultiheadAttention: the attributes and the
+    # empty parameter slots torch's has (q/k/v_proj_weight None, kdim, ...) must be there for
+    # code that reads them.
+    model = nn.Sequential(reference.MultiheadAttention(E, H, batch_first=True))
+    swap(model)
+    mha, theirs = model[0], nn.MultiheadAttention(E, H, batch_first=True)
+    assert isinstance(mha, nn.MultiheadAttention)
+    assert mha._parameters.keys() == theirs._parameters.keys()
+    for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight", "bias_k", "bias_v"):
+        assert getattr(mha, name) is None, name
+    assert (mha.kdim, mha.vdim, mha._qkv_same_embed_dim, mha.add_zero_attn) == (E, E, True, False)
+
+
+def test_a_class_item_selects_its_exact_class_only():
+    # include=[nn.Module], a base of every kind, selects nothing (isinstance would select all).
+    model = nn.Sequential(nn.LayerNorm(E))
+    with pytest.warns(UserWarning, match="include item torch.nn.Module matches none"):
+        report = swap(model, include=[nn.Module])
+    assert report.replaced == [] and type(model[0]) is nn.LayerNorm
+
+
+def _global_backward_pre_hook(model, record):
+    return [nn.modules.module.register_module_full_backward_pre_hook(record)]
+
+
+def test_global_backward_pre_hooks_of_sub_modules_run_as_in_torch_nn():
+    # The fourth kind of global hook (profilers register it too); the other three are covered
+    # by test_hooks_of_sub_modules_run_as_in_torch_nn (this could be a fourth `register` case).
+    torch.manual_seed(0)
+    ref = nn.TransformerEncoderLayer(E, H, FF, dropout=0.0, batch_first=True)
+    fast = copy.deepcopy(ref)
+    swap(fast)
+    x = torch.randn(B, S, E, requires_grad=True)
+    want, ref_out = _hooked_calls(ref, _global_backward_pre_hook, x)
+    got, fast_out = _hooked_calls(fast, _global_backward_pre_hook, x)
+    assert want and got == want
+    torch.testing.assert_close(fast_out, ref_out)

@@ -3,10 +3,12 @@ wrong implementations that a looser comparison passed (found by a hunt of check)
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from fastformer.testing import assert_parity, compare_with_reference
+from fastformer.testing import assert_parity, compare_with_reference, max_abs_diff, parity
 
 
 def _failed(results) -> list[str]:
@@ -66,3 +68,52 @@ def test_bool_outputs_compare_exactly_and_nothing_compared_fails():
     assert _failed(compare_with_reference(lambda x: x >= 1, lambda x: x > 0, [x])) == ["out"]
     with pytest.raises(AssertionError, match="nothing was compared"):
         assert_parity(compare_with_reference(lambda x: None, lambda x: None, [x]))
+
+
+def test_parity_bound_is_twice_the_low_precision_error_plus_the_scaled_floor():
+    # Every parity test trusts this number: a bound 10x too loose, or a floor 10x too large,
+    # passed the whole suite.
+    lp = 2.0**-10
+    ref64 = torch.tensor([0.5, -0.25], dtype=torch.float64)
+    ref_lp = torch.tensor([0.5 + lp, -0.25])  # float32, off by lp exactly
+    result = parity("x", ref_lp, ref64, ref_lp)
+    assert result.passed and result.bound == pytest.approx(2 * lp + 1e-5, rel=1e-9)
+    assert not parity("x", ref64.float() + 2.5 * lp, ref64, ref_lp).passed
+    # An exact low-precision reference leaves the floor: the dtype's, times max(1, max|ref64|).
+    for dtype, floor in ((torch.float32, 1e-5), (torch.float16, 1e-3), (torch.bfloat16, 1e-2)):
+        for scale, magnitude in ((1.0, 1.0), (400.0, 200.0)):
+            exact = (ref64 * scale).to(dtype)
+            got = parity("x", exact, exact.double(), exact).bound
+            assert got == pytest.approx(floor * magnitude, rel=1e-9), (dtype, scale)
+
+
+def test_an_overflowed_reference_leaves_the_floor_of_the_float64_magnitude():
+    ref64 = torch.tensor([7e4, 1.0], dtype=torch.float64)
+    ref_lp = ref64.half()  # 7e4 overflows float16
+    assert ref_lp.isinf().any()
+    result = parity("x", torch.tensor([65504.0, 1.0], dtype=torch.float16), ref64, ref_lp)
+    assert result.bound == pytest.approx(1e-3 * 7e4) and not result.passed
+
+
+def test_max_abs_diff_never_matches_nan_and_matches_only_equal_infinities():
+    inf, nan = math.inf, math.nan
+    assert max_abs_diff(torch.tensor([nan, 1.0]), torch.tensor([nan, 1.0])) == inf
+    assert max_abs_diff(torch.tensor([inf, 1.0]), torch.tensor([inf, 1.5])) == 0.5
+    assert max_abs_diff(torch.tensor([inf]), torch.tensor([-inf])) == inf
+    assert max_abs_diff(torch.tensor([inf]), torch.tensor([1.0])) == inf
+
+
+def test_gradients_are_compared_under_non_uniform_cotangents():
+    # A backward that permutes the incoming gradient is right for a cotangent of ones only.
+    class FlippedGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad.flip(-1)
+
+    x = torch.randn(3, 4, requires_grad=True)
+    results = compare_with_reference(FlippedGrad.apply, lambda x: x.clone(), [x])
+    assert _failed(results) == ["dgrad[0]"]

@@ -317,6 +317,14 @@ class MultiheadAttention(nn.MultiheadAttention):
 
     def _causal_mask(self, query: Tensor, key: Tensor) -> Tensor:
         """The (Lq, Lk) bool mask that is_causal describes (nn convention: True = NOT allowed)."""
+        if query.is_nested or key.is_nested:
+            # torch.nn's nested path ignores is_causal (its output is the non-causal one)
+            raise ValueError(
+                "is_causal=True is not supported with nested-tensor query/key: sequences of "
+                "different lengths have no one (Lq, Lk) causal mask, and torch.nn."
+                "MultiheadAttention would silently ignore is_causal; pad the batch to a dense "
+                "tensor (with key_padding_mask) instead"
+            )
         seq_dim = 0 if query.dim() == 2 or not self.batch_first else 1
         lq, lk = query.shape[seq_dim], key.shape[seq_dim]
         return torch.ones(lq, lk, dtype=torch.bool, device=query.device).triu(1)
