@@ -1110,6 +1110,19 @@ def test_fail_if_slower_fails_on_a_fastformer_figure_without_a_new_one(
     assert re.search(rf"{re.escape(key)}: old {shown}, new [0-9.e+-]+\n", capsys.readouterr().out)
 
 
+def test_fail_if_slower_judges_the_compiled_and_graphed_swapped_models():
+    # They are fastformer's figures (their errors fail the run): a halved rate went unjudged.
+    def run(rate: float) -> dict:
+        variants = {
+            name: {"train_tokens_per_s": rate}
+            for name in ("fastformer+cuda-graph", "eager+compile")
+        }
+        return {"ops": {}, "model": {"variants": variants}}
+
+    slower = {c.key for c in R.regressions(R.compare(run(100.0), run(50.0)), 10.0)}
+    assert slower == {"model.fastformer+cuda-graph.train_tokens_per_s"}
+
+
 def test_unpaired_lists_only_fastformer_figures():
     # Lost (fails --fail-if-slower): a figure of a case or variant the new run has, without a
     # valid value. A case the new run does not have (--ops, --cases, --no-model) is listed only.
@@ -1139,6 +1152,9 @@ _UNREADABLE = {
     "config": lambda r: r.update(config={}),
     "model_config": lambda r: r["model"].update(config={}),
     "machine": lambda r: r["manifest"].update(machine=None),
+    # the attention TFLOP/s plot groups rows by their params: a KeyError after results.json
+    "params": lambda r: r["ops"]["attention"]["cases"][0].pop("params"),
+    "seq": lambda r: r["ops"]["attention"]["cases"][0]["params"].pop("seq"),
 }
 
 
@@ -1154,6 +1170,21 @@ def test_results_the_report_cannot_read_are_usage_errors(damage, bench_run, tmp_
     assert main(["bench", "--results", str(path), "--out", str(tmp_path / "r")]) == 2
     assert "is malformed" in capsys.readouterr().err
     assert not (tmp_path / "r" / "results.json").exists()
+
+
+def test_results_with_null_figures_are_plotted(bench_run, tmp_path):
+    # results.json writes a NaN or infinite figure as null: the speedup plot crashed on a
+    # null speedup (TypeError in matplotlib) after writing results.json.
+    _, out = bench_run
+    results = json.loads((out / "results.json").read_text())
+    for data in results["ops"].values():
+        for row in data["cases"]:
+            row["speedup"] = dict.fromkeys(row["speedup"])
+    path = tmp_path / "nulls.json"
+    path.write_text(json.dumps(results))
+    assert main(["bench", "--results", str(path), "--out", str(tmp_path / "r")]) == 0
+    for name in ("speedup_attention.png", "speedup_ffn.png", "attention_tflops.png"):
+        assert (tmp_path / "r" / name).read_bytes().startswith(PNG_MAGIC)
 
 
 def test_notes_of_a_full_size_run_reach_the_report(bench_run):

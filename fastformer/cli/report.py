@@ -68,12 +68,17 @@ def missing_fields(results: dict[str, Any]) -> list[str]:
     return missing
 
 
+def is_fastformer_variant(name: str) -> bool:
+    """Whether a model variant is built on the swapped model (plain, compiled or graphed)."""
+    return name.split("+")[0] == FAST
+
+
 def fastformer_errors(results: dict[str, Any]) -> list[str]:
     """Every exception fastformer itself raised during the run (model variant or op case)."""
     errors = []
     for name, var in results.get("model", {}).get("variants", {}).items():
         # same_as: the swap error of a variant built on the swapped model, listed once
-        if name.split("+")[0] == FAST and "error" in var and "same_as" not in var:
+        if is_fastformer_variant(name) and "error" in var and "same_as" not in var:
             errors.append(f"model {name}: {var['error']}")
     for op, data in results.get("ops", {}).items():
         for row in data["cases"]:
@@ -130,9 +135,11 @@ def load(path: Path, option: str = "results file", complete: bool = False) -> di
     try:
         missing = missing_fields(data)
         figures(data)
-        if complete and not missing:  # everything the report reads (config, rooflines, ...)
+        if complete and not missing:  # everything the report and plots read
             markdown(data, [])
             terminal_table(data)
+            if "attention" in data["ops"]:
+                _tflops_groups(data["ops"]["attention"]["cases"])
     except (AttributeError, KeyError, TypeError, ValueError, OverflowError) as exc:
         raise UsageError(f"{where} is malformed ({type(exc).__name__}: {exc})") from exc
     if not complete:
@@ -565,10 +572,10 @@ def _speedup_plot(plt, path: Path, op: str, rows: list[dict[str, Any]]) -> Path:
     width = 0.8 / max(len(others), 1)
     for i, peer in enumerate(others):
         xs = [j + i * width for j in range(len(rows))]
-        ys = [r["speedup"].get(peer, float("nan")) for r in rows]
+        ys = [_nan(r["speedup"].get(peer)) for r in rows]
         ax.bar(xs, ys, width, label=peer)
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ratios = [v for r in rows for v in r["speedup"].values() if v > 0]
+    ratios = [v for r in rows for v in r["speedup"].values() if v is not None and v > 0]
     if ratios and max(ratios) / min(ratios) > 20:
         ax.set_yscale("log")
     if not ratios:
@@ -588,14 +595,26 @@ def _speedup_plot(plt, path: Path, op: str, rows: list[dict[str, Any]]) -> Path:
     return path
 
 
-def _tflops_plot(plt, path: Path, rows: list[dict[str, Any]]) -> Path:
-    """TFLOP/s against sequence length per implementation: one panel per (mode) row and
-    (head dim, causal) column, over the sequence sweep (no padding, no dropout)."""
+def _nan(value: float | None) -> float:
+    """A figure for matplotlib: null (how results.json writes NaN and inf) as NaN."""
+    return float("nan") if value is None else value
+
+
+def _tflops_groups(rows: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+    """The sequence sweeps (no padding, no dropout) by (mode, head dim, causal), each sorted
+    by sequence length (`load` calls it to check a --results file's rows)."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for row in rows:
         p = row["params"]
         if not p["padding"] and not p["dropout_p"]:
             groups.setdefault((row["mode"], p["head_dim"], p["causal"]), []).append(row)
+    return {k: sorted(g, key=lambda r: r["params"]["seq"]) for k, g in groups.items()}
+
+
+def _tflops_plot(plt, path: Path, rows: list[dict[str, Any]]) -> Path:
+    """TFLOP/s against sequence length per implementation: one panel per (mode) row and
+    (head dim, causal) column, over the sequence sweep (no padding, no dropout)."""
+    groups = _tflops_groups(rows)
     # in this order: sorted from a set, bwd and fwd+bwd swapped with PYTHONHASHSEED
     modes = [m for m in ("fwd", "bwd", "fwd+bwd") if any(k[0] == m for k in groups)] or ["fwd"]
     columns = sorted({k[1:] for k in groups}) or [(0, False)]
@@ -615,7 +634,6 @@ def _tflops_plot(plt, path: Path, rows: list[dict[str, Any]]) -> Path:
 
 
 def _tflops_panel(ax, group: list[dict[str, Any]]) -> None:
-    group = sorted(group, key=lambda r: r["params"]["seq"])
     plotted = False
     for impl in _peers(group):
         pts = [(r["params"]["seq"], r["impls"][impl].get("tflops")) for r in group]
@@ -685,7 +703,8 @@ def figures(results: dict[str, Any]) -> dict[str, Figure]:
     model = results.get("model")
     if model:
         for name, v in model["variants"].items():
-            own = name == FAST
+            # the compiled and graphed swapped models are fastformer's too (GPU, --full)
+            own = is_fastformer_variant(name)
             for key, unit, higher in (
                 ("train_tokens_per_s", "tok/s", True),
                 ("infer_tokens_per_s", "tok/s", True),
