@@ -1427,6 +1427,7 @@ def test_check_exits_quietly_when_its_reader_goes_away():
     cmd = f"{sys.executable} -m fastformer check --quick --ops ffn | head -1"
     proc = subprocess.run(["bash", "-c", f"set -o pipefail; {cmd}"], capture_output=True, text=True)
     assert proc.stdout.startswith("op") and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 141, proc.stderr  # as shell tools (128 + SIGPIPE)
 
 
 def test_flop_and_byte_formulas():
@@ -1912,3 +1913,171 @@ def test_every_op_bench_names_its_backend_and_runs_gated_ffn_cases():
     outs = {name: fn(*gated.args) for name, fn in gated.impls.items()}
     assert all(o.shape == (6, 8) for o in outs.values())
     torch.testing.assert_close(outs["fastformer"], outs["reference"])
+
+
+# --------------------------------------------------------------------------- mutation survivors
+# (check.py, timing.py, cases.py, __init__.py)
+
+
+def test_check_json_summary_counts_each_verdict(monkeypatch, capsys):
+    # Guards the --json summary: cases/passed/failed/skipped/not_run must count the rows.
+    from fastformer.cli import check
+
+    statuses = ["pass", "pass", "pass", "FAIL", "ERROR", "skip", "not run", "not run"]
+    rows = [check.Row("ffn", "-", "cpu", "-", f"c{i}", s) for i, s in enumerate(statuses)]
+    monkeypatch.setattr(check, "iter_rows", lambda *a, **k: iter(rows))
+    assert main(["check", "--quick", "--json", "--ops", "ffn"]) == 1
+    summary = json.loads(capsys.readouterr().out)["summary"]
+    count = statuses.count
+    ran = len(statuses) - count("skip") - count("not run")
+    assert summary["cases"] == ran
+    assert (summary["passed"], summary["failed"]) == (count("pass"), count("FAIL") + count("ERROR"))
+    assert (summary["skipped"], summary["not_run"]) == (count("skip"), count("not run"))
+
+
+def test_check_shard_right_after_the_grid_end_exits_0(capsys):
+    # Guards the boundary of "a shard past the grid's end checks nothing and exits 0".
+    from fastformer.cli.check import grid_size
+
+    total = grid_size(["rms_norm"], "all", True, False)
+    argv = ["check", "--quick", "--ops", "rms_norm", "--json"]
+    assert main([*argv, "--shard", f"{total + 1}/{total + 1}"]) == 0
+    assert json.loads(capsys.readouterr().out)["summary"]["cases"] == 0
+    assert main([*argv, "--shard", f"{total}/{total}"]) == 0  # the last shard holds one case
+    assert json.loads(capsys.readouterr().out)["summary"]["cases"] == 1
+
+
+def test_check_dtypes_per_device_and_backend():
+    # Guards the documented dtypes: --quick is float32 on CPU; the full CPU grid adds fp16 and
+    # bf16 (Triton: no bf16, the interpreter cannot run it); CUDA checks all three.
+    from fastformer.cli.check import dtypes_for
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    every = {torch.float32, torch.float16, torch.bfloat16}
+    for backend in (None, "cpp", "torch", "triton"):
+        assert dtypes_for(cpu, backend, quick=True) == [torch.float32]
+        assert set(dtypes_for(cuda, backend, quick=False)) == every
+        assert torch.bfloat16 in dtypes_for(cuda, backend, quick=True)
+    for backend in (None, "cpp", "torch"):
+        assert set(dtypes_for(cpu, backend, quick=False)) == every
+    assert set(dtypes_for(cpu, "triton", quick=False)) == every - {torch.bfloat16}
+
+
+def test_check_interpret_refuses_device_cuda(monkeypatch, capsys):
+    # Guards the usage error: --interpret runs Triton on CPU and must not take --device cuda.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # no re-run in a fresh process
+    argv = ["check", "--quick", "--interpret", "--device", "cuda", "--ops", "rms_norm"]
+    assert main([*argv, "--shard", "1000/1000"]) == 2
+    assert "--interpret" in capsys.readouterr().err
+
+
+def test_check_ops_named_twice_run_once():
+    # Guards the de-duplication of --ops: an op named twice (or via its group) runs once.
+    from fastformer.cli.check import OP_GROUPS, parse_ops
+
+    assert parse_ops("ffn,ffn") == ["ffn"]
+    assert parse_ops("rms_norm,layer_norm,rms_norm") == ["rms_norm"] + [
+        op for op in OP_GROUPS["layer_norm"] if op != "rms_norm"
+    ]
+
+
+def test_time_cpu_reports_milliseconds():
+    # Guards the seconds -> milliseconds conversion of CPU timings (x 1e3).
+    import time
+
+    from fastformer.cli import timing
+
+    budget = timing.Budget(warmup=0, min_reps=3, max_reps=3, min_time_s=0.0)
+    assert 20.0 <= timing.time_cpu(lambda: time.sleep(0.02), budget) < 1000.0
+
+
+def test_time_cpu_calls_follow_the_budget():
+    # Guards min_reps / warmup / max_reps: min_reps timed calls after warm-up when min_time_s
+    # is reached at once, max_reps when it is never reached.
+    from fastformer.cli import timing
+
+    calls = []
+    quick = timing.Budget(warmup=2, min_reps=4, max_reps=50, min_time_s=0.0)
+    timing.time_cpu(lambda: calls.append(1), quick)
+    assert len(calls) == quick.warmup + quick.min_reps
+    calls.clear()
+    slow = timing.Budget(warmup=1, min_reps=2, max_reps=7, min_time_s=3600.0)
+    timing.time_cpu(lambda: calls.append(1), slow)
+    assert len(calls) == slow.warmup + slow.max_reps
+
+
+def test_pacer_cuts_to_one_repetition_only_past_its_deadline():
+    # Guards Pacer.current/cut: the full budget before the deadline, one rep (and cut) after.
+    import time
+
+    from fastformer.cli import timing
+
+    budget = timing.CPU_DEFAULT
+    for pacer in (timing.Pacer(budget), timing.Pacer(budget, time.perf_counter() + 3600)):
+        assert pacer.current() == budget and not pacer.cut and not pacer.expired()
+    late = timing.Pacer(budget, deadline=time.perf_counter() - 1, stop=time.perf_counter() - 1)
+    cut = late.current()
+    assert (cut.max_reps, cut.min_reps) == (1, 1) and late.cut and late.expired()
+
+
+def test_time_op_threshold_is_inclusive_and_do_bench_runs_the_budget(monkeypatch):
+    # Guards "SLOW_CALL_MS or more" -> 3 event-timed calls, and do_bench's rep covering the
+    # budget's min_time_s (median). CUDA timing is replaced: no GPU needed.
+    import triton.testing
+
+    from fastformer.cli import timing
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(timing, "time_cuda_events", lambda *a: timing.SLOW_CALL_MS)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: pytest.fail("do_bench"))
+    assert timing.time_op(lambda: None, cuda, timing.GPU_DEFAULT) == timing.SLOW_CALL_MS
+    seen = []
+    monkeypatch.setattr(timing, "time_cuda_events", lambda *a: timing.SLOW_CALL_MS / 2)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: seen.append(kw) or 0.5)
+    for budget in (timing.GPU_DEFAULT, timing.Budget(min_time_s=0.5), timing.QUICK):
+        assert timing.time_op(lambda: None, cuda, budget) == 0.5
+        assert seen[-1]["rep"] >= budget.min_time_s * 1e3 and seen[-1]["rep"] > 0
+        assert seen[-1]["return_mode"] == "median"
+
+
+def test_cpu_peak_memory_is_the_peak_of_the_running_sum():
+    # Guards the CPU peak: allocations add up while alive, frees are subtracted.
+    from fastformer.cli.timing import peak_memory
+
+    n = 2**20
+    nbytes = n * torch.ones(1).element_size()
+
+    def two_alive():
+        a, b = torch.ones(n), torch.ones(n)
+        del a, b
+        return torch.ones(n)
+
+    def one_at_a_time():
+        for _ in range(3):
+            del_me = torch.ones(n)
+            del del_me
+
+    cpu = torch.device("cpu")
+    assert peak_memory(two_alive, cpu)[0] == 2 * nbytes
+    assert peak_memory(one_at_a_time, cpu)[0] == nbytes
+
+
+def test_ffn_bytes_formula():
+    # Guards FfnCase.bytes: x, out and both weights once forward; backward twice the forward
+    # (as its flops), so fwd+bwd is 3x.
+    t, d, f, elem = 11, 3, 13, 2
+    for act, width1 in (("relu", f), ("swiglu", 2 * f)):
+        case = FfnCase(t, d, f, act)
+        fwd = (t * d + t * d + width1 * d + d * f) * elem  # x, out, w1, w2
+        assert case.bytes("fwd", elem) == fwd
+        assert case.bytes("fwd+bwd", elem) == fwd + 2 * fwd
+
+
+def test_check_device_defaults_to_every_available_device(monkeypatch):
+    # Guards the default of `check --device`: CPU plus CUDA when visible ("all").
+    from fastformer.cli import build_parser
+    from fastformer.cli.check import devices
+
+    args = build_parser().parse_args(["check"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert [d.type for d in devices(args.device)] == ["cpu", "cuda"]

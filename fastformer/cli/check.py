@@ -665,7 +665,7 @@ def devices(choice: str) -> list[torch.device]:
 
 
 def dtypes_for(device: torch.device, backend: str | None, quick: bool) -> list[torch.dtype]:
-    """fp32 (and fp16/bf16 in the full grid) on CPU; all three on CUDA. The Triton interpreter
+    """--quick: fp32 on CPU, bf16 on CUDA; the full grid: all three. The Triton interpreter
     cannot run bf16 (ENVIRONMENT.md), so bf16 Triton is checked on a GPU only."""
     if device.type == "cuda":  # bf16 first: the interpreter cannot check it
         return [torch.bfloat16] if quick else [torch.bfloat16, torch.float16, torch.float32]
