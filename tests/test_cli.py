@@ -2081,3 +2081,305 @@ def test_check_device_defaults_to_every_available_device(monkeypatch):
     args = build_parser().parse_args(["check"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert [d.type for d in devices(args.device)] == ["cpu", "cuda"]
+
+
+# --------------------------------------------------------------------------- mutation survivors
+# (report.py, bench.py)
+
+
+def test_compare_pairs_old_and_new_and_measures_slowdown_as_time():
+    # Guards: Change.old/new swapped (change_pct sign flipped) or a rate judged as a time.
+    old = {"ops": {"ffn": {"cases": [_row(2.0, 4.0)]}}, "model": _model(100.0)}
+    new = {"ops": {"ffn": {"cases": [_row(5.0, 4.0)]}}, "model": _model(80.0)}
+    changes = {c.key: c for c in R.compare(old, new)}
+    ms = changes["ffn.c.fwd.fastformer.ms"]
+    assert (ms.old, ms.new, ms.unit, ms.own) == (2.0, 5.0, "ms", True)
+    assert ms.change_pct == pytest.approx((5.0 / 2.0 - 1) * 100)
+    assert ms.slower_pct == pytest.approx((5.0 / 2.0 - 1) * 100)
+    rate = changes["model.fastformer.train_tokens_per_s"]
+    assert (rate.old, rate.new, rate.unit) == (100.0, 80.0, "tok/s")
+    assert rate.change_pct == pytest.approx((80.0 / 100.0 - 1) * 100)  # printed: fewer tokens/s
+    assert rate.slower_pct == pytest.approx((100.0 / 80.0 - 1) * 100)  # judged: time per token
+    speedup = changes["ffn.c.fwd.speedup_vs_reference"]
+    assert (speedup.old, speedup.new, speedup.own) == (4.0 / 2.0, 4.0 / 5.0, False)
+
+
+@pytest.mark.parametrize(
+    "key, other",
+    [
+        ("model", "big"),
+        ("dtype", "float16"),
+        ("device", "cuda"),
+        ("quick", True),
+        ("full", True),
+    ],
+)
+def test_incomparable_names_each_setting_that_differs(key, other):
+    # Guards: a setting dropped from the compared ones (its runs' figures were paired).
+    base = {
+        "model": "tiny",
+        "dtype": "float32",
+        "device": "cpu",
+        "quick": False,
+        "full": False,
+    }
+    old = {"config": base, "manifest": {"gpu": None}}
+    new = {"config": {**base, key: other}, "manifest": {"gpu": None}}
+    assert R.incomparable(old, old) == []
+    assert [d.split()[0] for d in R.incomparable(old, new)] == [key]
+    assert R.incomparable(old, {"config": {**base, key: None}, "manifest": {"gpu": None}}) == []
+
+
+def test_missing_fields_names_every_absent_required_field():
+    # Guards: one required-field check dropped (a file without that field passed `load`).
+    # the issue's manifest (GPU, driver, CUDA, torch, triton, version, git SHA, date) and more
+    manifest = "date fastformer git_sha python torch triton cuda driver gpu machine cpu".split()
+    manifest += ["cpu_count", "build_info", "cuda_kernels_compiled"]
+    variant = ["train_tokens_per_s", "infer_tokens_per_s", "train_step_ms", "infer_ms"]
+    variant += ["peak_memory_bytes"]
+    model = {"config": {}, "parity": {}, "tokens_per_batch": 1}
+    model["variants"] = {"eager": dict.fromkeys(variant, 1.0)}
+    full = {
+        "schema": R.SCHEMA,
+        "manifest": dict.fromkeys(manifest),
+        "config": {},
+        "rooflines": {},
+    }
+    full.update(ops={"ffn": {"cases": [_row(2.0, 4.0)]}}, model=model)
+    assert R.missing_fields(full) == []
+    places = [((), k) for k in ("schema", "manifest", "config", "rooflines", "ops")]
+    places += [(("manifest",), k) for k in manifest]
+    places += [(("model",), k) for k in ("config", "parity", "variants", "tokens_per_batch")]
+    places += [(("model", "variants", "eager"), k) for k in variant]
+    places += [(("ops", "ffn", "cases", 0), k) for k in ("case", "mode", "impls", "speedup")]
+    for path, key in places:
+        damaged = copy.deepcopy(full)
+        target = damaged
+        for part in path:
+            target = target[part]
+        del target[key]
+        missing = R.missing_fields(damaged)
+        if path[:1] == ("ops",):  # named ops.<op>.<case>.<field>
+            assert any(m.startswith("ops.ffn.") and m.endswith(f".{key}") for m in missing), key
+        else:
+            assert ".".join(map(str, [*path, key])) in missing, (path, key, missing)
+    skipped = copy.deepcopy(full)
+    skipped["model"]["variants"]["eager"] = {"skipped": "not run"}  # a skip has no figures
+    assert R.missing_fields(skipped) == []
+
+
+def test_nothing_measured_tells_a_run_past_max_seconds_from_one_that_failed():
+    # Guards: the not-run branch or one of the two measured-figure keys dropped.
+    def run(impl=None, variant=None):
+        results = {"ops": {"ffn": {"cases": [] if impl is None else [{"impls": {"f": impl}}]}}}
+        if variant is not None:
+            results["model"] = {"variants": {"eager": variant}}
+        return results
+
+    assert R.nothing_measured(run(impl={"ms": 1.0})) is None
+    assert R.nothing_measured(run(variant={"train_step_ms": 1.0})) is None  # model stage only
+    late = R.nothing_measured(run(impl={"not_run": B.NOT_RUN}))
+    assert late is not None and "--max-seconds" in late
+    late_model = R.nothing_measured(run(variant={"skipped": B.NOT_RUN}))
+    assert late_model == late
+    for failed in (
+        run(impl={"error": "boom"}),
+        run(variant={"skipped": "GPU only"}),
+        {},
+    ):
+        why = R.nothing_measured(failed)
+        assert why is not None and "--max-seconds" not in why and "reason" in why, failed
+
+
+def test_fail_if_slower_does_not_judge_memory_figures():
+    # Guards: fastformer's peak memory or saved bytes judged as a speed regression.
+    def run(mem):
+        row = _row(2.0, 4.0)
+        row["impls"]["fastformer"]["saved_bytes_per_token"] = mem
+        model = {"variants": {"fastformer": {"train_tokens_per_s": 10.0, "peak_memory_bytes": mem}}}
+        return {"ops": {"ffn": {"cases": [row]}}, "model": model}
+
+    changes = R.compare(run(1000), run(3000))
+    grew = {c.key for c in changes if c.slower_pct > 100}
+    assert grew == {
+        "model.fastformer.peak_memory_bytes",
+        "ffn.c.fwd.fastformer.saved_bytes_per_token",
+    }
+    assert R.regressions(changes, 10) == []
+    assert "REGRESSION" not in R.format_changes(changes, 10)
+    assert not any(u.lost for u in R.unpaired(run(1000), run(None)))
+
+
+def test_regression_mark_only_on_own_figures_over_the_threshold():
+    # Guards: REGRESSION shown for a peer's figure, at the threshold, or without --fail-if-slower.
+    changes = [
+        R.Change("own.slower", 1.0, 2.0, "ms", True, 100.0),
+        R.Change("peer.slower", 1.0, 2.0, "ms", False, 100.0),
+        R.Change("own.at_threshold", 1.0, 1.1, "ms", True, 10.0),
+        R.Change("own.faster", 2.0, 1.0, "ms", True, -50.0),
+    ]
+    text = R.format_changes(changes, 10.0)
+    marked = {line.split()[0] for line in text.splitlines() if "REGRESSION" in line}
+    assert marked == {c.key for c in R.regressions(changes, 10.0)} == {"own.slower"}
+    assert "REGRESSION" not in R.format_changes(changes, None)
+
+
+def test_threads_is_capped_by_the_cpus_of_this_machine(monkeypatch):
+    # Guards: --threads bounds (0, negative, or more than MAX_THREADS_PER_CPU per CPU) unchecked.
+    from fastformer.cli import build_parser
+
+    def check(threads):
+        B._check_args(build_parser().parse_args(["bench", "--threads", str(threads)]))
+
+    monkeypatch.setattr(B.os, "cpu_count", lambda: 3)
+    cap = B.MAX_THREADS_PER_CPU * 3
+    check(1)
+    check(cap)
+    for bad in (0, -1, cap + 1):
+        with pytest.raises(B.UsageError, match="--threads must be between 1 and"):
+            check(bad)
+
+
+def test_derive_rates_speedup_and_roofline_fraction():
+    # Guards: an inverted speedup or roofline fraction, or a wrong GB/s or TFLOP/s unit.
+    flops, nbytes = 6.0e9, 4.0e8
+    bench = types.SimpleNamespace(flops=lambda mode: flops, bytes=lambda mode: nbytes)
+    roof = {"gemm_tflops": 50.0, "copy_gbps": 800.0}
+    row = {
+        "impls": {
+            "fastformer": {"ms": 2.0},
+            "reference": {"ms": 6.0},
+            "x": {"error": "e"},
+        }
+    }
+    B._derive(row, bench, "fwd", roof)
+    fast, ref = row["impls"]["fastformer"], row["impls"]["reference"]
+    assert row["speedup"] == {"reference": pytest.approx(6.0 / 2.0)}  # >1: fastformer faster
+    for res, ms in ((fast, 2.0), (ref, 6.0)):
+        assert res["tflops"] == pytest.approx(flops / (ms * 1e-3) / 1e12)
+        assert res["gbps"] == pytest.approx(nbytes / (ms * 1e-3) / 1e9)
+    floor_s = max(flops / (roof["gemm_tflops"] * 1e12), nbytes / (roof["copy_gbps"] * 1e9))
+    assert row["roofline_floor_ms"] == pytest.approx(floor_s * 1e3)
+    assert row["fraction_of_roofline"] == pytest.approx(floor_s * 1e3 / 2.0)
+    assert row["fraction_of_copy_bandwidth"] == pytest.approx(fast["gbps"] / roof["copy_gbps"])
+
+
+def test_copy_roofline_counts_the_bytes_read_and_written(monkeypatch):
+    # Guards: the copy bandwidth counting the copied bytes once (a copy reads and writes them).
+    calls = []
+
+    def fake_time_op(fn, device, budget):
+        calls.append(fn())
+        return 2.0 if len(calls) == 1 else 3.0
+
+    monkeypatch.setattr(B.timing, "time_op", fake_time_op)
+    roof = B.rooflines(torch.device("cpu"), torch.float32, B.timing.QUICK)
+    copied, product = calls
+    moved = 2 * copied.numel() * copied.element_size()
+    assert roof["copy_gbps"] == pytest.approx(moved / (2.0 * 1e-3) / 1e9)
+    n = product.shape[0]
+    assert roof["gemm_size"] == n
+    assert roof["gemm_tflops"] == pytest.approx(2 * n**3 / (3.0 * 1e-3) / 1e12)
+
+
+def test_model_rates_are_real_tokens_per_step_second(monkeypatch):
+    # Guards: tokens/s computed from the wrong step, or per millisecond instead of per second.
+    case = ModelCase("t", 16, 2, 1, 1, 32, 0.0, 50, batch=3, max_len=7)
+    device = torch.device("cpu")
+    model = B.build_model(case, device, torch.float32, 0.0)
+    src, tgt = B.synthetic_batch(case, device)
+    step_ms = iter([4.0, 2.5])  # training step, then inference
+    monkeypatch.setattr(B.timing, "time_step", lambda *a: next(step_ms))
+    monkeypatch.setattr(B.timing, "peak_memory", lambda *a, **k: (123, "test"))
+    pacer = types.SimpleNamespace(current=lambda: B.timing.QUICK)
+    res = B._measure_variant("eager", model, model.loss, model, src, tgt, device, pacer)
+    tokens = B.real_tokens(src, tgt)
+    assert (res["train_step_ms"], res["infer_ms"]) == (4.0, 2.5)
+    assert res["train_tokens_per_s"] == pytest.approx(tokens / (4.0 * 1e-3))
+    assert res["infer_tokens_per_s"] == pytest.approx(tokens / (2.5 * 1e-3))
+
+
+def test_quick_runs_have_no_soft_deadline():
+    # Guards: --quick runs cut to one repetition after DEADLINE_S (only --max-seconds stops them).
+    for device in (torch.device("cpu"), torch.device("cuda")):  # only the type is read
+        args = argparse.Namespace(max_seconds=None, quick=True, full=False)
+        pacer, limit = B._pacer(B.timing.QUICK, device, args, 0.0)
+        assert limit is None and pacer.deadline is None and pacer.stop is None
+        args.max_seconds = 30.0
+        pacer, limit = B._pacer(B.timing.QUICK, device, args, 5.0)
+        assert limit is None and pacer.deadline is None and pacer.stop == pytest.approx(35.0)
+        args.quick = False  # the same run without --quick has a soft limit
+        assert B._pacer(B.timing.CPU_DEFAULT, device, args, 5.0)[1] is not None
+
+
+def test_no_model_runs_no_model_stage(monkeypatch, tmp_path, capsys):
+    # Guards: --no-model still measuring the model, or results.json keeping a "model" entry.
+    stages = []
+    monkeypatch.setattr(B, "bench_model", lambda *a, **k: stages.append("model"))
+    monkeypatch.setattr(B, "bench_op", lambda op, *a, **k: stages.append(op) or {"cases": []})
+    monkeypatch.setattr(
+        B,
+        "rooflines",
+        lambda *a: {"copy_gbps": 1.0, "gemm_tflops": 1.0, "gemm_size": 1},
+    )
+    argv = ["bench", "--quick", "--no-model", "--device", "cpu", "--ops", "ffn"]
+    assert main([*argv, "--out", str(tmp_path)]) == 1  # the stub measured nothing
+    assert stages == ["ffn"]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert "model" not in results and results["config"]["model"] is None
+    reduced_note = model_case("base", "cpu")[1]
+    assert reduced_note not in results["config"]["notes"]
+
+
+def test_remove_stale_plots_removes_only_bench_plots_this_run_did_not_write(tmp_path):
+    # Guards: a plot this run wrote removed, or another op's old plot kept as this run's.
+    names = [
+        "speedup_ffn.png",
+        "speedup_attention.png",
+        "model.png",
+        "mine.png",
+        "results.json",
+    ]
+    for name in names:
+        (tmp_path / name).write_bytes(PNG_MAGIC)
+    written = [tmp_path / "results.json", tmp_path / "speedup_ffn.png"]
+    B._remove_stale_plots(tmp_path, written)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["mine.png", "results.json", "speedup_ffn.png"]
+    )
+
+
+def test_plots_named_like_bench_s_are_kept_in_a_folder_without_results(bench_run, tmp_path):
+    # Guards: stale-plot removal in a folder no bench run wrote (a user's own model.png).
+    _, out = bench_run
+    ffn_only = json.loads((out / "results.json").read_text())
+    ffn_only["ops"] = {"ffn": ffn_only["ops"]["ffn"]}
+    del ffn_only["model"]
+    path = tmp_path / "ffn.json"
+    path.write_text(json.dumps(ffn_only))
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "model.png").write_bytes(PNG_MAGIC)
+    assert main(["bench", "--results", str(path), "--out", str(folder)]) == 0
+    assert (folder / "model.png").is_file()  # not removed as a stale plot
+
+
+def test_model_parity_fails_on_a_gradient_in_one_model_only():
+    # Guards: a parameter with a gradient in one model only skipped by parity (a frozen weight
+    # that the swapped model trains passed).
+    case = ModelCase("t", 16, 2, 1, 1, 32, 0.0, 50, batch=3, max_len=7)
+    device = torch.device("cpu")
+    eager = B.build_model(case, device, torch.float32, 0.0)
+    src, tgt = B.synthetic_batch(case, device)
+    fast = copy.deepcopy(eager)
+    assert B.model_parity(eager, fast, src, tgt)["passed"]
+    name, param = next(iter(fast.named_parameters()))
+    param.requires_grad_(False)
+    result = B.model_parity(eager, fast, src, tgt)
+    assert result["passed"] is False
+    assert f"d{name}: no gradient in the fastformer model" in result["failed"]
+    eager_frozen = copy.deepcopy(fast)
+    param.requires_grad_(True)
+    result = B.model_parity(eager_frozen, fast, src, tgt)
+    assert result["passed"] is False
+    assert f"d{name}: a gradient in the fastformer model only" in result["failed"]
