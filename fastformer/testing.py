@@ -16,7 +16,7 @@ least any fast kernel may differ by.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -223,6 +223,26 @@ def compare_with_reference(
         if len(fast) != len(ref):
             results.append(ParityResult(f"{what}: {len(fast)} vs {len(ref)}", math.inf, 0.0))
     return results
+
+
+def dropout_sites_one_at_a_time(*layers: torch.nn.Module) -> Iterator[str]:
+    """Puts `layers` (the same architecture, e.g. a torch.nn Transformer layer and its
+    fastformer twin) in train mode with exactly one dropout site at p=1 and the others at 0, for
+    each site of the first layer in turn, and yields the site's name. A site is an `nn.Dropout`
+    child or an `nn.MultiheadAttention` child (its attention-weight dropout). With one site
+    dropping everything, layers that drop in different places give different outputs."""
+    kinds = (torch.nn.Dropout, torch.nn.MultiheadAttention)
+    names = [n for n, m in layers[0].named_children() if isinstance(m, kinds)]
+    for name in names:
+        for layer in layers:
+            layer.train()
+            for n in names:
+                child, p = getattr(layer, n), 1.0 if n == name else 0.0
+                if isinstance(child, torch.nn.Dropout):
+                    child.p = p
+                else:
+                    child.dropout = p
+        yield name
 
 
 def sm90_jit(launcher_for: Callable[[Any], Callable] | None = None, stream: int = 0) -> None:

@@ -21,7 +21,11 @@ import fastformer
 import fastformer.nn as fnn
 from fastformer import reference
 from fastformer.explain import explain
-from fastformer.testing import assert_parity, compare_with_reference
+from fastformer.testing import (
+    assert_parity,
+    compare_with_reference,
+    dropout_sites_one_at_a_time,
+)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Support for mismatched:UserWarning"),
@@ -524,21 +528,24 @@ def test_rms_norm_default_eps_is_torchs(dtype):
     torch.testing.assert_close(got.to(dtype), expected, atol=0, rtol=0.02)
 
 
+class _ReferenceFFN(nn.Module):
+    """reference.ffn with copies of a FeedForward's linears."""
+
+    def __init__(self, ffn: fnn.FeedForward, activation: str):
+        super().__init__()
+        self.linear1, self.linear2 = copy.deepcopy(ffn.linear1), copy.deepcopy(ffn.linear2)
+        self.activation = activation
+
+    def forward(self, x):
+        l1, l2 = self.linear1, self.linear2
+        return reference.ffn(x, l1.weight, l1.bias, l2.weight, l2.bias, self.activation)
+
+
 @pytest.mark.parametrize("activation", list(reference.ACTIVATIONS))
 def test_feed_forward_matches_reference(activation):
     ours = perturb(fnn.FeedForward(E, FF, dropout=0.0, activation=activation))
     assert ours.fallback_reasons == []
-
-    class Ref(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear1, self.linear2 = copy.deepcopy(ours.linear1), copy.deepcopy(ours.linear2)
-
-        def forward(self, x):
-            l1, l2 = self.linear1, self.linear2
-            return reference.ffn(x, l1.weight, l1.bias, l2.weight, l2.bias, activation)
-
-    module_parity(ours, Ref(), (_randn(B, S, E),), None, ["x"])
+    module_parity(ours, _ReferenceFFN(ours, activation), (_randn(B, S, E),), None, ["x"])
 
 
 def test_feed_forward_custom_callable_runs_unfused():
@@ -1388,17 +1395,7 @@ def test_each_dropout_module_acts_where_torch_nn_s_does(kind, norm_first):
         torch_cls, fast_cls, E, H, FF, dropout=0.0, batch_first=True, norm_first=norm_first
     )
     args = (_seq(True, T),) if kind == "encoder" else (_seq(True, T), _seq(True, S, seed=1))
-    kinds = (nn.Dropout, nn.MultiheadAttention)
-    names = [n for n, m in theirs.named_children() if isinstance(m, kinds)]
-    for name in names:
-        for layer in (theirs, ours):
-            layer.train()
-            for n in names:
-                child, p = getattr(layer, n), 1.0 if n == name else 0.0
-                if isinstance(child, nn.Dropout):
-                    child.p = p
-                else:
-                    child.dropout = p
+    for _ in dropout_sites_one_at_a_time(theirs, ours):
         module_parity(ours, theirs, args, None, ["x", "memory"])
 
 
@@ -1483,14 +1480,4 @@ def test_feed_forward_with_a_hook_runs_the_same_function(activation):
     ours = perturb(fnn.FeedForward(E, FF, dropout=0.0, activation=activation))
     ours.linear1.register_forward_hook(lambda module, args, out: None)
     assert "linear1 is not a plain nn.Linear without hooks" in ours.fallback_reasons
-
-    class Ref(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear1, self.linear2 = copy.deepcopy(ours.linear1), copy.deepcopy(ours.linear2)
-
-        def forward(self, x):
-            l1, l2 = self.linear1, self.linear2
-            return reference.ffn(x, l1.weight, l1.bias, l2.weight, l2.bias, activation)
-
-    module_parity(ours, Ref(), (_randn(B, S, E),), None, ["x"])
+    module_parity(ours, _ReferenceFFN(ours, activation), (_randn(B, S, E),), None, ["x"])

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastformer import reference as ref
+from fastformer.testing import dropout_sites_one_at_a_time
 
 # torch.nn's own warnings about mixing bool padding masks with float attention masks, its
 # nested-tensor prototype, and its fast-path eligibility are expected here.
@@ -679,19 +680,11 @@ def test_each_dropout_acts_where_torch_nn_s_does(kind, norm_first):
     _copy_weights(theirs, mine)
     x, memory = torch.randn(3, 5, 16, dtype=F64), torch.randn(3, 7, 16, dtype=F64)
     args = (x,) if kind == "encoder" else (x, memory)
-    kinds = (nn.Dropout, nn.MultiheadAttention)
-    names = [n for n, m in theirs.named_children() if isinstance(m, kinds)]
-    assert len(names) == (4 if kind == "encoder" else 6)
-    for name in names:
-        for layer in (theirs, mine):
-            layer.train()
-            for n in names:
-                child, p = getattr(layer, n), 1.0 if n == name else 0.0
-                if isinstance(child, nn.Dropout):
-                    child.p = p
-                else:
-                    child.dropout = p
+    sites = []
+    for name in dropout_sites_one_at_a_time(theirs, mine):
+        sites.append(name)
         _close(mine(*args), theirs(*args))
+    assert len(sites) == (4 if kind == "encoder" else 6)
 
 
 def test_positional_encoding_dropout_applies_to_the_sum():

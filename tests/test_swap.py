@@ -453,7 +453,14 @@ def _global_backward_hook(model, record):
     return [nn.modules.module.register_module_full_backward_hook(record)]
 
 
-@pytest.mark.parametrize("register", [_own_hooks, _global_forward_hook, _global_backward_hook])
+def _global_backward_pre_hook(model, record):
+    return [nn.modules.module.register_module_full_backward_pre_hook(record)]
+
+
+@pytest.mark.parametrize(
+    "register",
+    [_own_hooks, _global_forward_hook, _global_backward_hook, _global_backward_pre_hook],
+)
 def test_hooks_of_sub_modules_run_as_in_torch_nn(register):
     """A sub-module the fused ops stand for (linear1, dropout, norm2, dropout1) still runs the
     hooks attached to it, its own or global ones (profilers register those): with hooks the
@@ -662,21 +669,3 @@ def test_a_class_item_selects_its_exact_class_only():
     with pytest.warns(UserWarning, match="include item torch.nn.Module matches none"):
         report = swap(model, include=[nn.Module])
     assert report.replaced == [] and type(model[0]) is nn.LayerNorm
-
-
-def _global_backward_pre_hook(model, record):
-    return [nn.modules.module.register_module_full_backward_pre_hook(record)]
-
-
-def test_global_backward_pre_hooks_of_sub_modules_run_as_in_torch_nn():
-    # The fourth kind of global hook (profilers register it too); the other three are covered
-    # by test_hooks_of_sub_modules_run_as_in_torch_nn (this could be a fourth `register` case).
-    torch.manual_seed(0)
-    ref = nn.TransformerEncoderLayer(E, H, FF, dropout=0.0, batch_first=True)
-    fast = copy.deepcopy(ref)
-    swap(fast)
-    x = torch.randn(B, S, E, requires_grad=True)
-    want, ref_out = _hooked_calls(ref, _global_backward_pre_hook, x)
-    got, fast_out = _hooked_calls(fast, _global_backward_pre_hook, x)
-    assert want and got == want
-    torch.testing.assert_close(fast_out, ref_out)
