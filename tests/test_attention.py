@@ -1745,6 +1745,27 @@ ERRORS = {
         r"dropout_p must be in \[0, 1\)",
     ),
     "query_sparse": (_bad(query=_z(2, 4, 5, 8).to_sparse()), ValueError, "query must be a dense"),
+    # Non-tensor masks and a second device: a mutation run left these checks untested (a list
+    # mask gave an AttributeError; a meta tensor is a second device on a CPU-only machine).
+    "mask_list": (_bad(attn_mask=[[True] * 6] * 5), TypeError, "attn_mask must be a torch.Tensor"),
+    "kpm_list": (
+        _bad(key_padding_mask=[[False] * 6] * 2),
+        TypeError,
+        "key_padding_mask must be a torch.Tensor",
+    ),
+    **{
+        f"{name}_meta": (
+            _bad(**{name: torch.zeros(shape, dtype=dtype, device="meta")}),
+            ValueError,
+            f"{name} is on meta but query is on",
+        )
+        for name, shape, dtype in (
+            ("key", (2, 4, 6, 8), F32),
+            ("value", (2, 4, 6, 8), F32),
+            ("attn_mask", (5, 6), torch.bool),
+            ("key_padding_mask", (2, 6), torch.bool),
+        )
+    },
     "mask_sparse": (
         _bad(attn_mask=_z(5, 6).to_sparse()),
         ValueError,
