@@ -303,6 +303,7 @@ def _bad_cases():
         ("x_scalar", dict(x=torch.tensor(1.0)), ValueError, r"at least 1 dimension"),
         ("x_int", dict(x=torch.ones(3, 8, dtype=torch.int64)), TypeError, r"floating dtype"),
         ("b1_type", dict(b1=[0.0] * 6), TypeError, r"b1 must be a Tensor or None, got list"),
+        ("x_type", dict(x=[[0.0] * 8] * 3), TypeError, r"x must be a Tensor, got list"),
         # sparse and nested tensors failed inside torch without naming the argument
         ("x_sparse", dict(x=x.to_sparse()), ValueError, r"x must be a dense .*sparse_coo"),
         ("w1_sparse", dict(w1=w1.to_sparse()), ValueError, r"w1 must be a dense"),
@@ -525,6 +526,8 @@ def test_epilogue_env(monkeypatch):
     monkeypatch.setenv(ffn_mod.EPILOGUE_ENV, "yes")
     with pytest.raises(ValueError, match="FASTFORMER_FFN_EPILOGUE must be one of"):
         ffn_mod.epilogue_mode()
+    with pytest.raises(ValueError, match="mode must be one of"):  # the direct argument too
+        ffn_mod.use_fused_epilogue("relu", (9, 0), needs_grad=False, mode="yes")
 
 
 # --------------------------------------------------------------------------- CUDA (GPU only)

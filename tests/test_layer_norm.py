@@ -551,6 +551,11 @@ def _bad_cases():
             ValueError,
             "residual",
         ),
+        "fused residual type": (
+            lambda: ln.dropout_add_layer_norm(x, x.tolist(), w, w),
+            TypeError,
+            "residual must be a torch.Tensor or None, got list",
+        ),
         "fused weight": (
             lambda: ln.dropout_add_layer_norm(x, x, torch.randn(7), None),
             ValueError,
