@@ -776,14 +776,20 @@ def test_model_variants_compile_layers_by_default_and_whole_models_and_graphs_wi
 
 
 @pytest.mark.filterwarnings("ignore:.*nested:UserWarning")  # torch.nn's own
+def _small_model(layers: int = 2, dropout: float = 0.0):
+    """A small float32 CPU model of the bench and one synthetic batch: (model, src, tgt)."""
+    case = ModelCase("t", 16, 2, layers, layers, 32, 0.0, 50, batch=3, max_len=7)
+    device = torch.device("cpu")
+    model = B.build_model(case, device, torch.float32, dropout)
+    return model, *B.synthetic_batch(case, device)
+
+
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_torch_nn_twin_is_the_eager_model_on_torch_nn(norm_first):
     """The torch.nn variant runs torch.nn.Transformer with the eager model's weights: the same
     loss and gradients at dropout 0, and it trains and infers (the fast path) as the bench
     runs it."""
-    case = ModelCase("t", 16, 2, 2, 2, 32, 0.0, 50, batch=3, max_len=7)
-    device = torch.device("cpu")
-    eager = B.build_model(case, device, torch.float32, 0.1)
+    eager, src, tgt = _small_model(dropout=0.1)
     if norm_first:  # the reference model's pre-LN layout, same weights
         for layer in [*eager.transformer.encoder.layers, *eager.transformer.decoder.layers]:
             layer.norm_first = True
@@ -792,7 +798,6 @@ def test_torch_nn_twin_is_the_eager_model_on_torch_nn(norm_first):
     assert twin.transformer.encoder.layers[0].norm_first is norm_first
     assert twin.transformer.encoder.layers[0].dropout.p == 0.1
     assert twin.state_dict().keys() == eager.state_dict().keys()
-    src, tgt = B.synthetic_batch(case, device)
     loss, grads = B._loss_and_grads(eager, src, tgt)
     twin_loss, twin_grads = B._loss_and_grads(twin, src, tgt)
     torch.testing.assert_close(twin_loss, loss, rtol=1e-5, atol=1e-6)
@@ -815,10 +820,7 @@ def test_torch_nn_twin_refuses_what_torch_nn_lacks():
 def test_compiled_layers_match_the_eager_model():
     """The regional torch.compile variant computes the model's own loss and gradients (dropout
     0, CPU inductor), and compiles each kind of layer once for all its copies."""
-    case = ModelCase("t", 16, 2, 2, 2, 32, 0.0, 50, batch=3, max_len=7)
-    device = torch.device("cpu")
-    eager = B.build_model(case, device, torch.float32, case.dropout)
-    src, tgt = B.synthetic_batch(case, device)
+    eager, src, tgt = _small_model()
     compiled = copy.deepcopy(eager)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()  # reset() leaves them
@@ -2284,10 +2286,8 @@ def test_copy_roofline_counts_the_bytes_read_and_written(monkeypatch):
 
 def test_model_rates_are_real_tokens_per_step_second(monkeypatch):
     # Guards: tokens/s computed from the wrong step, or per millisecond instead of per second.
-    case = ModelCase("t", 16, 2, 1, 1, 32, 0.0, 50, batch=3, max_len=7)
+    model, src, tgt = _small_model(layers=1)
     device = torch.device("cpu")
-    model = B.build_model(case, device, torch.float32, 0.0)
-    src, tgt = B.synthetic_batch(case, device)
     step_ms = iter([4.0, 2.5])  # training step, then inference
     monkeypatch.setattr(B.timing, "time_step", lambda *a: next(step_ms))
     monkeypatch.setattr(B.timing, "peak_memory", lambda *a, **k: (123, "test"))
@@ -2367,10 +2367,7 @@ def test_plots_named_like_bench_s_are_kept_in_a_folder_without_results(bench_run
 def test_model_parity_fails_on_a_gradient_in_one_model_only():
     # Guards: a parameter with a gradient in one model only skipped by parity (a frozen weight
     # that the swapped model trains passed).
-    case = ModelCase("t", 16, 2, 1, 1, 32, 0.0, 50, batch=3, max_len=7)
-    device = torch.device("cpu")
-    eager = B.build_model(case, device, torch.float32, 0.0)
-    src, tgt = B.synthetic_batch(case, device)
+    eager, src, tgt = _small_model(layers=1)
     fast = copy.deepcopy(eager)
     assert B.model_parity(eager, fast, src, tgt)["passed"]
     name, param = next(iter(fast.named_parameters()))
