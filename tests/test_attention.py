@@ -1250,6 +1250,7 @@ def test_backend_reasons():
     assert any("batch 65536" in r and "grid limit" in r for r in why)
     assert attn._grid_reasons(65535, 65535) and attn._grid_reasons(65535, 32769)
     assert attn._grid_reasons(65535, 32768) == [] and attn._grid_reasons(2048, 32) == []
+    assert attn._grid_reasons(1, attn._kernels().MAX_GRID_YZ + 1)  # heads: a grid dim of their own
     assert isinstance(dict(_dispatch.explain(attn.OP, None))["triton"], list)
 
 
@@ -1771,15 +1772,53 @@ ERRORS = {
         ValueError,
         "attn_mask must be a dense strided tensor, got layout torch.sparse_coo",
     ),
+    "kpm_sparse": (
+        _bad(key_padding_mask=_z(2, 6, dtype=torch.bool).to_sparse()),
+        ValueError,
+        "key_padding_mask must be a dense strided tensor",
+    ),
+    # value is checked against query as key is, not only in its sequence length
+    "value_dtype": (
+        _bad(value=_z(2, 4, 6, 8, dtype=F16)),
+        TypeError,
+        "value has dtype torch.float16 but query",
+    ),
+    "value_heads": (_bad(value=_z(2, 2, 6, 8)), ValueError, r"must match key .* in heads"),
+    # h % 0 would raise ZeroDivisionError
+    "gqa_no_kv_heads": (
+        _bad(key=_z(2, 0, 6, 8), value=_z(2, 0, 6, 8), enable_gqa=True),
+        ValueError,
+        r"divisible by key/value heads \(0\)",
+    ),
+    # True is a numbers.Real: it would run as a scale of 1.0
+    "scale_bool": (_bad(scale=True), TypeError, "scale must be a float or None, got bool$"),
 }
 
 
 @pytest.mark.parametrize("name", list(ERRORS))
-def test_bad_inputs_raise_before_launch(name):
+def test_bad_inputs_raise_before_launch(name, monkeypatch):
+    def must_not_run(*args, **kwargs):
+        # (without a check the oversized dropout case would compute for hours, not fail)
+        raise AssertionError("the op ran on bad inputs")
+
+    monkeypatch.setattr(attn, "_forward", must_not_run)
     kwargs, exc, pattern = ERRORS[name]
     kpm = kwargs.pop("key_padding_mask")
-    with pytest.raises(exc, match=pattern):
+    with pytest.raises(exc, match=f"^{attn._OP_NAME}: .*{pattern}"):
         attn.scaled_dot_product_attention(**kwargs, key_padding_mask=kpm)
+
+
+def test_the_largest_allowed_dropout_p_is_accepted():
+    # The limit is inclusive, as its message says ("at most").
+    p = rng.max_dropout_p(rng.ATTENTION_KEEP_ERROR)
+    assert dict(attn.backend_reasons(*_good(), dropout_p=p))["torch"] == []
+    with pytest.raises(ValueError, match="dropout_p must be at most"):
+        attn.backend_reasons(*_good(), dropout_p=math.nextafter(p, 1.0))
+
+
+def test_drawn_keep_mask_op_names_itself_for_a_negative_seq_k():
+    with pytest.raises(ValueError, match="^attention_drawn_keep_mask: seq_k must be >= 0, got -1"):
+        torch.ops.fastformer.attention_drawn_keep_mask(_z(1, 1, 2, 8), -1, 0.1)
 
 
 def test_mixed_devices_raise():
@@ -1791,10 +1830,11 @@ def test_mixed_devices_raise():
 
 
 def test_dropout_keep_mask_errors():
+    # On the meta device a missed size check returns at once instead of building 2**35 lanes.
     with pytest.raises(ValueError, match=r"seq_q \* 4 \* ceil\(seq_k / 32\) < 2\*\*32"):
-        attn.dropout_keep_mask(1, 1, 1, 2**20, 2**15, 0.1)  # 2**20 rows * 2**12 calls
+        attn.dropout_keep_mask(1, 1, 1, 2**20, 2**15, 0.1, "meta")  # 2**20 rows * 2**12 calls
     with pytest.raises(ValueError, match=r"seq_q \* 4 \* ceil\(seq_k / 32\) < 2\*\*32"):
-        attn.dropout_keep_mask(1, 1, 1, 2**19, 2**16 - 7, 0.1)  # ceil: 2**13 calls
+        attn.dropout_keep_mask(1, 1, 1, 2**19, 2**16 - 7, 0.1, "meta")  # ceil: 2**13 calls
     with pytest.raises(ValueError, match="batch must be an int >= 0"):
         attn.dropout_keep_mask(1, -1, 1, 4, 4, 0.1)
     with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):

@@ -296,103 +296,122 @@ def _check_inputs(
     if dropout_p > 0:
         _check_dropout_size(_OP_NAME, query.shape[2], key.shape[2])
     if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {type_name(is_causal)}")
+        raise TypeError(f"{_OP_NAME}: is_causal must be a bool, got {type_name(is_causal)}")
     if scale is None:
         return None
     if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
-        raise TypeError(f"scale must be a float or None, got {type_name(scale)}")
+        raise TypeError(f"{_OP_NAME}: scale must be a float or None, got {type_name(scale)}")
     return positive_float(_OP_NAME, "scale", scale)
 
 
 def _check_qkv(query, key, value, enable_gqa) -> None:
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type_name(t)}")
+            raise TypeError(f"{_OP_NAME}: {name} must be a torch.Tensor, got {type_name(t)}")
         check_dense(_OP_NAME, name, t)
         if t.dim() != 4:
             raise ValueError(
-                f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}"
+                f"{_OP_NAME}: {name} must be 4-D (batch, heads, seq, head_dim), got shape "
+                f"{tuple(t.shape)}"
             )
         if t.dtype not in _DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+            raise TypeError(
+                f"{_OP_NAME}: {name} must be float16, bfloat16, float32 or float64, got {t.dtype}"
+            )
     for name, t in (("key", key), ("value", value)):
         if t.dtype != query.dtype:
             raise TypeError(
-                f"{name} has dtype {t.dtype} but query has {query.dtype}: q, k, v "
+                f"{_OP_NAME}: {name} has dtype {t.dtype} but query has {query.dtype}: q, k, v "
                 "must share one dtype"
             )
         if t.device != query.device:
-            raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
+            raise ValueError(f"{_OP_NAME}: {name} is on {t.device} but query is on {query.device}")
         if t.shape[0] != query.shape[0]:
-            raise ValueError(f"{name} has batch {t.shape[0]} but query has batch {query.shape[0]}")
+            raise ValueError(
+                f"{_OP_NAME}: {name} has batch {t.shape[0]} but query has batch {query.shape[0]}"
+            )
     if value.shape[1] != key.shape[1] or value.shape[2] != key.shape[2]:
         raise ValueError(
-            f"value (B, Hkv, Lk, Dv) = {tuple(value.shape)} must match key "
+            f"{_OP_NAME}: value (B, Hkv, Lk, Dv) = {tuple(value.shape)} must match key "
             f"{tuple(key.shape)} in heads and sequence length"
         )
     if key.shape[-1] != query.shape[-1]:
         raise ValueError(
-            f"key head_dim {key.shape[-1]} must equal query head_dim {query.shape[-1]}"
+            f"{_OP_NAME}: key head_dim {key.shape[-1]} must equal query head_dim {query.shape[-1]}"
         )
     for name, d in (("query/key head_dim", query.shape[-1]), ("value head_dim", value.shape[-1])):
         if not 1 <= d <= MAX_HEAD_DIM:
-            raise ValueError(f"{name} must be in [1, {MAX_HEAD_DIM}], got {d}")
+            raise ValueError(f"{_OP_NAME}: {name} must be in [1, {MAX_HEAD_DIM}], got {d}")
     _check_heads(query.shape[1], key.shape[1], enable_gqa)
 
 
 def _check_heads(h: int, hkv: int, enable_gqa) -> None:
     if not isinstance(enable_gqa, bool):
-        raise TypeError(f"enable_gqa must be a bool, got {type_name(enable_gqa)}")
+        raise TypeError(f"{_OP_NAME}: enable_gqa must be a bool, got {type_name(enable_gqa)}")
     if enable_gqa:
         if hkv == 0 or h % hkv != 0:
             raise ValueError(
-                f"enable_gqa needs query heads ({h}) divisible by key/value heads ({hkv})"
+                f"{_OP_NAME}: enable_gqa needs query heads ({h}) divisible by key/value "
+                f"heads ({hkv})"
             )
     elif hkv != h:
         raise ValueError(
-            f"query has {h} heads but key/value have {hkv}; pass "
+            f"{_OP_NAME}: query has {h} heads but key/value have {hkv}; pass "
             "enable_gqa=True for grouped-query attention"
         )
 
 
 def _check_attn_mask(mask, query: Tensor, key: Tensor) -> None:
     if not isinstance(mask, Tensor):
-        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type_name(mask)}")
+        raise TypeError(
+            f"{_OP_NAME}: attn_mask must be a torch.Tensor or None, got {type_name(mask)}"
+        )
     check_dense(_OP_NAME, "attn_mask", mask)
     floats = dict.fromkeys((query.dtype, torch.float32))  # the query's dtype first, no repeat
     if mask.dtype != torch.bool and mask.dtype not in floats:
         allowed = " or ".join(str(d) for d in floats)
-        raise TypeError(f"attn_mask must be bool or float ({allowed}), got {mask.dtype}")
+        raise TypeError(
+            f"{_OP_NAME}: attn_mask must be bool or float ({allowed}), got {mask.dtype}"
+        )
     if mask.device != query.device:
-        raise ValueError(f"attn_mask is on {mask.device} but query is on {query.device}")
+        raise ValueError(
+            f"{_OP_NAME}: attn_mask is on {mask.device} but query is on {query.device}"
+        )
     target = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
     if mask.dim() > 4:
         raise ValueError(
-            f"attn_mask must have at most 4 dims, broadcastable to (batch, heads, "
+            f"{_OP_NAME}: attn_mask must have at most 4 dims, broadcastable to (batch, heads, "
             f"seq_q, seq_k) = {target}, got shape {tuple(mask.shape)}"
         )
     for dim in range(-1, -mask.dim() - 1, -1):
         if mask.shape[dim] not in (1, target[dim]):
             raise ValueError(
-                f"attn_mask of shape {tuple(mask.shape)} is not broadcastable to (batch, heads, "
-                f"seq_q, seq_k) = {target}: its {_MASK_DIMS[dim]} dim has size "
+                f"{_OP_NAME}: attn_mask of shape {tuple(mask.shape)} is not broadcastable to "
+                f"(batch, heads, seq_q, seq_k) = {target}: its {_MASK_DIMS[dim]} dim has size "
                 f"{mask.shape[dim]}, expected 1 or {target[dim]}"
             )
 
 
 def _check_key_padding_mask(kpm, query: Tensor, key: Tensor) -> None:
     if not isinstance(kpm, Tensor):
-        raise TypeError(f"key_padding_mask must be a torch.Tensor or None, got {type_name(kpm)}")
+        raise TypeError(
+            f"{_OP_NAME}: key_padding_mask must be a torch.Tensor or None, got {type_name(kpm)}"
+        )
     check_dense(_OP_NAME, "key_padding_mask", kpm)
     if kpm.dtype != torch.bool:
-        raise TypeError(f"key_padding_mask must be bool (True = padding), got {kpm.dtype}")
+        raise TypeError(
+            f"{_OP_NAME}: key_padding_mask must be bool (True = padding), got {kpm.dtype}"
+        )
     expected = (query.shape[0], key.shape[2])
     if tuple(kpm.shape) != expected:
         raise ValueError(
-            f"key_padding_mask must have shape (batch, seq_k) = {expected}, got {tuple(kpm.shape)}"
+            f"{_OP_NAME}: key_padding_mask must have shape (batch, seq_k) = {expected}, got "
+            f"{tuple(kpm.shape)}"
         )
     if kpm.device != query.device:
-        raise ValueError(f"key_padding_mask is on {kpm.device} but query is on {query.device}")
+        raise ValueError(
+            f"{_OP_NAME}: key_padding_mask is on {kpm.device} but query is on {query.device}"
+        )
 
 
 def _check_dropout_p(fn: str, dropout_p) -> None:
