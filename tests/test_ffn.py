@@ -304,6 +304,16 @@ def _bad_cases():
         ("x_int", dict(x=torch.ones(3, 8, dtype=torch.int64)), TypeError, r"floating dtype"),
         ("b1_type", dict(b1=[0.0] * 6), TypeError, r"b1 must be a Tensor or None, got list"),
         ("x_type", dict(x=[[0.0] * 8] * 3), TypeError, r"x must be a Tensor, got list"),
+        # b2 and w2 go through the checks of w1 and b1: dtype, device, None, rank
+        ("b2_dtype", dict(b2=b2.double()), TypeError, r"b2 has dtype torch.float64 but x"),
+        ("b2_device", dict(b2=b2.to("meta")), ValueError, r"b2 is on meta but x is on cpu"),
+        ("w2_none", dict(w2=None), TypeError, r"w2 must be a Tensor, got NoneType$"),
+        (
+            "w2_rank",
+            dict(w2=torch.randn(8, 1, 6)),
+            ValueError,
+            r"w2 must have shape \(d_out, d_ff=6\)",
+        ),
         # sparse and nested tensors failed inside torch without naming the argument
         ("x_sparse", dict(x=x.to_sparse()), ValueError, r"x must be a dense .*sparse_coo"),
         ("w1_sparse", dict(w1=w1.to_sparse()), ValueError, r"w1 must be a dense"),
@@ -325,8 +335,13 @@ def test_bad_inputs_raise_before_any_work(change, error, match, monkeypatch):
 
     monkeypatch.setattr(ffn_mod, "_ffn_op", must_not_run)
     args = {**OK_ARGS, **change}
-    with pytest.raises(error, match=match):
+    with pytest.raises(error, match=f"^ffn: .*{match}"):
         ffn(**args)
+
+
+def test_drawn_keep_mask_op_names_itself_for_a_negative_d_ff():
+    with pytest.raises(ValueError, match="^ffn_drawn_keep_mask: d_ff must be >= 0, got -1$"):
+        torch.ops.fastformer.ffn_drawn_keep_mask(torch.zeros(3, 8), -1, 0.1)
 
 
 _KEEP_MASK_BAD = [  # (seed, tokens, d_ff, dropout_p), error, message after "ffn_keep_mask: "

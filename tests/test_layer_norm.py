@@ -9,6 +9,7 @@ keep-mask regenerated from the seed the op drew (`torch.manual_seed` predicts it
 import itertools
 import math
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -509,6 +510,31 @@ def _bad_cases():
         # past float's range: float() raised OverflowError; 0.0 as a float: the kernel refused it
         "eps huge int": (lambda: ln.layer_norm(x, 8, eps=10**400), ValueError, "eps must be"),
         "eps tiny": (lambda: ln.rms_norm(x, 8, eps=np.longdouble("1e-4000")), ValueError, "> 0"),
+        # the float fast path of the eps check refuses inf as the general path does
+        "eps inf": (
+            lambda: ln.layer_norm(x, 8, eps=math.inf),
+            ValueError,
+            "^layer_norm: eps must be a finite number > 0, got inf$",
+        ),
+        # True is a numbers.Real and a numbers.Integral: it would pass as 1.0 or as a size of 1
+        "eps bool": (
+            lambda: ln.layer_norm(x, 8, eps=True),
+            TypeError,
+            "eps must be a float, got bool$",
+        ),
+        **{
+            f"shape {shape!r}": (
+                lambda shape=shape: ln.layer_norm(x[:, :1], shape),
+                TypeError,
+                "^layer_norm: normalized_shape must be an int or a sequence of ints",
+            )
+            for shape in (True, (True,))
+        },
+        "rms weight shape": (
+            lambda: ln.rms_norm(x, 8, torch.randn(7)),
+            ValueError,
+            r"^rms_norm: weight must have shape \(8,\), got \(7,\)$",
+        ),
         "input sparse": (
             lambda: ln.layer_norm(x.to_sparse(), 8),
             ValueError,
@@ -656,6 +682,20 @@ def test_compiled_op_rejects_bad_direct_calls():
 
 
 # --------------------------------------------------------------------------- backends
+
+
+def test_cpp_backend_leaves_float64_on_cuda_to_torch(monkeypatch):
+    # The CUDA kernels take no float64; a stand-in tensor says what a CUDA one would.
+    monkeypatch.setattr(ln, "_EXTENSION_ERROR", None)
+    monkeypatch.setattr(ln, "_CUDA_KERNELS", True)
+
+    def on_cuda(dtype):
+        return SimpleNamespace(device=torch.device("cuda", 0), dtype=dtype)
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        assert ln._cpp_reasons(on_cuda(dtype)) == []
+    [why] = ln._cpp_reasons(on_cuda(torch.float64))
+    assert "CUDA kernels" in why and "got torch.float64" in why
 
 
 def test_backend_reasons():
