@@ -504,3 +504,106 @@ def test_keep_mask_keeps_a_uniform_equal_to_p():
     i = int(torch.argmax(torch.where(u < 0.99, u, torch.zeros_like(u))))
     keep = rng.dropout_keep(1234, offsets, float(u[i]))
     assert bool(keep[i]) and torch.equal(keep, u >= u[i])
+
+
+# --------------------------------------------------------------------------- independent checks
+
+
+def _philox_random123(ctr: list[int], key: list[int]) -> list[int]:
+    """Philox4x32-10 on Python ints as Random123's philox.h writes it (round, then key bump),
+    with all four counter words: an implementation apart from fastformer's tensor one."""
+    mask = 0xFFFFFFFF
+    for i in range(10):
+        if i:
+            key = [(key[0] + 0x9E3779B9) & mask, (key[1] + 0xBB67AE85) & mask]
+        p0, p1 = 0xD2511F53 * ctr[0], 0xCD9E8D57 * ctr[2]
+        ctr = [(p1 >> 32) ^ ctr[1] ^ key[0], p1 & mask, (p0 >> 32) ^ ctr[3] ^ key[1], p0 & mask]
+    return ctr
+
+
+def test_philox_matches_random123_for_seeds_past_2_63():
+    # Random123's known-answer vectors (kat_vectors: counter, key, output) vouch for the
+    # implementation above; fastformer's then matches it for keys whose high word has its top
+    # bit set (seeds >= 2**63, which the Triton and C++ comparisons, int64 seeds, never reach).
+    kat = [
+        ([0] * 4, [0, 0], [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]),
+        ([0xFFFFFFFF] * 4, [0xFFFFFFFF] * 2, [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]),
+        (
+            [0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344],
+            [0xA4093822, 0x299F31D0],
+            [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1],
+        ),
+    ]
+    for ctr, key, expected in kat:
+        assert _philox_random123(ctr, key) == expected
+    offsets = [0, 1, 2**32 - 1, 2**32, 2**63 - 1, -1, 123456789012345]
+    for seed in (2**63, 2**63 + 2**32 + 5, 2**64 - 1, 0xA4093822_299F31D0 | 2**63):
+        words = rng.philox4x32(seed, torch.tensor(offsets))
+        for j, offset in enumerate(offsets):
+            counter = [offset & 0xFFFFFFFF, (offset >> 32) & 0xFFFFFFFF, 0, 0]
+            expected = _philox_random123(counter, [seed & 0xFFFFFFFF, seed >> 32])
+            assert [int(w[j]) for w in words] == expected, (seed, offset)
+
+
+def test_draw_seed_uses_all_63_bits():
+    torch.manual_seed(0)
+    seeds = [rng.draw_seed("cpu") for _ in range(64)]
+    union = 0
+    for s in seeds:
+        assert 0 <= s < 2**63
+        union |= s
+    # 64 uniform draws leave a given bit unset with probability 2**-64
+    assert union == 2**63 - 1
+
+
+def test_seed_mixer_is_splitmix64():
+    # splitmix64's outputs from the state 1234567 (Rosetta Code, "Pseudo-random numbers/
+    # Splitmix64"): _mix64 is its step from the state before the increment.
+    expected = [
+        6457827717110365317,
+        3203168211198807973,
+        9817491932198370423,
+        4593380528125082431,
+        16408922859458223821,
+    ]
+    state = 1234567
+    for value in expected:
+        assert rng._mix64(state) == value
+        state = (state + 0x9E3779B97F4A7C15) % 2**64
+
+
+def test_cuda_seed_draw_spans_63_bits_and_mixes_seed_and_offset(monkeypatch):
+    # No GPU: a stand-in for fastformer._C's advance gives torch's (seed, offset) pairs.
+    pairs = iter([(base, offset) for base in (0, 1, 2**63 + 9) for offset in range(0, 96, 4)])
+    monkeypatch.setattr(rng, "_compiled_philox_advance", lambda: lambda index, n: next(pairs))
+    monkeypatch.setattr(rng, "capturing", lambda device: False)
+    seeds = [rng.draw_seed(torch.device("cuda", 0)) for _ in range(72)]
+    assert len(set(seeds)) == 72  # another base or another offset: another seed
+    union = 0
+    for s in seeds:
+        assert 0 <= s < 2**63
+        union |= s
+    assert union == 2**63 - 1
+
+
+def test_cuda_seed_draw_without_the_extension_moves_torch_s_offset_on_by_4(monkeypatch):
+    # Without fastformer._C's CUDA kernels the draw reads torch's generator and sets its
+    # offset itself; a stand-in generator, as no GPU is here.
+    class Generator:
+        offset = 40
+
+        def initial_seed(self):
+            return 77
+
+        def get_offset(self):
+            return self.offset
+
+        def set_offset(self, offset):
+            self.offset = offset
+
+    gens = [Generator(), Generator()]
+    monkeypatch.setattr(rng, "_compiled_philox_advance", lambda: None)
+    monkeypatch.setattr(torch.cuda, "default_generators", gens)
+    assert rng._cuda_philox_advance(1) == (77, 40)
+    assert rng._cuda_philox_advance(1) == (77, 44)
+    assert gens[1].offset == 48 and gens[0].offset == 40
