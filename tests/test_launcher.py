@@ -217,3 +217,54 @@ def test_direct_launches_give_the_bits_of_tritons_own_on_a_gpu(monkeypatch):
     assert asked == []
     for a, b in zip(plain, direct):
         assert torch.equal(a, b)
+
+
+def test_launch_keys_split_where_triton_specializes(monkeypatch):
+    # Triton types an int argument by its range (i32, i64, u64: `mangle_type`) and a scalar by
+    # its Python type (1, 1.0 and True are three kernels); a launch key must split wherever it
+    # does, or a memoized launch would hand one type's kernel the other's argument.
+    from types import SimpleNamespace
+
+    jit = pytest.importorskip("triton.runtime.jit")
+    mangle = getattr(jit, "mangle_type", None)
+    if mangle is None:
+        pytest.skip("this Triton has no triton.runtime.jit.mangle_type")
+    from fastformer.kernels import launcher
+
+    ints = [-(2**63), -(2**31) - 1, -(2**31), 0, 5, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64 - 1]
+    for a in ints:
+        for b in ints:
+            if mangle(a) != mangle(b):
+                assert launcher._int_class(a) != launcher._int_class(b), (a, b)
+    device = SimpleNamespace(get_current_device=lambda: 0)
+    monkeypatch.setattr(launcher, "driver", SimpleNamespace(active=device))
+    # (pointer, specialized scalar, do_not_specialize scalar)
+    sig = launcher._Signature(arity=3, pointers=1, classes=(1,))
+    x, kernel = torch.zeros(4), object()  # of the kernel, only its id is read
+
+    def key(*scalars):
+        return launcher._launch_key(kernel, sig, (x, *scalars), "k")
+
+    values = [1, 1.0, True]
+    assert len({mangle(v) for v in values}) == 3
+    assert len({key(v, 7) for v in values}) == 3
+    assert len({key(7, v) for v in values}) == 3
+    assert key(7, 5) == key(7, 6)  # one kernel for every i32 seed
+    assert len({key(7, v) for v in ints}) == len({mangle(v) for v in ints})
+
+
+def test_a_kernel_with_a_pre_run_hook_takes_triton_s_path(monkeypatch):
+    # A pre-run hook (Triton's autotuner's reset of outputs, a user's) runs in Triton's run(),
+    # which a direct launch skips.
+    from triton.runtime.jit import JITFunction
+
+    from fastformer.kernels import launcher
+
+    def kernel(x):  # never compiled: only its hooks are read
+        pass
+
+    fn = JITFunction(kernel)
+    monkeypatch.setattr(launcher, "ENABLED", True)
+    assert launcher._direct_ok(fn)
+    fn.add_pre_run_hook(lambda *args, **kwargs: None)
+    assert not launcher._direct_ok(fn)
