@@ -217,6 +217,28 @@ def test_vmap_randomness_modes_with_dropout(op):
         torch.func.vmap(torch.func.grad(loss), randomness="different")(*batch)
 
 
+@pytest.mark.parametrize("randomness", ["same", "error"])
+def test_compiled_dropout_refusal_finds_a_vmap_under_another_transform(randomness):
+    # vmap(grad(f)): inside f the innermost level is grad's, the vmap one below it; the check
+    # that refuses what a traced call cannot honour must look under grad's level.
+    from fastformer.ops import _autograd
+
+    levels = []
+
+    def f(x):
+        levels.append(_autograd._vmap_randomness())
+        _autograd.refuse_compiled_vmap_dropout("op")
+        return x.sum()
+
+    match = "randomness error mode" if randomness == "error" else "randomness='same'"
+    with pytest.raises(RuntimeError, match=match):
+        torch.func.vmap(torch.func.grad(f), randomness=randomness)(torch.ones(3, 2))
+    assert levels == [(randomness,)]
+    levels.clear()
+    torch.func.vmap(torch.func.grad(f), randomness="different")(torch.ones(3, 2))
+    assert levels == [("different",)]
+
+
 @pytest.mark.parametrize("backend", ["torch", "default"])
 @pytest.mark.parametrize("case", ["mask", "dropout", "lse"])
 def test_attention_gradients_batched_over_cotangents(monkeypatch, case, backend):
