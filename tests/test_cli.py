@@ -672,11 +672,15 @@ def test_bench_model_stage_compares_eager_and_fastformer(bench_run):
 
 
 @pytest.mark.skipif(not _swap_available(), reason="fastformer.swap is not available yet")
-def test_model_parity_in_float16_bounds_by_the_reference_and_torch_nn():
+def test_model_parity_in_float16_bounds_by_the_reference_and_torch_nn(monkeypatch):
     # `bench --dtype float16 --model tiny` failed its model parity (linear1 gradients 2.4x the
     # bound) as torch.nn's own modules do: a ReLU input within rounding of 0 flipped sign where
     # the upstream gradient is large, while the reference alone, which set the bound, flipped
     # only where it is ~0. The bound now takes the larger error of the two eager models.
+    # Attention as the bench runs it on a CPU (no interpreter): through the interpreter, one
+    # such input (3.5e-4 in float64, |h| ~0.54 typically) took the other sign in the fastformer
+    # model alone on one CI VM (a draw; benchmarks/NOTES.md).
+    monkeypatch.setenv("FASTFORMER_BACKEND_ATTENTION", "torch")
     from fastformer.cli.cases import MODELS
 
     case = MODELS["tiny"]
@@ -688,6 +692,27 @@ def test_model_parity_in_float16_bounds_by_the_reference_and_torch_nn():
         fast.transformer.encoder.layers[0].linear1.weight.mul_(1.01)
     result = B.model_parity(eager, fast, src, tgt)
     assert not result["passed"] and "linear1" in " ".join(result["failed"]), result["failed"]
+
+
+def test_model_parity_bound_is_twice_the_larger_error_of_reference_and_twin(monkeypatch):
+    # The float16 test above depends on where rounding flips a ReLU, which varies with the
+    # machine; this one pins the rule itself: every gradient of the torch.nn twin off by 1e-3
+    # allows the fastformer model up to 2e-3 (plus the floor), whatever the reference's error.
+    eager, src, tgt = _small_model(layers=1)
+    fast, twin = copy.deepcopy(eager), copy.deepcopy(eager)
+    monkeypatch.setattr(B, "torch_nn_twin", lambda model: twin)
+    real = B._loss_and_grads
+    offset = {id(twin): 1e-3, id(fast): 1.9e-3}
+
+    def loss_and_grads(model, src, tgt):
+        loss, grads = real(model, src, tgt)
+        return loss, {n: g + offset.get(id(model), 0.0) for n, g in grads.items()}
+
+    monkeypatch.setattr(B, "_loss_and_grads", loss_and_grads)
+    assert B.model_parity(eager, fast, src, tgt)["passed"]
+    offset[id(fast)] = 2.1e-3
+    result = B.model_parity(eager, fast, src, tgt)
+    assert not result["passed"] and result["loss"]["passed"]
 
 
 def test_attention_backward_rows_are_fwd_bwd_less_fwd():
@@ -775,7 +800,6 @@ def test_model_variants_compile_layers_by_default_and_whole_models_and_graphs_wi
     ]
 
 
-@pytest.mark.filterwarnings("ignore:.*nested:UserWarning")  # torch.nn's own
 def _small_model(layers: int = 2, dropout: float = 0.0):
     """A small float32 CPU model of the bench and one synthetic batch: (model, src, tgt)."""
     case = ModelCase("t", 16, 2, layers, layers, 32, 0.0, 50, batch=3, max_len=7)
@@ -784,6 +808,7 @@ def _small_model(layers: int = 2, dropout: float = 0.0):
     return model, *B.synthetic_batch(case, device)
 
 
+@pytest.mark.filterwarnings("ignore:.*nested:UserWarning")  # torch.nn's own
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_torch_nn_twin_is_the_eager_model_on_torch_nn(norm_first):
     """The torch.nn variant runs torch.nn.Transformer with the eager model's weights: the same
