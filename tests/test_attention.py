@@ -1063,6 +1063,22 @@ def test_float32_output_kept_for_a_float32_mask(mask_dtype, grad):
         assert (out32 - out.detach().float()).abs().max() > 0  # not an upcast of out
 
 
+@pytest.mark.parametrize("dtype", [F16, BF16, F32])
+@pytest.mark.parametrize("mask_dtype", ["own", F32])
+@pytest.mark.parametrize("needs_grad", [True, False])
+def test_raw_op_has_a_float32_output_for_16_bit_inputs_with_a_float32_mask(
+    dtype, mask_dtype, needs_grad
+):
+    # The op's out32 output is (B, H, Lq, Dv) float32 exactly then, from either backend (the
+    # fake says so to torch.compile); else empty.
+    q, k = _randn((1, 2, 9, 16), dtype), _randn((1, 2, 12, 16), dtype)
+    v = _randn((1, 2, 12, 8), dtype)
+    mask = _randn((9, 12), dtype if mask_dtype == "own" else mask_dtype)
+    out32 = torch.ops.fastformer.attention(q, k, v, mask, None, 0.0, False, None, needs_grad)[4]
+    kept = needs_grad and dtype != F32 and mask.dtype == F32
+    assert out32.dtype == F32 and out32.shape == ((1, 2, 9, 8) if kept else (0,))
+
+
 def test_saved_tensors_are_linear_in_sequence_length():
     b, h, l, d = 2, 2, 128, 16
     q, k, v = _qkv(Case(b=b, h=h, lq=l, lk=l, d=d))
@@ -1185,6 +1201,88 @@ def test_raw_backward_refuses_one_meta_argument(name):
                                                 args["seed"], 0.0, False, 0.25, False)  # fmt: skip
 
 
+@pytest.mark.parametrize("name", ["grad_out", "out", "lse"])
+def test_raw_backward_refuses_one_cpu_argument_of_a_meta_call(name):
+    # The other way round: only the seed may stay on the CPU (`rng.call_seed` draws it there
+    # for a CPU generator) while the query is elsewhere.
+    q = torch.empty(1, 2, 5, 8, device="meta")
+    out, lse, seed, stat, out32 = torch.ops.fastformer.attention(
+        q, q, q, None, None, 0.0, False, 0.25
+    )
+    args = dict(
+        grad_out=torch.empty_like(out), out=out, lse=lse, seed=torch.zeros((), dtype=torch.int64)
+    )
+
+    def backward():
+        return torch.ops.fastformer.attention_backward(
+            args["grad_out"], None, q, q, q, args["out"], args["lse"], stat, out32, None, None,
+            args["seed"], 0.0, False, 0.25, False,
+        )  # fmt: skip
+
+    assert backward()[0].device.type == "meta"  # a CPU seed is taken
+    args[name] = torch.empty_like(args[name], device="cpu")
+    with pytest.raises(ValueError, match=f"attention_backward: {name} is on cpu, query on meta"):
+        backward()
+
+
+@pytest.mark.parametrize("mask", [None, "bool"])
+def test_raw_backward_wants_a_float_mask_for_its_gradient(mask):
+    q = _randn((1, 2, 5, 8))
+    mask = None if mask is None else torch.ones(5, 5, dtype=torch.bool, device=DEVICE)
+    op, backward = torch.ops.fastformer.attention, torch.ops.fastformer.attention_backward
+    out, lse, seed, stat, out32 = op(q, q, q, mask, None, 0.0, False, 0.25)
+    with pytest.raises(ValueError, match="attention_backward: mask_grad needs a float attn_mask"):
+        backward(torch.ones_like(out), None, q, q, q, out, lse, stat, out32, mask, None, seed,
+                 0.0, False, 0.25, True)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["default", "torch"])
+def test_raw_forward_outputs_are_defined_without_keys(monkeypatch, backend):
+    # Lk = 0: no kernel runs. Every output is still written (torch.empty is NaN-filled in
+    # deterministic mode, which shows a buffer nobody wrote).
+    _use_backend(monkeypatch, backend)
+    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
+    q, kv = _randn((1, 2, 5, 8)), _randn((1, 2, 0, 8))
+    mask = _randn((5, 0))
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        outputs = torch.ops.fastformer.attention(q, kv, kv, mask, None, 0.0, False, 0.25)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    out, lse, seed, stat, out32 = outputs
+    assert stat.shape == (1, 2, 5, 2)
+    assert not any(bool(t.isnan().any()) for t in (out, stat)), outputs
+    assert bool((out == 0).all()) and bool(torch.isneginf(lse).all())
+
+
+@pytest.mark.parametrize(
+    ("dtype", "lse", "flash"), [(F32, 31.0, True), (F32, 33.0, False), (F16, 33.0, True)]
+)
+def test_torch_backend_backward_takes_cpu_flash_while_the_lse_keeps_its_sum(
+    monkeypatch, dtype, lse, flash
+):
+    # `_lse_keeps_its_sum`: past |lse| 32 a float32 lse has rounded away too much of the log of
+    # the sum for torch's CPU flash backward (float32 missed the parity bound from ~100);
+    # 16-bit inputs' own rounding hides it, and they keep the flash backward.
+    if DEVICE != "cpu" or attn._CPU_FLASH is None:
+        pytest.skip("torch's CPU flash kernels")
+    calls, flash_backward = [], attn._CPU_FLASH_BWD
+    monkeypatch.setattr(
+        attn, "_CPU_FLASH_BWD", lambda *a, **kw: calls.append(1) or flash_backward(*a, **kw)
+    )
+    _use_backend(monkeypatch, "torch")
+    lk, d = 4, 16
+    # Every score equal, lse - log(lk) at scale 1: the rows' lse is `lse`.
+    q = torch.ones(1, 1, 3, d, dtype=dtype, requires_grad=True)
+    k = torch.full((1, 1, lk, d), (lse - math.log(lk)) / d, dtype=dtype)
+    v = _randn((1, 1, lk, d), dtype=dtype)
+    out, got = attn.scaled_dot_product_attention_with_lse(q, k, v, scale=1.0)
+    assert abs(got.max().item() - lse) < 0.1, got
+    out.sum().backward()
+    assert bool(calls) == flash
+
+
 def test_torch_compile_fullgraph_matches_eager():
     c = Case(lq=33, lk=47, d=16, mask="float", kpm="random")
     kpm = _key_padding(c)
@@ -1259,6 +1357,43 @@ def test_backend_reasons():
     assert attn._grid_reasons(65535, 32768) == [] and attn._grid_reasons(2048, 32) == []
     assert attn._grid_reasons(1, attn._kernels().MAX_GRID_YZ + 1)  # heads: a grid dim of their own
     assert isinstance(dict(_dispatch.explain(attn.OP, None))["triton"], list)
+
+
+def _triton_refuses(query, **inputs) -> str:
+    return "; ".join(
+        dict(_dispatch.explain(attn.OP, attn.AttentionInputs(query, **inputs)))["triton"]
+    )
+
+
+def test_shape_limits_of_the_triton_kernel_fall_exactly_on_their_bounds():
+    # Each limit is met at its last allowed value and passed one step later (the int32 ones at
+    # 2**31 elements or a 2**31 offset). Stride-0 queries and meta tensors: no memory.
+    limit, rows = attn._kernels().INT32_LIMIT, attn._kernels().DQ_MAX_BLOCK_M
+
+    def query(lq, d):
+        return torch.zeros(1, 1, 1, d, device=DEVICE).expand(1, 1, lq, d)
+
+    def meta(*shape, stride=None, dtype=torch.float32):
+        stride = stride or torch.empty(shape, device="meta").stride()
+        return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+
+    q = query(8, 16)
+    for d, refused in ((attn.MAX_HEAD_DIM, False), (attn.MAX_HEAD_DIM + 1, True)):
+        wide = meta(1, 1, 8, d)
+        assert ("query head dim" in _triton_refuses(query(8, d), key=wide, value=wide)) == refused
+        assert ("value head dim" in _triton_refuses(q, key=q, value=wide)) == refused
+        assert ("value head dim" in _triton_refuses(q, value_head_dim=d)) == refused
+    for lq, refused in ((2**23 - 1, False), (2**23, True)):  # Lq x Dv of the output
+        assert (
+            "slice of the output" in _triton_refuses(query(lq, 16), value_head_dim=256)
+        ) == refused
+    for row_stride, refused in ((limit - 8, False), (limit - 7, True)):  # last offset 2**31 - 1
+        mask = meta(2, 8, stride=(row_stride, 1), dtype=torch.bool)
+        assert ("attn_mask spans" in _triton_refuses(q, key=q, value=q, attn_mask=mask)) == refused
+    for lk, refused in ((limit // rows, False), (limit // rows + 1, True)):  # dq's mask rows
+        k = meta(1, 1, lk, 16)
+        why = _triton_refuses(q, key=k, value=k, attn_mask=meta(lk))
+        assert ("gradient over" in why) == refused
 
 
 def test_backend_choice_follows_every_call_s_inputs():
@@ -1376,6 +1511,27 @@ def test_interpreter_refuses_triton36_with_numpy24(
     assert (
         any("numpy<2.4" in r for r in dict(_dispatch.explain(attn.OP, None))["triton"]) == refused
     )
+
+
+@pytest.mark.parametrize(
+    ("interpreted", "capability", "reason"),
+    [
+        (False, (7, 5), "compute capability >= 8.0"),
+        (False, (8, 0), None),
+        (False, (9, 0), None),
+        (True, (9, 0), "interpreter runs CPU tensors only"),
+    ],
+)
+def test_triton_reasons_for_cuda_tensors(monkeypatch, interpreted, capability, reason):
+    # Fake CUDA tensors carry a device and a dtype without a GPU: the choice reads nothing else.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(1, 2, 8, 16, device="cuda", dtype=torch.float16)
+    monkeypatch.setattr(attn._kernels(), "INTERPRETED", interpreted)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    why = dict(_dispatch.explain(attn.OP, attn.AttentionInputs(q, key=q, value=q)))["triton"]
+    assert len(why) == (reason is not None) and all(reason in r for r in why), why
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
