@@ -1624,11 +1624,16 @@ def _seed_of_call(manual_seed: int) -> int:
 
 
 @pytest.mark.parametrize(
-    ("dropout_p", "mask", "flash"),
-    [(0.0, "float", True), (0.0, "", True), (0.2, "", False)],
-)
-def test_torch_backend_uses_cpu_flash_kernels_without_dropout(monkeypatch, dropout_p, mask, flash):
-    # The parity tests above hold whichever path runs; this pins which one does.
+    ("dropout_p", "mask", "dtype", "flash"),
+    [(0.0, "float", F32, True), (0.0, "float", BF16, True), (0.0, "float", F16, True),
+     (0.0, "", F32, True), (0.2, "", F32, False)],
+)  # fmt: skip
+def test_torch_backend_uses_cpu_flash_kernels_without_dropout(
+    monkeypatch, dropout_p, mask, dtype, flash
+):
+    # The parity tests above hold whichever path runs; this pins which one does. A float32
+    # mask of 16-bit inputs too: the kernels keep its bits (test_float32_mask_of_16_bit_query_
+    # keeps_its_bits), and took 3-8x less time than the reference there (NOTES.md).
     if DEVICE != "cpu" or attn._CPU_FLASH is None:
         pytest.skip("torch's CPU flash kernels")
     calls = []
@@ -1639,8 +1644,8 @@ def test_torch_backend_uses_cpu_flash_kernels_without_dropout(monkeypatch, dropo
     monkeypatch.setattr(attn, "_CPU_FLASH", counting(attn._CPU_FLASH))
     monkeypatch.setattr(attn, "_CPU_FLASH_BWD", counting(attn._CPU_FLASH_BWD))
     _use_backend(monkeypatch, "torch")
-    c = Case(lq=9, lk=12, d=16, causal=True, mask=mask, kpm="random", grad=False)
-    q, k, v = (t.requires_grad_() for t in _qkv(c))
+    c = Case(lq=9, lk=12, d=16, causal=True, mask=mask, mask_dtype=F32, kpm="random", grad=False)
+    q, k, v = (t.to(dtype).requires_grad_() for t in _qkv(c))
     out = attn.scaled_dot_product_attention(
         q, k, v, _attn_mask(c), dropout_p, True, key_padding_mask=_key_padding(c)
     )
@@ -1650,8 +1655,8 @@ def test_torch_backend_uses_cpu_flash_kernels_without_dropout(monkeypatch, dropo
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_float32_mask_of_16_bit_query_keeps_its_bits(monkeypatch, dtype):
-    # The CPU flash kernels take the mask in q's dtype: 3001.5 rounded to 3000 or 3008 there.
-    # Kernels and reference add the float32 mask to float32 scores.
+    # Kernels and reference add the float32 mask to float32 scores; so do torch's CPU flash
+    # kernels, given it (cast to q's dtype first, 3001.5 was rounded to 3000 or 3008).
     _use_backend(monkeypatch, "torch")
     q, k, v = (torch.zeros(1, 1, 1, 16, dtype=dtype), *torch.zeros(2, 1, 1, 2, 16, dtype=dtype))
     v[0, 0, 0, 0] = v[0, 0, 1, 1] = 1

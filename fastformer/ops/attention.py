@@ -638,12 +638,12 @@ _CPU_FLASH_BWD = getattr(
 )
 
 
-def _cpu_flash_ok(q: Tensor, k: Tensor, v: Tensor, attn_mask, dropout_p: float, scale) -> bool:
+def _cpu_flash_ok(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scale) -> bool:
     """Whether torch's CPU flash kernels compute this call: no dropout (fastformer's Philox mask
-    cannot be fed to them), CPU, one head dim for q/k/v, no empty dimension, no float mask
-    wider than q (they take it in q's dtype: a float32 mask of 16-bit q would lose bits the
-    kernels and the reference keep), and a scale in float32's normal range (below it they
-    return NaN for masked keys)."""
+    cannot be fed to them), CPU, one head dim for q/k/v, no empty dimension, and a scale in
+    float32's normal range (below it they return NaN for masked keys). A float32 mask of
+    16-bit q is theirs too: they add it in float32, as the Triton kernels and the reference do
+    (torch 2.11 and 2.14; it must not be cast to q's dtype first)."""
     return (
         scale >= 2.0**-126
         and _CPU_FLASH is not None
@@ -654,13 +654,12 @@ def _cpu_flash_ok(q: Tensor, k: Tensor, v: Tensor, attn_mask, dropout_p: float, 
         and q.shape[-1] == v.shape[-1]
         and q.numel() > 0
         and k.numel() > 0
-        and (attn_mask is None or attn_mask.dtype in (torch.bool, q.dtype))
     )
 
 
 def _cpu_flash_mask(q: Tensor, attn_mask, kpm) -> Tensor | None:
-    """The one additive 4-D mask (q's dtype) the CPU flash kernels take: a bool mask and key
-    padding become -inf, as in the reference; a float mask is in q's dtype (`_cpu_flash_ok`)."""
+    """The one additive 4-D mask the CPU flash kernels take: a bool mask and key padding
+    become -inf, as in the reference; a float mask keeps its dtype (q's, or float32)."""
     if attn_mask is None and kpm is None:
         return None
     keep = None if attn_mask is None or attn_mask.is_floating_point() else attn_mask
@@ -739,7 +738,7 @@ def _cpu_flash_backward(grad_out, q, k, v, out, lse, attn_mask, kpm, is_causal, 
 def _torch_forward(q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scale):
     """torch's CPU flash kernels where they apply (`_cpu_flash_ok`), else the eager reference
     with the Philox keep-mask of `seed` (materialized: fine here)."""
-    if _cpu_flash_ok(q, k, v, attn_mask, dropout_p, scale):
+    if _cpu_flash_ok(q, k, v, dropout_p, scale):
         return _cpu_flash_forward(q, k, v, attn_mask, kpm, is_causal, scale)
     return _reference_forward(q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scale)
 
@@ -805,7 +804,7 @@ def _torch_backward(
     it and only `out` has a gradient, else by `_reference_backward`; the arguments are those of
     kernels.attention.attention_backward."""
     # CPU only: .any() and amax never sync with a GPU
-    flash = _cpu_flash_ok(q, k, v, attn_mask, dropout_p, scale) and not mask_grad
+    flash = _cpu_flash_ok(q, k, v, dropout_p, scale) and not mask_grad
     flash = flash and _lse_keeps_its_sum(lse, q, attn_mask)
     if flash and (grad_lse is None or (not _batched(grad_lse) and not bool(grad_lse.any()))):
         dq, dk, dv = _cpu_flash_backward(
