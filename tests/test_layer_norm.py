@@ -608,6 +608,9 @@ def _bad_cases():
             ValueError,
             "x must have at least one dim",
         ),
+        # (the shortcut for an int normalized_shape read the last dim of a 0-dim input)
+        "0-dim input": (lambda: ln.layer_norm(torch.tensor(1.0), 1), ValueError, "trailing dims"),
+        "0-dim rms input": (lambda: ln.rms_norm(torch.tensor(1.0), [1]), ValueError, "trailing"),
     }
 
 
@@ -787,6 +790,75 @@ def test_opcheck():
     assert torch.equal(got[0], out) and torch.equal(got[1], pre)
 
 
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_opcheck_of_float64_and_float32_parameters_of_16_bit_inputs(dtype):
+    # The fakes' statistics are float64 for float64 inputs, and dweight has the weight's dtype
+    x, r = _make((5, 24), dtype), _make((5, 24), dtype, seed=3)
+    w, b = _params(24, "both")
+    w, b = (
+        t.detach().to(torch.float64 if dtype == torch.float64 else torch.float32) for t in (w, b)
+    )
+    w.requires_grad_(), b.requires_grad_()
+    op = torch.ops.fastformer.layer_norm.default
+    torch.library.opcheck(op, (x, w, b, r, 1e-5, 0.0, False, True))
+    torch.library.opcheck(op, (x, w, None, None, 1e-6, 0.0, True, False))
+    seed = torch.tensor(7)
+    xd, wd, bd, rd = (t.detach() for t in (x, w, b, r))
+    _, pre, mean, rstd = torch.ops.fastformer.layer_norm_fwd(
+        xd, wd, bd, rd, seed, 1e-5, 0.3, False, True
+    )
+    args = (torch.randn_like(xd), None, pre, wd, bd, mean, rstd, seed, 0.3, False, True)
+    torch.library.opcheck(torch.ops.fastformer.layer_norm_bwd.default, (*args, True, True, True))
+
+
+@needs_ext
+@pytest.mark.parametrize("residual", [False, True])
+def test_raw_op_with_dropout_refuses_autograd_without_store_pre(residual):
+    # Its backward regenerates the mask on pre: a forward for autograd without pre must say
+    # so, not save x in its place
+    x = _make((3, 8))
+    r = _make((3, 8), seed=2, grad=False) if residual else None
+    with pytest.raises(RuntimeError, match="backward needs pre; call with store_pre"):
+        torch.ops.fastformer.layer_norm(x, None, None, r, 1e-5, 0.3, False, False)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_outputs_have_the_input_dtype_with_float32_parameters(monkeypatch, backend, dtype):
+    # The torch backend's reference promotes to the float32 parameters' dtype
+    if backend == "cpp" and extension_error() is not None:
+        pytest.skip("fastformer._C not built")
+    monkeypatch.setenv("FASTFORMER_BACKEND_LAYER_NORM", backend)
+    x = _make((3, 8), dtype, grad=False)
+    w, b = (t.detach() for t in _params(8, "both"))
+    outs = [
+        ln.layer_norm(x, 8, w, b),
+        ln.rms_norm(x, 8, w),
+        *ln.dropout_add_layer_norm(x, x, w, b, dropout_p=0.2, prenorm=True),
+        ln.dropout_add_layer_norm(x, None, w, b),
+    ]
+    assert [t.dtype for t in outs] == [dtype] * len(outs)
+
+
+def test_backend_choice_is_remembered_per_dtype(monkeypatch):
+    # On CUDA the compiled kernels take no float64: a choice cached per device alone gave a
+    # float64 call the kernels' backend after a float32 call (fake CUDA tensors: no GPU needed).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(ln, "_EXTENSION_ERROR", None)
+    monkeypatch.setattr(ln, "_CUDA_KERNELS", True)
+    monkeypatch.setattr(_dispatch, "_CHOICES", {})
+    ran = []
+    monkeypatch.setattr(ln, "_run_cpp", lambda x, *args: ran.append(("cpp", x.dtype)))
+    monkeypatch.setattr(ln, "_run_torch", lambda x, *args: ran.append(("torch", x.dtype)))
+    with FakeTensorMode():
+        xs = [torch.empty(2, 8, device="cuda", dtype=d) for d in (torch.float32, torch.float64)]
+    for x in xs:
+        ln.layer_norm(x, 8)
+    assert ran == [("cpp", torch.float32), ("torch", torch.float64)]
+
+
 def _compiled_matches_eager(fn, inputs, seed=0):
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     results = []
@@ -812,6 +884,10 @@ def test_torch_compile_fullgraph_matches_eager():
     def fused(x, r, w, b):
         return ln.dropout_add_layer_norm(x, r, w, b, 1e-5, 0.3, True)
 
+    # pre alone is returned and differentiated: the custom op's backward must add its gradient
+    _compiled_matches_eager(
+        lambda x, w, b: ln.dropout_add_layer_norm(x, None, w, b, prenorm=True), [x, w, b]
+    )
     compiled = _compiled_matches_eager(fused, [x, res, w, b], seed=21)
     # The seed is drawn when the compiled graph runs, not baked in at trace time.
     torch.manual_seed(1)
