@@ -37,6 +37,10 @@ def _ffn(x, w1, w2):
     return ffn.ffn(x, w1, None, w2, None, "gelu", dropout_p=0.2)
 
 
+def _gated_ffn(x, w1, w2):  # linear1 twice as wide as linear2's input, and its dropout mask
+    return ffn.ffn(x, w1, None, w2, None, "swiglu", dropout_p=0.2)
+
+
 def _attention(q, k, v):
     return attention.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True)
 
@@ -47,6 +51,7 @@ OPS = {
     "rms_norm": (_rms_norm, [(6, 8), (8,)]),
     "dropout_add_layer_norm": (_dropout_add_layer_norm, [(6, 8), (8,), (6, 8)]),
     "ffn": (_ffn, [(6, 8), (16, 8), (8, 16)]),
+    "gated_ffn": (_gated_ffn, [(6, 8), (32, 8), (8, 16)]),
     "attention": (_attention, [(1, 2, 6, 4), (1, 2, 5, 4), (1, 2, 5, 4)]),
 }
 

@@ -117,10 +117,13 @@ def test_rank1_and_empty_x():
     assert torch.equal(w1.grad, torch.zeros_like(w1)) and torch.equal(b2.grad, torch.zeros(8))
 
 
+@pytest.mark.parametrize("backend", ["default", "torch"])
 @pytest.mark.parametrize("lead", [(6,), (2, 3)])
-def test_output_can_be_changed_in_place(lead):
+def test_output_can_be_changed_in_place(lead, backend, monkeypatch):
     """A residual `out += x` on the output (not a view autograd forbids to modify), with the
     gradients of the out-of-place sum."""
+    if backend == "torch":
+        monkeypatch.setenv("FASTFORMER_BACKEND_FFN", "torch")
     inputs = make_inputs(lead, 8, 12, "gelu")
     out = ffn(*inputs, "gelu")
     out += inputs[0]
@@ -342,6 +345,8 @@ def test_bad_inputs_raise_before_any_work(change, error, match, monkeypatch):
 def test_drawn_keep_mask_op_names_itself_for_a_negative_d_ff():
     with pytest.raises(ValueError, match="^ffn_drawn_keep_mask: d_ff must be >= 0, got -1$"):
         torch.ops.fastformer.ffn_drawn_keep_mask(torch.zeros(3, 8), -1, 0.1)
+    with pytest.raises(ValueError, match="^ffn_drawn_keep_mask: x must have at least 1 dim"):
+        torch.ops.fastformer.ffn_drawn_keep_mask(torch.tensor(1.0), 4, 0.1)
 
 
 _KEEP_MASK_BAD = [  # (seed, tokens, d_ff, dropout_p), error, message after "ffn_keep_mask: "
@@ -469,6 +474,9 @@ def test_opcheck():
     seed = torch.tensor(99)
     grad_out = torch.randn_like(out)
     torch.library.opcheck(torch.ops.fastformer.ffn_forward.default, (*plain, "swiglu", 0.4, 99))
+    # an epilogue asked for on CPU runs unfused there: the fake must say it saves h
+    gelu = (plain[0], plain[1][:5], plain[2][:5], plain[3], plain[4], "gelu_tanh", 0.0, 3, True)
+    torch.library.opcheck(torch.ops.fastformer.ffn_forward.default, gelu)
     # the keep-mask of compiled torch.func transforms (p = 0: every draw keeps all)
     drawn = torch.ops.fastformer.ffn_drawn_keep_mask.default
     torch.library.opcheck(drawn, (x.detach().view(-1, 2, x.shape[-1]), 7, 0.0))
@@ -538,6 +546,10 @@ def test_epilogue_env(monkeypatch):
     assert ffn_mod.epilogue_mode() == "auto"
     monkeypatch.setenv(ffn_mod.EPILOGUE_ENV, "Unfused")
     assert ffn_mod.epilogue_mode() == "unfused"
+    monkeypatch.setenv(ffn_mod.EPILOGUE_ENV, " fused\n")  # as a shell or a .env file may set it
+    assert ffn_mod.epilogue_mode() == "fused"
+    monkeypatch.setenv(ffn_mod.EPILOGUE_ENV, "")  # set but empty: the default
+    assert ffn_mod.epilogue_mode() == "auto"
     monkeypatch.setenv(ffn_mod.EPILOGUE_ENV, "yes")
     with pytest.raises(ValueError, match="FASTFORMER_FFN_EPILOGUE must be one of"):
         ffn_mod.epilogue_mode()
@@ -610,11 +622,15 @@ def test_cuda_bias_grad_deterministic_and_many_rows():
     check_parity(make_inputs((530_000,), 8, 16, "swiglu", torch.float32, "cuda"), "swiglu", 0.1)
 
 
-def test_zero_features_in_a_rank_3_input():
+@pytest.mark.parametrize("backend", ["default", "torch"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_zero_features_in_a_rank_3_input(backend, grad, monkeypatch):
     # reshape(-1, 0) cannot tell the rows of an empty last dim: the leading dims' product can.
+    if backend == "torch":
+        monkeypatch.setenv("FASTFORMER_BACKEND_FFN", "torch")
     x, w1, b1 = torch.randn(2, 3, 0), torch.randn(16, 0), torch.randn(16)
     w2, b2 = torch.randn(8, 16), torch.randn(8)
-    got = ffn(x, w1, b1, w2, b2, "gelu")
+    got = ffn(x, w1, b1.requires_grad_(grad), w2, b2, "gelu")
     torch.testing.assert_close(got, reference.ffn(x, w1, b1, w2, b2, "gelu"))
     assert got.shape == (2, 3, 8)
 
@@ -639,6 +655,117 @@ def test_raw_grad_op_refuses_a_seed_that_is_not_int64():
     with pytest.raises(ValueError, match="ffn_backward: device_seed is on meta"):
         torch.ops.fastformer.ffn_backward(torch.ones_like(out), x, w1, w2, saved, "relu", 0.1, 1,
                                           meta_seed)  # fmt: skip
+
+
+def test_raw_op_without_needs_grad_refuses_a_backward():
+    x, w1, w2 = torch.randn(4, 8, requires_grad=True), torch.randn(16, 8), torch.randn(8, 16)
+    out = torch.ops.fastformer.ffn(x, w1, None, w2, None, "gelu", 0.0, False)[0]
+    with pytest.raises(RuntimeError, match="ran with needs_grad=False, so it saved nothing"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("backend", ["default", "torch"])
+def test_gradient_of_each_input_alone(name, backend, monkeypatch):
+    # Only one input requires grad (a frozen model's bias, say): it must still get its gradient
+    if backend == "torch":
+        monkeypatch.setenv("FASTFORMER_BACKEND_FFN", "torch")
+    inputs = [t.detach() for t in make_inputs((2, 3), 8, 6, "relu")]
+    inputs[NAMES.index(name)].requires_grad_()
+    expected = inputs[NAMES.index(name)].detach().clone().requires_grad_()
+    grad_out = torch.randn(2, 3, 8)
+    out = ffn(*inputs, "relu")
+    assert "FfnFunction" in out.grad_fn.name()  # the op's one node, not the GEMMs' own
+    (got,) = torch.autograd.grad(out, inputs[NAMES.index(name)], grad_out)
+    others = [expected if i == NAMES.index(name) else t for i, t in enumerate(inputs)]
+    (want,) = torch.autograd.grad(reference.ffn(*others, "relu"), expected, grad_out)
+    torch.testing.assert_close(got, want)
+
+
+def test_cuda_path_asks_for_the_epilogue_with_its_grad_mode(monkeypatch):
+    # The eager autograd path needs the pre-activation: gelu_tanh's epilogue (which does not
+    # write it) only without gradients. Fake CUDA tensors run the op's fakes: no GPU needed.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    asked = []
+
+    def spy(activation, capability, needs_grad, mode="auto"):
+        asked.append((activation, capability, needs_grad))
+        return use_fused_epilogue(activation, capability, needs_grad, mode)
+
+    monkeypatch.setattr(ffn_mod, "use_fused_epilogue", spy)
+    monkeypatch.setattr(ffn_mod, "cuda_kernels_compiled", lambda: True)
+    monkeypatch.setattr(ffn_mod, "_CAPABILITY", {})
+    monkeypatch.setattr(_dispatch, "_CHOICES", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    with FakeTensorMode():  # made there, used outside it: not `traced`, the eager paths run
+        x = torch.empty(4, 8, device="cuda", requires_grad=True)
+        w1, w2 = torch.empty(6, 8, device="cuda"), torch.empty(8, 6, device="cuda")
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            assert ffn(x, w1, None, w2, None, "gelu_tanh").requires_grad == grad
+    assert asked == [("gelu_tanh", (8, 0), True), ("gelu_tanh", (8, 0), False)]
+
+
+def test_cpp_backend_names_a_build_without_the_ffn_kernels(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(ffn_mod, "extension_error", lambda: None)
+    monkeypatch.setattr(torch.ops, "fastformer", SimpleNamespace())
+    assert ffn_mod._cpp_reasons(None) == [
+        "fastformer._C was built without csrc/ffn; rebuild it (make build)"
+    ]
+
+
+def test_backend_choice_is_remembered_per_dtype(monkeypatch):
+    # On CUDA the compiled kernels take no float64: a choice cached per device alone gave a
+    # float64 call the kernels' backend after a float32 call (fake CUDA tensors: no GPU needed).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(ffn_mod, "cuda_kernels_compiled", lambda: True)
+    monkeypatch.setattr(_dispatch, "_CHOICES", {})
+    with FakeTensorMode():
+        xs = [torch.empty(2, 8, device="cuda", dtype=d) for d in (torch.float32, torch.float64)]
+    assert [ffn_mod._backend(x) for x in xs] == ["cpp", "torch"]
+
+
+def test_a_device_seed_goes_where_the_compiled_ops_read_it():
+    # Inside CUDA graph capture the seed is a device tensor: the ops take it as device_seed,
+    # with 0 for the host seed (which they then ignore)
+    device_seed = torch.tensor([7])
+    for op, extra in (
+        (torch.ops.fastformer.ffn_forward, (True,)),
+        (torch.ops.fastformer.ffn_backward, ()),
+    ):
+        names = [a.name for a in op.default._schema.arguments]
+        args = dict(zip(names[names.index("seed") :], ffn_mod._op_seed(device_seed, *extra)))
+        assert args["seed"] == 0 and args["device_seed"] is device_seed
+        assert dict(zip(names[names.index("seed") :], ffn_mod._op_seed(5, *extra)))["seed"] == 5
+
+
+def test_torch_backend_refuses_a_seed_drawn_inside_graph_capture(monkeypatch):
+    monkeypatch.setenv("FASTFORMER_BACKEND_FFN", "torch")
+    monkeypatch.setattr(rng, "call_seed", lambda device, p: torch.tensor([7]))
+    inputs = [t.detach() for t in make_inputs((3,), 8, 6, "gelu")]
+    with pytest.raises(RuntimeError, match="inside CUDA graph capture runs only on its compiled"):
+        ffn(*inputs, "gelu", 0.2)
+
+
+def test_compiled_inference_saves_nothing(monkeypatch):
+    needs = []
+    forward = ffn_mod._forward
+
+    def spy(*args, **kwargs):
+        needs.append(args[7])
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(ffn_mod, "_forward", spy)
+    inputs = make_inputs((3,), 8, 6, "gelu")
+    compiled = torch.compile(lambda *a: ffn(*a, "gelu"), fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        compiled(*inputs)
+    compiled(*inputs)
+    assert needs == [False, True]
 
 
 def test_raw_forward_op_refuses_integer_inputs_before_its_gemm():
