@@ -1942,6 +1942,165 @@ def test_every_op_bench_names_its_backend_and_runs_gated_ffn_cases():
     torch.testing.assert_close(outs["fastformer"], outs["reference"])
 
 
+def test_cpu_peers_compute_the_same_function():
+    """On a CPU (no GPU peers) the `torch` peers run torch's own ops: SDPA with the mask of
+    causal + key padding, F.layer_norm, the torch.nn FFN; each must give the reference's
+    output, or the CPU tables compare different functions."""
+    from fastformer.cli import impls as I
+
+    cpu = torch.device("cpu")
+    builds = [
+        I.attention_bench(
+            AttentionCase(2, 2, 24, 8, causal=True, padding=0.25), cpu, torch.float32
+        ),
+        I.attention_bench(AttentionCase(2, 2, 24, 8, causal=True), cpu, torch.float32),
+        I.attention_bench(AttentionCase(2, 2, 24, 8, padding=0.25), cpu, torch.float32),
+        I.layer_norm_bench(LayerNormCase(8, 32, fused=True), cpu, torch.float32),
+        I.ffn_bench(FfnCase(8, 16, 24), cpu, torch.float32),
+    ]
+    for bench in builds:
+        args = [a.detach() for a in bench.args]
+        want = bench.impls["reference"](*args)
+        assert "torch" in bench.impls
+        for name, fn in bench.impls.items():
+            if name != "gemm-only":
+                torch.testing.assert_close(fn(*args), want, msg=f"{bench.case.name} {name}")
+
+
+def _kept_fraction(out: torch.Tensor) -> float:
+    return float((out > 0).float().mean())
+
+
+def test_dropout_peers_drop_at_rate_p():
+    """Each peer of a dropout case drops (flex has no dropout and says so) and keeps 1 - p.
+    Attention: with v = 1 a row's output is its kept probabilities over 1 - p, 1 on average.
+    LayerNorm of residual 0 + dropout(1): kept elements normalise to > 0, dropped to < 0."""
+    from fastformer.cli import impls as I
+
+    cpu, p = torch.device("cpu"), 0.2
+    att = I.attention_bench(AttentionCase(2, 4, 64, 8, dropout_p=p), cpu, torch.float32, True)
+    assert "no attention dropout" in att.impls["flex"]
+    q, k, _ = (a.detach() for a in att.args)
+    ones = torch.ones_like(q)
+    for name in (I.FAST, "reference", "sdpa-math"):
+        out = att.impls[name](q, k, ones)
+        assert abs(float(out.mean()) - 1) < 0.05 and float(out.std()) > 0.02, name
+    ln = I.layer_norm_bench(LayerNormCase(64, 256, fused=True, dropout_p=p), cpu, torch.float32)
+    x, n = torch.ones(64, 256), (256,)
+    for name, fn in ln.impls.items():
+        kept = _kept_fraction(fn(x, torch.zeros_like(x), torch.ones(n), torch.zeros(n)))
+        assert abs(kept - (1 - p)) < 0.03, (name, kept)
+
+
+def test_attention_peers_skip_what_would_not_fit_in_memory():
+    """b1 h16 s8192: four fp32 (B, H, S, S) intermediates are 16 GiB, past a CPU's 4 GiB
+    budget: every materialising peer says so instead of running; fastformer still runs."""
+    from fastformer.cli import impls as I
+
+    bench = I.attention_bench(
+        AttentionCase(1, 16, 8192, 16), torch.device("cpu"), torch.float32, True
+    )
+    for name in I.MATERIALISING:
+        assert bench.impls[name].startswith("skipped: materialises 4.0 GiB"), name
+    assert callable(bench.impls[I.FAST]) and callable(bench.impls["sdpa-flash"])
+
+
+def test_attention_padding_masks_the_last_keys():
+    from fastformer.cli import impls as I
+
+    bench = I.attention_bench(
+        AttentionCase(1, 2, 8, 4, padding=0.25), torch.device("cpu"), torch.float32
+    )
+    q, k, v = (a.detach() for a in bench.args)
+    for name in (I.FAST, "reference", "torch"):
+        fn = bench.impls[name]
+        base = fn(q, k, v)
+        for key, padded in ((7, True), (6, True), (5, False)):
+            moved = v.clone()
+            moved[:, :, key] += 1.0
+            assert torch.equal(fn(q, k, moved), base) == padded, (name, key)
+
+
+def test_op_benches_count_bytes_in_their_dtype():
+    from fastformer.cli import impls as I
+
+    cpu, cases = (
+        torch.device("cpu"),
+        {
+            "attention": AttentionCase(1, 2, 8, 16),
+            "layer_norm": LayerNormCase(4, 8),
+            "ffn": FfnCase(4, 8, 12),
+        },
+    )
+    for op, case in cases.items():
+        full, half = (I.BUILDERS[op](case, cpu, dtype) for dtype in (torch.float32, torch.bfloat16))
+        for mode in ("fwd", "fwd+bwd"):
+            assert half.bytes(mode) * 2 == full.bytes(mode) == case.bytes(mode, 4), (op, mode)
+
+
+def test_which_backend_is_the_first_able_and_never_raises(monkeypatch):
+    from fastformer.cli import impls as I
+
+    monkeypatch.delenv("FASTFORMER_BACKEND_FAKE", raising=False)
+    first_refuses = types.SimpleNamespace(backend_reasons=lambda x: [("a", ["no"]), ("b", [])])
+    assert I.which_backend(first_refuses, "fake", 0) == "b"
+
+    def broken(x):
+        raise RuntimeError("a bug in backend_reasons")
+
+    assert I.which_backend(types.SimpleNamespace(backend_reasons=broken), "fake", 0) is None
+    assert I.which_backend(types.SimpleNamespace(), "fake", 0) is None
+    monkeypatch.setenv("FASTFORMER_BACKEND_FAKE", "b")
+    assert I.which_backend(None, "fake", 0) == "b"
+
+
+def test_compiled_peers_may_recompile_for_every_shape(monkeypatch):
+    import torch._dynamo.config as dyn
+
+    from fastformer.cli import impls as I
+
+    knobs = [k for k in ("recompile_limit", "cache_size_limit") if hasattr(dyn, k)]
+    for knob in knobs:
+        monkeypatch.setattr(dyn, knob, 8)
+    I._compiled(lambda x: x)
+    assert knobs and all(getattr(dyn, knob) >= 512 for knob in knobs)
+
+
+def test_runner_times_forward_without_grad_and_backward_with_one_cotangent():
+    from fastformer.cli import impls as I
+
+    x = torch.randn(5, requires_grad=True)
+    modes, seen = [], []
+    x.register_hook(lambda g: seen.append(g.clone()))
+
+    def fn(t):
+        modes.append(torch.is_grad_enabled())
+        return t * 2.0
+
+    I.runner(fn, (x,), "fwd")()
+    step = I.runner(fn, (x,), "fwd+bwd")
+    step(), step()
+    assert modes == [False, True, True] and x.grad is None  # nothing accumulates
+    assert len(seen) == 2 and torch.equal(seen[0], seen[1])
+    assert not torch.equal(seen[0], torch.full_like(x, 2.0))  # a random cotangent, not ones
+
+
+def test_forced_backend_restores_the_variable(monkeypatch):
+    from fastformer.cli import impls as I
+
+    var = "FASTFORMER_BACKEND_FAKE"
+    monkeypatch.delenv(var, raising=False)
+    with I.forced_backend("fake", None):
+        assert var not in os.environ
+    with I.forced_backend("fake", "torch"):
+        assert os.environ[var] == "torch"
+    assert var not in os.environ
+    monkeypatch.setenv(var, "cpp")
+    with I.forced_backend("fake", "torch"):
+        assert os.environ[var] == "torch"
+    assert os.environ[var] == "cpp"
+
+
 # --------------------------------------------------------------------------- mutation survivors
 # (check.py, timing.py, cases.py, __init__.py)
 
