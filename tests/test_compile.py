@@ -386,9 +386,13 @@ def test_explain_of_a_compiled_model_leaves_its_graph_alone():
     records = torch.compile(lambda x: len(explain(model, x, tgt).records), backend="aot_eager")
     assert records(src) > 0
     # A compiled child is named as the child, not "encoder._orig_mod.layers.0...".
-    model.encoder = torch.compile(model.encoder, backend=counting)
+    model.encoder = torch.compile(model.encoder, fullgraph=True, backend=counting)
     text = explain(model, src, tgt)
     assert "encoder.layers.0.self_attn (" in text and "_orig_mod" not in text, text
+    # and runs eagerly: the recording neither broke the child's full graph nor stayed in it
+    runs.clear()
+    model(src, tgt)
+    assert len(runs) == 1
 
 
 def test_backend_choices_are_no_guard_of_a_compiled_graph():

@@ -1016,6 +1016,38 @@ def test_explain_reports_backends_and_unswapped_modules():
     assert "mask -> applied as given" in text and "pass is_causal=True" in text, text
 
 
+def test_explain_names_the_root_reference_modules_and_a_run_without_fastformer():
+    from fastformer.nn import _record
+
+    hooks = len(_record.OWN_HOOKS)
+    text = explain(fnn.LayerNorm(E), torch.randn(B, S, E))
+    assert "\n(root) (LayerNorm)\n    layer_norm -> " in text, text
+    text = explain(reference.LayerNorm(E), torch.randn(B, S, E))
+    assert "(root) (LayerNorm)" in text and "fastformer.swap(model) replaces it" in text, text
+    text = explain(nn.Linear(E, E), torch.randn(B, S, E))
+    assert text.endswith(
+        "0 calls\n    no fastformer module ran (fastformer.swap(model) replaces torch.nn ones)"
+    )
+    norm = fnn.LayerNorm(E)
+    text = explain(nn.Sequential(norm, norm), torch.randn(B, S, E))
+    assert text.startswith("fastformer.explain(Sequential): 2 calls\n") and " (x2)" in text, text
+    assert len(_record.OWN_HOOKS) == hooks  # each explain's hook id is forgotten with it
+
+
+def test_explain_records_a_module_its_model_calls_without_owning_it():
+    # A module kept outside the model's children (in a plain list) runs in the same thread
+    class Borrows(nn.Module):
+        def __init__(self, norm):
+            super().__init__()
+            self.norms = [norm]
+
+        def forward(self, x):
+            return self.norms[0](x)
+
+    text = explain(Borrows(fnn.LayerNorm(E)), torch.randn(B, S, E))
+    assert len(text.records) == 1 and "? (LayerNorm)" in text, text
+
+
 def test_explain_records_its_model_and_not_other_threads_models():
     # The recording was a process global: calls another thread made meanwhile (another model)
     # were listed as "?" modules of the explained one. Calls of the explained model's own
