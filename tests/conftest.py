@@ -48,3 +48,20 @@ def keep_mask_never_built(monkeypatch):
         raise AssertionError("the mask was built from bad arguments")
 
     monkeypatch.setattr(rng, "dropout_keep", must_not_run)
+
+
+@pytest.fixture
+def fake_cuda():
+    """`make(*shape, dtype=float32, requires_grad=False)`: a CUDA tensor without a GPU, made
+    under a FakeTensorMode. It carries a device and a dtype (what backend choices read); used
+    outside the mode, the ops take their eager paths and their compiled kernels run as fakes."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+
+    def make(*shape: int, dtype=torch.float32, requires_grad: bool = False):
+        with mode:
+            return torch.empty(*shape, device="cuda", dtype=dtype, requires_grad=requires_grad)
+
+    return make

@@ -1522,12 +1522,9 @@ def test_interpreter_refuses_triton36_with_numpy24(
         (True, (9, 0), "interpreter runs CPU tensors only"),
     ],
 )
-def test_triton_reasons_for_cuda_tensors(monkeypatch, interpreted, capability, reason):
+def test_triton_reasons_for_cuda_tensors(monkeypatch, fake_cuda, interpreted, capability, reason):
     # Fake CUDA tensors carry a device and a dtype without a GPU: the choice reads nothing else.
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
-        q = torch.empty(1, 2, 8, 16, device="cuda", dtype=torch.float16)
+    q = fake_cuda(1, 2, 8, 16, dtype=torch.float16)
     monkeypatch.setattr(attn._kernels(), "INTERPRETED", interpreted)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     why = dict(_dispatch.explain(attn.OP, attn.AttentionInputs(q, key=q, value=q)))["triton"]

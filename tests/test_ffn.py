@@ -47,6 +47,11 @@ def names_of(inputs):
     return [n for n, t in zip(NAMES, inputs) if t is not None]
 
 
+def _use_backend(monkeypatch, backend: str) -> None:
+    if backend != "default":
+        monkeypatch.setenv("FASTFORMER_BACKEND_FFN", backend)
+
+
 def check_parity(inputs, activation, dropout_p=0.0, seed=1234):
     """ffn vs reference.ffn (fed the op's Philox mask when dropout_p > 0), outputs and grads."""
     x = inputs[0]
@@ -122,8 +127,7 @@ def test_rank1_and_empty_x():
 def test_output_can_be_changed_in_place(lead, backend, monkeypatch):
     """A residual `out += x` on the output (not a view autograd forbids to modify), with the
     gradients of the out-of-place sum."""
-    if backend == "torch":
-        monkeypatch.setenv("FASTFORMER_BACKEND_FFN", "torch")
+    _use_backend(monkeypatch, backend)
     inputs = make_inputs(lead, 8, 12, "gelu")
     out = ffn(*inputs, "gelu")
     out += inputs[0]
@@ -416,8 +420,7 @@ def test_autocast_does_not_reach_the_ops_gemms(dropout_p, backend, monkeypatch):
     # The ops compute in their inputs' dtype whether or not autocast is on, as their fakes say;
     # before, the C++ ops' own at::mm calls were autocast to bfloat16 and the float32 passes
     # after them raised, and the torch backend computed in bfloat16 and returned it.
-    if backend != "default":
-        monkeypatch.setenv("FASTFORMER_BACKEND_FFN", backend)
+    _use_backend(monkeypatch, backend)
     x, w1, b1, w2, b2 = make_inputs((5,), 8, 12, "gelu")
     results = []
     for autocast in (False, True):
@@ -626,8 +629,7 @@ def test_cuda_bias_grad_deterministic_and_many_rows():
 @pytest.mark.parametrize("grad", [False, True])
 def test_zero_features_in_a_rank_3_input(backend, grad, monkeypatch):
     # reshape(-1, 0) cannot tell the rows of an empty last dim: the leading dims' product can.
-    if backend == "torch":
-        monkeypatch.setenv("FASTFORMER_BACKEND_FFN", "torch")
+    _use_backend(monkeypatch, backend)
     x, w1, b1 = torch.randn(2, 3, 0), torch.randn(16, 0), torch.randn(16)
     w2, b2 = torch.randn(8, 16), torch.randn(8)
     got = ffn(x, w1, b1.requires_grad_(grad), w2, b2, "gelu")
@@ -668,25 +670,21 @@ def test_raw_op_without_needs_grad_refuses_a_backward():
 @pytest.mark.parametrize("backend", ["default", "torch"])
 def test_gradient_of_each_input_alone(name, backend, monkeypatch):
     # Only one input requires grad (a frozen model's bias, say): it must still get its gradient
-    if backend == "torch":
-        monkeypatch.setenv("FASTFORMER_BACKEND_FFN", "torch")
+    _use_backend(monkeypatch, backend)
+    i = NAMES.index(name)
     inputs = [t.detach() for t in make_inputs((2, 3), 8, 6, "relu")]
-    inputs[NAMES.index(name)].requires_grad_()
-    expected = inputs[NAMES.index(name)].detach().clone().requires_grad_()
+    inputs[i].requires_grad_()
     grad_out = torch.randn(2, 3, 8)
     out = ffn(*inputs, "relu")
     assert "FfnFunction" in out.grad_fn.name()  # the op's one node, not the GEMMs' own
-    (got,) = torch.autograd.grad(out, inputs[NAMES.index(name)], grad_out)
-    others = [expected if i == NAMES.index(name) else t for i, t in enumerate(inputs)]
-    (want,) = torch.autograd.grad(reference.ffn(*others, "relu"), expected, grad_out)
+    (got,) = torch.autograd.grad(out, inputs[i], grad_out)
+    (want,) = torch.autograd.grad(reference.ffn(*inputs, "relu"), inputs[i], grad_out)
     torch.testing.assert_close(got, want)
 
 
-def test_cuda_path_asks_for_the_epilogue_with_its_grad_mode(monkeypatch):
+def test_cuda_path_asks_for_the_epilogue_with_its_grad_mode(monkeypatch, fake_cuda):
     # The eager autograd path needs the pre-activation: gelu_tanh's epilogue (which does not
     # write it) only without gradients. Fake CUDA tensors run the op's fakes: no GPU needed.
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     asked = []
 
     def spy(activation, capability, needs_grad, mode="auto"):
@@ -698,9 +696,7 @@ def test_cuda_path_asks_for_the_epilogue_with_its_grad_mode(monkeypatch):
     monkeypatch.setattr(ffn_mod, "_CAPABILITY", {})
     monkeypatch.setattr(_dispatch, "_CHOICES", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
-    with FakeTensorMode():  # made there, used outside it: not `traced`, the eager paths run
-        x = torch.empty(4, 8, device="cuda", requires_grad=True)
-        w1, w2 = torch.empty(6, 8, device="cuda"), torch.empty(8, 6, device="cuda")
+    x, w1, w2 = fake_cuda(4, 8, requires_grad=True), fake_cuda(6, 8), fake_cuda(8, 6)
     for grad in (True, False):
         with torch.set_grad_enabled(grad):
             assert ffn(x, w1, None, w2, None, "gelu_tanh").requires_grad == grad
@@ -717,15 +713,12 @@ def test_cpp_backend_names_a_build_without_the_ffn_kernels(monkeypatch):
     ]
 
 
-def test_backend_choice_is_remembered_per_dtype(monkeypatch):
+def test_backend_choice_is_remembered_per_dtype(monkeypatch, fake_cuda):
     # On CUDA the compiled kernels take no float64: a choice cached per device alone gave a
     # float64 call the kernels' backend after a float32 call (fake CUDA tensors: no GPU needed).
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     monkeypatch.setattr(ffn_mod, "cuda_kernels_compiled", lambda: True)
     monkeypatch.setattr(_dispatch, "_CHOICES", {})
-    with FakeTensorMode():
-        xs = [torch.empty(2, 8, device="cuda", dtype=d) for d in (torch.float32, torch.float64)]
+    xs = [fake_cuda(2, 8, dtype=dtype) for dtype in (torch.float32, torch.float64)]
     assert [ffn_mod._backend(x) for x in xs] == ["cpp", "torch"]
 
 
@@ -738,9 +731,10 @@ def test_a_device_seed_goes_where_the_compiled_ops_read_it():
         (torch.ops.fastformer.ffn_backward, ()),
     ):
         names = [a.name for a in op.default._schema.arguments]
-        args = dict(zip(names[names.index("seed") :], ffn_mod._op_seed(device_seed, *extra)))
+        from_seed = names[names.index("seed") :]
+        args = dict(zip(from_seed, ffn_mod._op_seed(device_seed, *extra)))
         assert args["seed"] == 0 and args["device_seed"] is device_seed
-        assert dict(zip(names[names.index("seed") :], ffn_mod._op_seed(5, *extra)))["seed"] == 5
+        assert dict(zip(from_seed, ffn_mod._op_seed(5, *extra)))["seed"] == 5
 
 
 def test_torch_backend_refuses_a_seed_drawn_inside_graph_capture(monkeypatch):

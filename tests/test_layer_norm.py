@@ -841,21 +841,17 @@ def test_outputs_have_the_input_dtype_with_float32_parameters(monkeypatch, backe
     assert [t.dtype for t in outs] == [dtype] * len(outs)
 
 
-def test_backend_choice_is_remembered_per_dtype(monkeypatch):
+def test_backend_choice_is_remembered_per_dtype(monkeypatch, fake_cuda):
     # On CUDA the compiled kernels take no float64: a choice cached per device alone gave a
     # float64 call the kernels' backend after a float32 call (fake CUDA tensors: no GPU needed).
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     monkeypatch.setattr(ln, "_EXTENSION_ERROR", None)
     monkeypatch.setattr(ln, "_CUDA_KERNELS", True)
     monkeypatch.setattr(_dispatch, "_CHOICES", {})
     ran = []
     monkeypatch.setattr(ln, "_run_cpp", lambda x, *args: ran.append(("cpp", x.dtype)))
     monkeypatch.setattr(ln, "_run_torch", lambda x, *args: ran.append(("torch", x.dtype)))
-    with FakeTensorMode():
-        xs = [torch.empty(2, 8, device="cuda", dtype=d) for d in (torch.float32, torch.float64)]
-    for x in xs:
-        ln.layer_norm(x, 8)
+    for dtype in (torch.float32, torch.float64):
+        ln.layer_norm(fake_cuda(2, 8, dtype=dtype), 8)
     assert ran == [("cpp", torch.float32), ("torch", torch.float64)]
 
 
