@@ -15,6 +15,7 @@ Results go to results.json (written after every stage), report.md and PNG plots.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime as _dt
 import importlib
@@ -24,6 +25,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -231,25 +233,91 @@ def _loss_and_grads(model, src, tgt) -> tuple[torch.Tensor, dict[str, torch.Tens
     return loss.detach(), grads
 
 
+@contextlib.contextmanager
+def _ffn_records(model) -> Iterator[dict[str, dict[str, torch.Tensor]]]:
+    """While open, records for every ReLU FFN of a reference model (a layer with `_ff_block`)
+    its input `x` and pre-activation `h` as (tokens, features), and after the backward the
+    gradient `da` reaching the ReLU's output (dy @ w2: parity runs at dropout 0). Keyed by the
+    layer's name; one call of each layer."""
+    records: dict[str, dict[str, torch.Tensor]] = {}
+    layers = [
+        (name, m)
+        for name, m in model.named_modules()
+        if hasattr(m, "_ff_block") and getattr(m, "activation", None) == "relu"
+    ]
+
+    def recorded(name, layer):
+        def ff_block(x):
+            y = type(layer)._ff_block(layer, x)
+            l1, w2 = layer.linear1, layer.linear2.weight
+            with torch.no_grad():
+                h = torch.nn.functional.linear(x, l1.weight, l1.bias)
+            rec = records[name] = {"x": x.detach().flatten(0, -2), "h": h.flatten(0, -2)}
+            if y.requires_grad:
+                y.register_hook(lambda dy: rec.update(da=(dy.flatten(0, -2) @ w2).detach()))
+            return y
+
+        return ff_block
+
+    for name, layer in layers:
+        layer._ff_block = recorded(name, layer)  # the instance's, shadowing the class's
+    try:
+        yield records
+    finally:
+        for _, layer in layers:
+            del layer._ff_block
+
+
+def relu_sign_allowance(rec64: dict, rec_lp: dict) -> tuple[dict[str, torch.Tensor], int]:
+    """What ReLU inputs within rounding of 0 may move linear1's gradients by, per element, and
+    how many there are. An input is within rounding of 0 when |h| in float64 is at most twice
+    the largest error of its layer's h in the eager low-precision run (the parity rule's
+    factor). Its sign is then a draw: taking the other one moves linear1's weight row by
+    da * x of its token and the bias by da (`_ffn_records`), which one such input where da is
+    large makes larger than the whole rule allows."""
+    allowance: dict[str, torch.Tensor] = {}
+    count = 0
+    for name, r64 in rec64.items():
+        rlp = rec_lp.get(name)
+        if rlp is None or "da" not in r64:
+            continue
+        tol = 2 * float((rlp["h"].double() - r64["h"]).abs().max())
+        near = r64["h"].abs() <= tol  # False where tol is NaN: no allowance
+        count += int(near.sum())
+        flip = torch.where(near, r64["da"].abs(), 0.0)  # (tokens, d_ff)
+        allowance[f"{name}.linear1.weight"] = flip.T @ r64["x"].abs()
+        allowance[f"{name}.linear1.bias"] = flip.sum(0)
+    return allowance, count
+
+
+def _less(got: torch.Tensor, ref: torch.Tensor, allowance: torch.Tensor | None) -> torch.Tensor:
+    """`got` moved towards `ref` by at most `allowance` per element (NaN and inf stay)."""
+    if allowance is None:
+        return got
+    diff = got.double() - ref.double()
+    return ref.double() + diff.sign() * (diff.abs() - allowance.to(diff)).clamp(min=0)
+
+
 def model_parity(eager, fast, src, tgt) -> dict[str, Any]:
     """Parity rule on the loss and every parameter gradient: fastformer vs the reference in
     float64, bounded by twice the larger error of two eager runs in the benchmark dtype, the
     reference's and its torch.nn twin's (`torch_nn_twin`; the reference's alone for other
-    models). One run's error is a draw: a ReLU input within rounding of 0 takes either sign,
-    and a flip where the upstream gradient is large moves a linear1 gradient by it. In float16
-    the reference alone set bounds that 8 of 20 weight seeds of the tiny model failed, and
-    torch.nn's own modules failed on the same seeds by the same amounts (0 of 20 with ReLU's
-    signs taken from float64)."""
+    models). A ReLU input within rounding of 0 takes either sign, a draw of each run: the
+    error of linear1's gradients is measured less what such flips can move them by
+    (`relu_sign_allowance`). Without that, in float16, one flip where the upstream gradient is
+    large failed the tiny model's linear1 gradients by 2.4x (benchmarks/NOTES.md)."""
     from fastformer.testing import parity
 
-    ref64 = copy.deepcopy(eager).double()
-    loss64, grads64 = _loss_and_grads(ref64, src, tgt)
+    ref64, reference = copy.deepcopy(eager).double(), copy.deepcopy(eager)
     twin = torch_nn_twin(eager)
-    low = [copy.deepcopy(eager)] + ([] if isinstance(twin, str) else [twin])
-    runs = [_loss_and_grads(model, src, tgt) for model in low]
+    with _ffn_records(ref64) as rec64, _ffn_records(reference) as rec_lp:
+        loss64, grads64 = _loss_and_grads(ref64, src, tgt)
+        runs = [_loss_and_grads(m, src, tgt) for m in [reference, twin] if not isinstance(m, str)]
+    allowance, near_zero = relu_sign_allowance(rec64, rec_lp)
     loss_f, grads_f = _loss_and_grads(fast, src, tgt)
 
-    def checked(name: str, got: torch.Tensor, ref: torch.Tensor, lows: list) -> Any:
+    def checked(name: str, got: torch.Tensor, ref: torch.Tensor, lows: list, allow=None) -> Any:
+        got = _less(got, ref, allow)
         return max((parity(name, got, ref, lp) for lp in lows), key=lambda r: r.bound)
 
     results = [checked("loss", loss_f, loss64, [loss for loss, _ in runs])]
@@ -257,12 +325,14 @@ def model_parity(eager, fast, src, tgt) -> dict[str, Any]:
     extra = sorted(set(grads_f) - set(grads64))  # e.g. a frozen weight the swap made trainable
     for name in sorted(set(grads64) & set(grads_f)):
         lows = [grads[name] for _, grads in runs if name in grads]
-        results.append(checked(f"d{name}", grads_f[name], grads64[name], lows))
+        allow = allowance.get(name)
+        results.append(checked(f"d{name}", grads_f[name], grads64[name], lows, allow))
     worst = max(results, key=lambda r: r.error / r.bound if r.bound else math.inf)
     failed = [str(r) for r in results if not r.passed]
     return {
         "passed": not failed and not missing and not extra,
         "compared": len(results),
+        "relu_inputs_near_zero": near_zero,
         "loss": {"error": results[0].error, "bound": results[0].bound, "passed": results[0].passed},
         "worst": {"name": worst.name, "error": worst.error, "bound": worst.bound},
         "failed": failed

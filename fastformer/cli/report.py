@@ -293,6 +293,11 @@ def model_lines(model: dict[str, Any]) -> list[str]:
             f"{_sci(par['loss']['bound'])}); closest to its bound: {worst['name']} "
             f"{_sci(worst['error'])} / {_sci(worst['bound'])}.",
         ]
+        if par.get("relu_inputs_near_zero"):
+            lines[-1] += (
+                f" {par['relu_inputs_near_zero']} ReLU inputs within rounding of 0 may take "
+                "either sign (linear1's gradients are measured less what that moves them by)."
+            )
         lines += [f"- {f}" for f in par["failed"]]
     return lines
 
