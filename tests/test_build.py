@@ -70,6 +70,19 @@ def test_sources_digest_follows_every_source_file(tmp_path):
     (tmp_path / "op" / "k.cu").rename(tmp_path / "op" / "j.cu")
     assert _sources.digest(tmp_path) != first
     assert _sources.digest(tmp_path / "missing") is None
+    renamed = _sources.digest(tmp_path)
+    (tmp_path / "op" / "j.cu").rename(tmp_path / "j.cu")  # the same name in another folder
+    assert _sources.digest(tmp_path) != renamed
+    before = _sources.digest(tmp_path)
+    (tmp_path / "op" / "k.cuh").write_text("#pragma once\n")
+    assert _sources.digest(tmp_path) != before
+    before = _sources.digest(tmp_path)
+    (tmp_path / "op" / "k.cpp").write_text("void f() {}\n")
+    assert _sources.digest(tmp_path) != before
+    before = _sources.digest(tmp_path)
+    (tmp_path / "include.h").mkdir()  # a folder named like a source is not one
+    assert _sources.digest(tmp_path) == before
+    assert _sources.digest(tmp_path / "j.cu") is None  # a file is not a source folder
 
 
 def _load_warnings(monkeypatch, info: dict) -> list[str]:
@@ -95,6 +108,42 @@ def test_stale_sources_warn(monkeypatch):
     assert any("built from other sources" in m and "make install" in m for m in messages)
     current = {"torch": torch.__version__, "sources": fastformer.build_info()["sources"]}
     assert _load_warnings(monkeypatch, current) == []
+
+
+def test_sources_match_cannot_tell_without_a_record_or_sources(monkeypatch):
+    # A build older than the record of its sources, or an installed wheel without csrc/:
+    # neither "built from these sources" nor "stale", and loading it warns of nothing.
+    from fastformer import _sources
+
+    monkeypatch.setattr(_ext, "build_info", lambda: {"torch": torch.__version__})
+    assert _ext.sources_match() is None
+    monkeypatch.setattr(_ext, "build_info", lambda: {"sources": "0" * 64})
+    monkeypatch.setattr(_sources, "digest", lambda csrc: None)
+    assert _ext.sources_match() is None
+    monkeypatch.undo()
+    assert _load_warnings(monkeypatch, {"torch": torch.__version__}) == []
+
+
+def test_cuda_kernels_compiled_reads_the_record_of_a_loaded_extension(monkeypatch):
+    # A CPU-only build still records torch's CUDA version: only `cuda_compiled` says whether
+    # nvcc ran; and a record of CUDA kernels counts for nothing when the extension did not load.
+    monkeypatch.setattr(_ext, "build_info", lambda: {"cuda": "13.0", "cuda_compiled": False})
+    assert _ext.cuda_kernels_compiled() is False
+    monkeypatch.setattr(_ext, "build_info", lambda: {"cuda": "13.0", "cuda_compiled": True})
+    assert _ext.cuda_kernels_compiled() is (_ext.extension_error() is None)
+    monkeypatch.setattr(_ext, "extension_error", lambda: "fastformer._C is not built")
+    assert _ext.cuda_kernels_compiled() is False
+
+
+def test_build_info_is_none_without_a_record(monkeypatch, tmp_path):
+    monkeypatch.setattr(_ext, "__file__", str(tmp_path / "_ext.py"))
+    _ext.build_info.cache_clear()
+    try:
+        assert _ext.build_info() is None
+    finally:
+        monkeypatch.undo()
+        _ext.build_info.cache_clear()
+    assert _ext.build_info() is not None
 
 
 def test_torch_mismatch_warns(monkeypatch):
@@ -132,6 +181,31 @@ def test_resource_usage_parser_sees_stack_frames():
     usage = _cuobjdump.parse(sample)
     assert list(usage) == [("sm_80", "layer_norm_cuda.cu", "_Z3fooPf")]
     assert usage[("sm_80", "layer_norm_cuda.cu", "_Z3fooPf")]["STACK"] == 8
+
+
+def test_cuobjdump_is_found_where_the_toolkit_or_the_setting_puts_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUOBJDUMP", "/opt/other/cuobjdump")
+    assert _cuobjdump.cuobjdump_path() == "/opt/other/cuobjdump"
+    monkeypatch.delenv("CUOBJDUMP")
+    (tmp_path / "nvcc").touch()
+    (tmp_path / "cuobjdump").touch()  # the toolkit's, next to an nvcc that is on the PATH
+    tools = {"nvcc": str(tmp_path / "nvcc")}
+    monkeypatch.setattr(_cuobjdump.shutil, "which", tools.get)
+    assert _cuobjdump.cuobjdump_path() == str(tmp_path / "cuobjdump")
+
+
+def test_cuobjdump_failure_is_an_error_not_an_empty_report(monkeypatch, tmp_path):
+    tool = tmp_path / "cuobjdump"
+    tool.write_text("#!/bin/sh\necho 'cuobjdump fatal: not an ELF' >&2\nexit 1\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("CUOBJDUMP", str(tool))
+    with pytest.raises(RuntimeError, match="not an ELF"):
+        _cuobjdump.resource_usage(tmp_path / "x.so")
+    with pytest.raises(RuntimeError, match="-sass"):
+        _cuobjdump.global_stores(tmp_path / "x.so")
+    monkeypatch.setattr(_cuobjdump, "cuobjdump_path", lambda: None)
+    with pytest.raises(RuntimeError, match="cuobjdump not found"):
+        _cuobjdump.resource_usage(tmp_path / "x.so")
 
 
 @needs_nvcc
