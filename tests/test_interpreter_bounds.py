@@ -53,6 +53,20 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     def wide_load(X, Y, offset):
         tl.store(Y, tl.load((X + offset).to(tl.pointer_type(tl.int64))))
 
+    @triton.jit
+    def tuple_copy(XY, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(XY[1] + i, tl.load(XY[0] + i, mask=i < n), mask=i < n)
+
+    @triton.jit
+    def descriptor_copy(XD, Y, R: tl.constexpr, C: tl.constexpr):
+        r, c = tl.arange(0, R)[:, None], tl.arange(0, C)[None, :]
+        tl.store(Y + r * C + c, XD.load([0, 0]))
+
+    @triton.jit
+    def swap_at(X, offset):
+        tl.atomic_cas(X + offset, 0.0, 1.0)
+
 
 def _xy(n: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.arange(n, dtype=torch.float32), torch.zeros(n, dtype=torch.float32)
@@ -70,6 +84,15 @@ def test_a_load_outside_its_tensor_raises(shift, limit):
     where = "bytes before" if shift < 0 else "bytes past the end of"
     with pytest.raises(InterpreterError, match=f"shifted_copy: a 4-byte load .*{where}"):
         shifted_copy[(1,)](x, y, 10, shift, limit, BLOCK=16)
+
+
+def test_the_error_names_the_argument_nearest_to_the_access():
+    # X's end is 1 element behind the lane, Y's start 2 further on: X is named, not the
+    # argument whose start is nearer than X's.
+    buf = torch.zeros(32)
+    x, y = buf[:10], buf[12:22]
+    with pytest.raises(InterpreterError, match="0 bytes past the end of argument 'X'"):
+        shifted_copy[(1,)](x, y, 10, 1, 10, BLOCK=16)
 
 
 def test_a_view_is_bounded_by_its_own_elements_not_its_storage():
@@ -110,6 +133,39 @@ def test_a_wide_access_straddling_the_end_and_a_launch_without_tensors():
         wide_load[(1,)](x, y, 3)
     with pytest.raises(InterpreterError, match="no tensor argument with elements"):
         wide_load[(1,)](torch.zeros(0), torch.zeros(0, dtype=torch.int64), 0)
+
+
+def test_an_access_of_another_width_is_bounded_by_the_extent_alone():
+    # A load that reinterprets its argument's bytes (8 of a float32 view with stride 2, from
+    # its second element on) has no element grid to fall between: inside the extent passes.
+    x, y = torch.arange(8.0)[::2], torch.zeros(1, dtype=torch.int64)
+    wide_load[(1,)](x, y, 1)
+    assert y.view(torch.float32)[0] == 1.0 and y.view(torch.float32)[1] == 2.0
+
+
+def test_tensors_in_tuples_keywords_and_host_descriptors_are_arguments_too():
+    x, y = _xy()
+    tuple_copy[(1,)]((x, y), 10, BLOCK=16)
+    assert torch.equal(y, x)
+    with pytest.raises(InterpreterError, match="tuple_copy: a 4-byte load on 1 unmasked lane"):
+        tuple_copy[(1,)]((x, y), 11, BLOCK=16)
+    y.zero_()
+    shifted_copy[(1,)](X=x, Y=y, n=10, shift=1, limit=9, BLOCK=16)
+    assert torch.equal(y[:9], x[1:])
+    # A host-side TensorDescriptor: its loads are accesses of its base tensor.
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    x, y = torch.arange(32.0).reshape(4, 8), torch.zeros(4, 8)
+    descriptor_copy[(1,)](TensorDescriptor.from_tensor(x, [4, 8]), y, 4, 8)
+    assert torch.equal(y, x)
+
+
+def test_a_compare_and_swap_outside_its_tensor_raises():
+    x = torch.zeros(4)
+    swap_at[(1,)](x, 3)
+    assert x[3] == 1.0
+    with pytest.raises(InterpreterError, match="swap_at: a 4-byte atomic .* 0 bytes past the end"):
+        swap_at[(1,)](x, 4)
 
 
 def test_a_launch_from_a_pre_run_hook_leaves_the_outer_launch_checked(monkeypatch):
@@ -201,13 +257,17 @@ def test_an_access_between_the_elements_of_a_strided_argument_raises():
         shifted_copy[(1,)](x, y, 8, 0, 15, BLOCK=16)
     shifted_copy[(1,)](x.contiguous(), y, 8, 0, 8, BLOCK=16)
     assert torch.equal(y, x)
+    # Inside two strided arguments' extents (X within Y's), the error names the smaller one.
+    buf = torch.zeros(32)
+    with pytest.raises(InterpreterError, match="between the elements of argument 'X' \\(7,\\)"):
+        shifted_copy[(1,)](buf[2:16:2], buf[0:32:2], 7, 0, 13, BLOCK=16)
 
 
 @pytest.mark.parametrize(
     "shape, stride, interleaved",
     [((4, 3), (3, 1), False), ((3, 4), (1, 3), False), ((2, 5, 3), (0, 3, 1), False),
      ((3, 2), (4, 1), False), ((2, 3), (1, 4), False), ((2, 2), (6, 2), False),
-     ((3, 2), (2, 3), True), ((2, 2), (2, 2), True)],
+     ((4, 1), (2, 3), False), ((3, 2), (2, 3), True), ((2, 2), (2, 2), True)],
 )  # fmt: skip
 def test_element_offsets_of_a_layout(shape, stride, interleaved):
     # Every element's offset is accepted and every other byte of the extent refused, computed
