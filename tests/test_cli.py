@@ -66,6 +66,7 @@ def test_manifest_and_report_record_the_fastformer_settings(monkeypatch):
 
     monkeypatch.setenv("FASTFORMER_ATTN_TMA", "1")
     monkeypatch.setenv("NOT_FASTFORMER_X", "1")
+    monkeypatch.setenv("FASTFORMERISH", "1")
     settings = env.manifest()["fastformer_env"]
     assert settings["FASTFORMER_ATTN_TMA"] == "1"
     assert all(k.startswith("FASTFORMER_") for k in settings)
@@ -98,6 +99,107 @@ def test_git_sha_is_none_inside_another_projects_repository(tmp_path):
         )
 
 
+def test_run_gives_the_output_of_a_command_that_succeeded_and_never_raises(monkeypatch):
+    from fastformer.cli import env
+
+    assert env._run([sys.executable, "-c", "print(' out ')"]) == "out"
+    assert env._run([sys.executable, "-c", "print('half'); raise SystemExit(3)"]) is None
+    assert env._run([str(ROOT / "no-such-tool")]) is None
+
+    def hangs(cmd, **kwargs):
+        raise subprocess.TimeoutExpired(cmd, kwargs["timeout"])
+
+    monkeypatch.setattr(env.subprocess, "run", hangs)
+    assert env._run(["nvidia-smi"]) is None
+
+
+def test_git_sha_is_dirty_for_this_trees_tracked_changes_only(tmp_path):
+    # fastformer as a folder of a larger repository: its commit, "-dirty" when its own tracked
+    # files changed; not for untracked files, nor for changes elsewhere in the repository.
+    import shutil
+
+    proj = tmp_path / "proj"
+    shutil.copytree(ROOT / "fastformer" / "cli", proj / "fastformer" / "cli")
+    (tmp_path / "other.txt").write_text("theirs\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    spec = importlib.util.spec_from_file_location("env_copy", proj / "fastformer/cli/env.py")
+    env_copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(env_copy)
+    assert env_copy.git_sha() is None  # tracked, but no commit yet
+    subprocess.run([*git, "commit", "-q", "-m", "both"], check=True)
+    head = subprocess.check_output([*git, "rev-parse", "HEAD"], text=True).strip()
+    assert env_copy.git_sha() == head
+    (proj / "untracked.py").write_text("")
+    (tmp_path / "other.txt").write_text("changed\n")
+    assert env_copy.git_sha() == head
+    with (proj / "fastformer" / "cli" / "info.py").open("a") as f:
+        f.write("# edited\n")
+    assert env_copy.git_sha() == head + "-dirty"
+
+
+def test_cpu_name_is_the_model_name_line(monkeypatch, tmp_path):
+    from fastformer.cli import env
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel\t\t: 143\nmodel name\t: Fake CPU @ 2.0GHz\n")
+    monkeypatch.setattr(env, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else Path(p))
+    assert env.cpu_name() == "Fake CPU @ 2.0GHz"
+    cpuinfo.write_text("processor\t: 0\n")
+    monkeypatch.setattr(env.platform, "processor", lambda: "fakeproc")
+    assert env.cpu_name() == "fakeproc"
+    monkeypatch.setattr(env.platform, "processor", lambda: "")
+    assert env.cpu_name() == env.platform.machine()
+
+
+def test_nvidia_driver_from_nvidia_smi_else_the_kernel_module(monkeypatch, tmp_path):
+    from fastformer.cli import env
+
+    monkeypatch.setattr(env, "_run", lambda cmd, cwd=None: "570.86.15\n570.86.15")  # 2 GPUs
+    assert env.nvidia_driver() == "570.86.15"
+    version = tmp_path / "version"
+    version.write_text("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  555.42  Release\n")
+    monkeypatch.setattr(env, "_run", lambda cmd, cwd=None: None)
+    monkeypatch.setattr(env, "Path", lambda p: version if "nvidia" in p else Path(p))
+    assert env.nvidia_driver() == "555.42"
+    version.unlink()
+    assert env.nvidia_driver() is None
+
+
+def test_manifest_describes_the_gpu_only_when_there_is_one(monkeypatch):
+    # torch.cuda faked: what `info` and results.json say of an H200, and of no GPU.
+    from fastformer.cli import env
+
+    props = types.SimpleNamespace(
+        name="NVIDIA H200", major=9, minor=0, total_memory=150 * 2**30, multi_processor_count=132
+    )
+    monkeypatch.setattr(env, "nvidia_driver", lambda: "570.86.15")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu = env.manifest()
+    assert (cpu["machine"], cpu["gpu"], cpu["gpus"], cpu["driver"]) == ("cpu", None, [], None)
+    assert cpu["torch_threads"] == torch.get_num_threads()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    gpu = {"index": 0, "name": "NVIDIA H200", "capability": "9.0", "memory_gib": 150.0}
+    assert env.gpus() == [{**gpu, "sm_count": 132}]
+    m = env.manifest()
+    assert (m["machine"], m["gpu"], m["driver"]) == ("gpu", "NVIDIA H200", "570.86.15")
+    assert m["gpus"] == env.gpus() and m["cudnn"] == torch.backends.cudnn.version()
+
+
+def test_manifest_reports_the_extension_as_it_loaded(monkeypatch):
+    from fastformer import _ext
+    from fastformer.cli import env
+
+    monkeypatch.setattr(_ext, "extension_error", lambda: "fastformer._C is not built (test)")
+    monkeypatch.setattr(_ext, "sources_match", lambda: False)
+    built = env.build()
+    assert built["extension_error"] == "fastformer._C is not built (test)"
+    assert built["sources_match"] is False and built["cuda_kernels_compiled"] is False
+
+
 def test_info_json_has_the_required_fields(capsys):
     assert main(["info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
@@ -105,6 +207,8 @@ def test_info_json_has_the_required_fields(capsys):
     for key in ("python", "torch", "triton", "cuda", "machine", "gpus", "cpu", "fastformer"):
         assert key in env, key
     assert env["torch"] == torch.__version__
+    assert env["triton"] == importlib.import_module("triton").__version__
+    assert env["triton_interpret"] is (os.environ.get("TRITON_INTERPRET") == "1")
     assert env["machine"] == ("gpu" if torch.cuda.is_available() else "cpu")
     for key in ("build_info", "cuda_kernels_compiled", "extension_error"):
         assert key in env, key
@@ -117,6 +221,115 @@ def test_info_json_has_the_required_fields(capsys):
         assert reg["backends"], name
         for backend in reg["backends"]:
             assert backend["available"] == (not backend["reasons"]), (name, backend)
+
+
+def test_info_backends_name_the_first_able_default_and_survive_a_broken_op(monkeypatch):
+    from fastformer.cli import info
+    from fastformer.ops import _dispatch
+
+    def explain(op, inputs=None):
+        if op == "ffn":
+            raise RuntimeError("reasons() broke")
+        return [("fast", ["needs a GPU"]), ("slow", [])]
+
+    monkeypatch.setattr(_dispatch, "explain", explain)
+    monkeypatch.setenv("FASTFORMER_BACKEND_LAYER_NORM", "slow")
+    registered = info.op_backends()["registered"]
+    assert registered["ffn"] == {"error": "RuntimeError: reasons() broke", "backends": []}
+    assert registered["attention"] == {
+        "backends": [
+            {"name": "fast", "available": False, "reasons": ["needs a GPU"]},
+            {"name": "slow", "available": True, "reasons": []},
+        ],
+        "default": "slow",
+        "forced": None,
+    }
+    assert registered["layer_norm"]["forced"] == "slow"
+
+
+def test_info_text_says_everything_the_json_holds():
+    from fastformer.cli import info
+
+    environment = {
+        "fastformer": "0.1.0", "git_sha": None, "python": "3.11.9", "torch": "2.14.1",
+        "triton": "3.8.0", "cuda": "13.0", "platform": "Linux", "cpu": "Fake CPU",
+        "cpu_count": 2, "torch_threads": 2, "driver": "570.86.15", "cudnn": 92400,
+        "gpus": [{"index": 0, "name": "NVIDIA H200", "capability": "9.0", "memory_gib": 139.8}],
+        "build_info": {"cuda_compiled": True}, "sources_match": False,
+        "cuda_kernels_compiled": True, "triton_launches": "direct",
+        "fastformer_env": {"FASTFORMER_ATTN_TMA": "1"}, "extension_error": "not built (test)",
+    }  # fmt: skip
+    ops = {
+        "modules": {"ffn": {"available": False, "error": "ImportError: x"},
+                    "attention": {"available": True, "error": None}},
+        "registered": {
+            "attention": {"default": "torch", "forced": "torch", "backends": [
+                {"name": "triton", "available": False, "reasons": ["no GPU", "no interpreter"]},
+                {"name": "torch", "available": True, "reasons": []}]},
+            "ffn": {"error": "RuntimeError: broke", "backends": []},
+        },
+    }  # fmt: skip
+    text = info._format({"environment": environment, "ops": ops}).splitlines()
+    for line in [
+        "fastformer 0.1.0 (git unknown)",
+        "gpu 0: NVIDIA H200 (sm 9.0, 139.8 GiB)",
+        "driver 570.86.15  cudnn 92400",
+        "built from the csrc/ of this checkout: NO: rebuild (make build)",
+        "attention's Triton launches: direct",
+        "settings: FASTFORMER_ATTN_TMA=1",
+        "extension error: not built (test)",
+        "  ffn: not available (ImportError: x)",
+        "  attention (default backend: torch, forced torch)",
+        "    triton: unavailable: no GPU; no interpreter",
+        "    torch: available",
+        "    error: RuntimeError: broke",
+    ]:
+        assert line in text, (line, text)
+    assert not any(line.startswith("  attention: not available") for line in text)
+    environment.update(gpus=[], sources_match=True, triton_launches=None, fastformer_env={})
+    environment.update(extension_error=None, git_sha="abc123")
+    text = info._format({"environment": environment, "ops": ops}).splitlines()
+    assert "gpu: none visible" in text and "fastformer 0.1.0 (git abc123)" in text
+    assert "built from the csrc/ of this checkout: yes" in text
+    assert not any(
+        line.startswith(("settings:", "extension error", "attention's")) for line in text
+    )
+
+
+def test_progress_bar_fills_in_place_on_a_terminal_and_a_line_a_step_in_a_log():
+    import io
+
+    from fastformer.cli.progress import Progress
+
+    log = io.StringIO()
+    bar = Progress("model", 2, stream=log, width=4)
+    bar.step("eager")
+    bar.step("fast")
+    bar.step("beyond the total")
+    bar.close()
+    lines = [line.split(" (")[0] for line in log.getvalue().splitlines()]
+    assert lines == [
+        "[....] 0/2 model: starting",
+        "[##..] 1/2 model: eager",
+        "[####] 2/2 model: fast",
+        "[####] 2/2 model: beyond the total",
+        "[####] 2/2 model: done",
+    ]
+    empty = io.StringIO()
+    Progress("none", 0, stream=empty, width=4).close()  # no work: no division by zero
+    assert empty.getvalue().splitlines()[-1].startswith("[####] 1/1 none: done")
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Terminal()
+    bar = Progress("ops", 1, stream=tty, width=2)
+    bar.step("attention")
+    bar.close()
+    out = tty.getvalue()
+    assert out.startswith("\r\033[K[..] 0/1 ops: starting") and out.endswith("\n")
+    assert out.count("\n") == 1 and out.count("\r\033[K") == 3
 
 
 def test_python_dash_m_fastformer_info_runs():
