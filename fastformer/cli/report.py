@@ -296,7 +296,12 @@ def model_lines(model: dict[str, Any]) -> list[str]:
         if par.get("relu_inputs_near_zero"):
             lines[-1] += (
                 f" {par['relu_inputs_near_zero']} ReLU inputs within rounding of 0 may take "
-                "either sign (linear1's gradients are measured less what that moves them by)."
+                "either sign (gradients are measured less what that moves them by)."
+            )
+        if par.get("relative_floor") is False:
+            lines[-1] += (
+                " Too many such inputs to bound what they move upstream: the bounds keep the "
+                "dtype's absolute floor, a weak check of gradients much smaller than 1."
             )
         lines += [f"- {f}" for f in par["failed"]]
     return lines
