@@ -909,13 +909,7 @@ def test_model_parity_allows_what_a_flipped_relu_input_moves_upstream(monkeypatc
     # As above, with the fastformer model's gradients those of the float64 torch.nn twin whose
     # ReLU takes the other sign at (t, u) in its backward: every gradient upstream of the FFN
     # moves too. That passes; without the upstream moves (`_upstream_moves`) it fails there.
-    case = ModelCase("t", 16, 2, 1, 1, 32, 0.0, 50, batch=3, max_len=7)
-    eager = B.build_model(case, torch.device("cpu"), torch.float16, 0.0)
-    src, tgt = B.synthetic_batch(case, torch.device("cpu"))
-    _, h, da = _relu_of_first_encoder_layer(eager, src, tgt)
-    t, u = divmod(int(da.abs().argmax()), da.shape[1])
-    with torch.no_grad():
-        eager.transformer.encoder.layers[0].linear1.bias[u] -= h[t, u].half()
+    eager, src, tgt, t, u = _model_with_a_relu_input_at_zero()
 
     class FlippedRelu(torch.autograd.Function):
         @staticmethod
@@ -1004,20 +998,26 @@ def _relu_of_first_encoder_layer(model, src, tgt):
     return seen["x"], seen["h"], seen["da"]
 
 
-def test_model_parity_allows_either_sign_of_a_relu_input_within_rounding_of_zero(monkeypatch):
-    # The rule without a draw: a float16 model whose first-layer ReLU input (t, u) is 0 in
-    # float64 up to the rounding of one bias; the fastformer model's gradients are float64's
-    # with that ReLU's sign taken the other way (linear1's row u moved by da * x of token t).
-    # That passes; the same move of a row with no input near 0 fails. Eager runs here are off
-    # by 1e-4 exactly, so their own draws do not set the bound.
+def _model_with_a_relu_input_at_zero():
+    """A small float16 model whose first-layer ReLU input (t, u) with the largest upstream
+    gradient is 0 in float64 up to the rounding of one bias: (model, src, tgt, t, u)."""
     case = ModelCase("t", 16, 2, 1, 1, 32, 0.0, 50, batch=3, max_len=7)
     eager = B.build_model(case, torch.device("cpu"), torch.float16, 0.0)
     src, tgt = B.synthetic_batch(case, torch.device("cpu"))
     _, h, da = _relu_of_first_encoder_layer(eager, src, tgt)
     t, u = divmod(int(da.abs().argmax()), da.shape[1])
-    bias = eager.transformer.encoder.layers[0].linear1.bias
     with torch.no_grad():
-        bias[u] -= h[t, u].to(bias.dtype)
+        eager.transformer.encoder.layers[0].linear1.bias[u] -= h[t, u].half()
+    return eager, src, tgt, t, u
+
+
+def test_model_parity_allows_either_sign_of_a_relu_input_within_rounding_of_zero(monkeypatch):
+    # The rule without a draw: the fastformer model's gradients are float64's with that
+    # ReLU's sign taken the other way (linear1's row u moved by da * x of token t). That
+    # passes; the same move of a row with no input near 0 fails. Eager runs here are off by
+    # 1e-4 exactly, so their own draws do not set the bound.
+    eager, src, tgt, t, u = _model_with_a_relu_input_at_zero()
+    bias = eager.transformer.encoder.layers[0].linear1.bias
     x, h, da = _relu_of_first_encoder_layer(eager, src, tgt)
     # h[t, u] is now the rounding of the new bias to float16: at most half its last bit.
     assert h[t, u].abs() <= bias[u].abs() * 2**-11 < h.abs().mean() * 1e-2, h[t, u]
