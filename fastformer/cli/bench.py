@@ -331,7 +331,8 @@ def relu_sign_allowance(ref64, src, tgt, rec64: dict, rec_lp: dict) -> tuple[dic
     near = _near_zero(rec64, rec_lp)
     count = sum(int(m.sum()) for m in near.values())
     upstream = count * sum(p.numel() for p in ref64.parameters()) <= MAX_FLIP_WORK
-    allowance = _upstream_moves(ref64, src, tgt, near, rec64) if upstream else {}
+    # No input near 0 (float32, most often): nothing moves, no second forward to make.
+    allowance = _upstream_moves(ref64, src, tgt, near, rec64) if upstream and count else {}
     for name, mask in near.items():
         flip = torch.where(mask, rec64[name]["da"].abs(), 0.0)  # (tokens, d_ff)
         w, b = f"{name}.linear1.weight", f"{name}.linear1.bias"
