@@ -1033,14 +1033,47 @@ _VERSION_SPILLS = {
         ("dkdv", 90, 128, "padded", _QK(128, 64, 8, 2)),
         ("dq", 90, 256, "padded", _C(32, 16, 8, 2)),  # fp32, 8 bytes since ROW_STAT
     },
+    # 8-144 bytes; sm_80 has none under 3.9.
+    (3, 9): {
+        ("dkdv", 90, 64, "dropout", _QK(64, 64, 4, 3)),
+        ("dkdv", 90, 64, "dropout", _QK(128, 64, 8, 2)),
+        ("dkdv", 90, 64, "masked_dropout", _QK(128, 64, 8, 2)),
+        ("dkdv", 90, 64, "plain", _QK(128, 128, 8, 2)),
+        ("dkdv", 90, 64, "plain", _QK(128, 128, 8, 3)),
+        ("dkdv", 90, 128, "base", _QK(128, 64, 8, 2)),
+        ("dkdv", 90, 128, "masked_dropout", _C(32, 64, 8, 2)),
+        ("dkdv", 90, 128, "padded", _QK(128, 64, 8, 2)),
+        ("dkdv", 90, 256, "base", _C(16, 16, 4, 2)),  # fp32
+        ("dq", 90, 64, "masked_dropout", _C(128, 64, 8, 2)),
+        ("dq", 90, 256, "masked_dropout", _C(64, 16, 8, 2)),
+        ("fwd", 90, 128, "masked_dropout", _C(32, 16, 8, 2)),  # fp32
+        ("fwd", 90, 256, "dropout", _C(128, 32, 8, 2)),
+    },
 }
 
 
-def _without_version_spills(key: tuple, configs: list[Config]) -> list[Config]:
+def _triton_version() -> tuple[int, int]:
+    return tuple(int(x) for x in triton.__version__.split(".")[:2])
+
+
+# What takes the place of a version's spilling configs in the lists they would leave empty:
+# 0 spills and wgmma under that version (compile_report). CONFIGS key -> configs. The d256 dq's
+# one 0-spill wgmma tile under 3.9 is deeper and taller: 64-row tiles spilled 56-296 bytes.
+_VERSION_EXTRA = {
+    (3, 9): {
+        ("dq", 90, "16bit", 256, "masked_dropout"): [_C(128, 16, 8, 3)],
+        ("fwd", 90, "fp32", 128, "masked_dropout"): [_C(32, 16, 8, 3)],
+        ("dkdv", 90, "fp32", 256, "base"): [_C(16, 16, 4, 1)],
+    },
+}
+
+
+def _for_this_triton(key: tuple, configs: list[Config]) -> list[Config]:
     kernel, arch, _, bucket, fclass = key
-    version = tuple(int(x) for x in triton.__version__.split(".")[:2])
+    version = _triton_version()
     spills = _VERSION_SPILLS.get(version, set())
-    return [c for c in configs if (kernel, arch, bucket, fclass, c) not in spills]
+    kept = [c for c in configs if (kernel, arch, bucket, fclass, c) not in spills]
+    return kept + _VERSION_EXTRA.get(version, {}).get(key, [])
 
 
 # Non-causal calls without masks, padding or dropout ("plain") also try these: tiles that spill
@@ -1053,7 +1086,7 @@ _PLAIN_EXTRA = {
 
 
 def listed_configs(kernel: str, arch: int, dclass: str, bucket: int, fclass: str) -> list[Config]:
-    """The tables' configs of one CONFIGS key, before the Triton-version exclusions."""
+    """The tables' configs of one CONFIGS key, before the Triton version's changes."""
     table = _SM90 if arch == 90 else _SM80
     lists = _with_padded(arch, kernel, dclass, bucket, table[(kernel, dclass, bucket)])
     if fclass == "plain":
@@ -1062,7 +1095,7 @@ def listed_configs(kernel: str, arch: int, dclass: str, bucket: int, fclass: str
 
 
 CONFIGS: dict[tuple[str, int, str, int, str], list[Config]] = {
-    key: _without_version_spills(key, listed_configs(*key))
+    key: _for_this_triton(key, listed_configs(*key))
     for key in [
         (kernel, arch, dclass, bucket, fclass)
         for arch, table in ((90, _SM90), (80, _SM80))
@@ -1083,6 +1116,7 @@ _FP32_POINTERS = {"Lse", "Stat", "Delta", "DLse", "DS"}
 _POINTERS = {"Q", "K", "V", "Out", "DO", "DQ", "DK", "DV", "Mask", "Kpm", "KvRange", "Seed"}
 _POINTERS |= _FP32_POINTERS
 # Re-tune when any of these change; Triton's autotuner adds the tensor dtypes itself.
+# (`tune_key` keeps a kernel's own: Triton 3.9 refuses a key name that is not an argument.)
 _TUNE_KEY = [
     "HEAD_D",
     "HEAD_DV",
@@ -1097,6 +1131,15 @@ _TUNE_KEY = [
     "SEQ_K_BUCKET",
 ]
 INTERPRETED = not isinstance(attn_fwd, triton.runtime.JITFunction)
+# Every compile and launch asks for FMA contraction, as every config was tuned and checked with:
+# Triton's default until 3.9, which warns that 3.10 turns it off.
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
+
+
+def tune_key(fn) -> list[str]:
+    """The names of _TUNE_KEY that are arguments of the kernel `fn` (Triton <= 3.8 dropped the
+    others silently)."""
+    return [name for name in _TUNE_KEY if name in fn.arg_names]
 
 
 def dropout_threshold(dropout_p: float) -> int:
@@ -1193,13 +1236,20 @@ def _autotuned(kernel: str, arch: int, dclass: str, bucket: int, fclass: str, tm
     listed = CONFIGS[(kernel, arch, dclass, bucket, fclass)]
     listed = listed + tma_candidates(kernel, arch, dclass, bucket, fclass) if tma else listed
     configs = [
-        triton.Config(_constexprs(kernel, c), num_warps=c.num_warps, num_stages=c.num_stages)
+        triton.Config(
+            {**_constexprs(kernel, c), **COMPILE_OPTIONS},
+            num_warps=c.num_warps,
+            num_stages=c.num_stages,
+        )
         for c in listed
     ]
     # cache_results: the choice of each key is kept in Triton's cache directory, so a later
     # process (the next training run, bench or test) does not tune it again.
-    tune = triton.autotune(configs=configs, key=_TUNE_KEY, do_bench=_tune_bench, cache_results=True)
-    return tune(KERNELS[kernel])
+    fn = KERNELS[kernel]
+    tune = triton.autotune(
+        configs=configs, key=tune_key(fn), do_bench=_tune_bench, cache_results=True
+    )
+    return tune(fn)
 
 
 # --------------------------------------------------------------------------- TMA loads
@@ -1218,6 +1268,13 @@ _TMA_SPILLS = {
     ("fwd", 256, "masked", _C(128, 32, 8, 2)),
     ("fwd", 256, "padded", _C(128, 64, 8, 2)),
     ("dkdv", 128, "masked_dropout", _QK(32, 64, 8, 2)),
+}
+# Twins that spill with one Triton version only, where the pointer-load config does not.
+_TMA_VERSION_SPILLS = {
+    (3, 9): {
+        ("dkdv", 128, "dropout", _QK(32, 64, 8, 2)),
+        ("dq", 256, "masked_dropout", _C(128, 16, 8, 3)),
+    },
 }
 
 
@@ -1242,9 +1299,8 @@ def tma_candidates(kernel: str, arch: int, dclass: str, bucket: int, fclass: str
     if kernel == "dkdv" and bucket > 128:
         return []
     configs = CONFIGS[(kernel, arch, dclass, bucket, fclass)]
-    twins = [
-        c._replace(tma=True) for c in configs if (kernel, bucket, fclass, c) not in _TMA_SPILLS
-    ]
+    spills = _TMA_SPILLS | _TMA_VERSION_SPILLS.get(_triton_version(), set())
+    twins = [c._replace(tma=True) for c in configs if (kernel, bucket, fclass, c) not in spills]
     return twins + _TMA_EXTRA.get((kernel, bucket, fclass), [])
 
 
@@ -1363,6 +1419,7 @@ def _launch(
         if config.tma and not INTERPRETED:
             _ensure_allocator()
         options = dict(blocks, num_warps=config.num_warps, num_stages=config.num_stages)
+        options.update(COMPILE_OPTIONS)
         fixed_key = (kernel, config, *meta.items())
         launcher.launch(KERNELS[kernel], grid(blocks), args, fixed_key, meta, options)
         return
@@ -1568,7 +1625,7 @@ def key_range(key_padding_mask: torch.Tensor) -> torch.Tensor:
         return torch.zeros(b, 2, dtype=torch.int32, device=kpm.device)
     kv_range = torch.empty(b, 2, dtype=torch.int32, device=kpm.device)
     block = min(max(16, _next_power_of_2(lk)), KV_RANGE_BLOCK)
-    options = {"BLOCK_N": block, "num_warps": 4}
+    options = {"BLOCK_N": block, "num_warps": 4, **COMPILE_OPTIONS}
     launcher.launch(attn_kv_range, (b,), (kpm, kv_range, lk, *kpm.stride()), block, {}, options)
     return kv_range
 
@@ -2039,7 +2096,7 @@ def compile_one(
     compiled = triton.compile(
         source,
         target=GPUTarget("cuda", arch, 32),
-        options={"num_warps": config.num_warps, "num_stages": config.num_stages},
+        options={"num_warps": config.num_warps, "num_stages": config.num_stages, **COMPILE_OPTIONS},
     )
     ptx = compiled.asm["ptx"]  # (the MMA instructions are named there)
     return {

@@ -809,27 +809,35 @@ def test_dropout_blocks_fit_every_tile_config():
         assert c.block_n == 16 or c.block_n % 32 == 0, c
 
 
-@pytest.mark.parametrize("version", ["3.6.0", "3.8.0"])
+@pytest.mark.parametrize("version", ["3.6.0", "3.8.0", "3.9.0"])
 def test_configs_that_spill_with_one_triton_version_are_left_out_under_it(monkeypatch, version):
     # _VERSION_SPILLS names (kernel, arch, bucket, feature class, config): only that list of
     # that Triton version loses the config, every list keeps one, and each name is listed.
+    # _VERSION_EXTRA adds configs to the lists it names, under its version only, where the
+    # spills left none.
     import triton
 
     from fastformer.kernels import attention as kernels
 
     monkeypatch.setattr(triton, "__version__", version)
-    spills = kernels._VERSION_SPILLS.get(tuple(int(x) for x in version.split(".")[:2]), set())
-    named, all_dropped = set(), set()
+    v = tuple(int(x) for x in version.split(".")[:2])
+    spills = kernels._VERSION_SPILLS.get(v, set())
+    extra = kernels._VERSION_EXTRA.get(v, {})
+    named, all_dropped, all_added = set(), set(), {}
     for key in kernels.CONFIGS:
         listed = kernels.listed_configs(*key)
-        kept = kernels._without_version_spills(key, listed)
+        kept = kernels._for_this_triton(key, listed)
         kernel, arch, _, bucket, fclass = key
         dropped = {(kernel, arch, bucket, fclass, c) for c in set(listed) - set(kept)}
-        assert kept
+        added = [c for c in kept if c not in listed]
+        assert kept and (not added or len(added) == len(kept)), key
         all_dropped |= dropped
+        all_added.update({key: added} if added else {})
         named |= {(kernel, arch, bucket, fclass, c) for c in listed}
     assert all_dropped == spills
+    assert all_added == extra
     assert all(spills <= named for spills in kernels._VERSION_SPILLS.values())
+    assert all(set(e) <= set(kernels.CONFIGS) for e in kernels._VERSION_EXTRA.values())
 
 
 def test_tuned_config_is_launched_directly_after_the_first_call(monkeypatch):
@@ -2222,6 +2230,67 @@ for process, timing in (("first", bench), ("later", refuse)):
 print("last candidate", A._config_name(tuned.configs[-1]))
 """
 )
+
+
+_FP_FUSION_SCRIPT = (
+    _SM90_SCRIPT
+    + """
+from triton.backends.nvidia.compiler import CUDABackend
+
+asked = []
+parse = CUDABackend.parse_options
+
+
+def recorded(self, options):
+    asked.append(options.get("enable_fp_fusion"))
+    return parse(self, options)
+
+
+CUDABackend.parse_options = recorded
+(dq, then), *rest = launches
+A._precompile([dq, *then], CudaTensor())  # through Triton's JIT
+config = A.CONFIGS[("fwd", 90, "16bit", 64, "base")][0]
+A.compile_one("fwd", torch.float16, 64, config, A.CHECK_VARIANTS["base"])  # triton.compile
+print(len(asked), sorted(set(map(str, asked))))
+"""
+)
+
+
+def test_every_compile_and_launch_asks_for_fp_fusion(monkeypatch, tmp_path):
+    # Triton 3.10 turns FMA contraction off by default (3.9 warns of it): the configs were tuned
+    # and checked with it on, so fastformer asks for it, here against a default set off.
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    count, values = _run_sm90(_FP_FUSION_SCRIPT, tmp_path).strip().split(" ", 1)
+    assert int(count) >= 3 and values == "['True']"
+
+    from fastformer.kernels import attention as kernels
+    from fastformer.kernels import launcher
+
+    options, launch = [], launcher.launch
+    monkeypatch.setattr(launcher, "launch", lambda *a: options.append((a[0], a[-1])) or launch(*a))
+    q = _randn((1, 1, 5, 16))
+    kpm = torch.tensor([[False, False, True, False, True]])
+    attn.scaled_dot_product_attention(q, q, q, key_padding_mask=kpm)  # fwd and kv_range
+    assert {fn for fn, _ in options} == {kernels.attn_fwd, kernels.attn_kv_range}
+    assert all(o["enable_fp_fusion"] is True for _, o in options)
+    for kernel in ("fwd", "dq", "dkdv"):
+        tuner = kernels._autotuned(kernel, 90, "16bit", 64, "base")
+        assert all(c.all_kwargs()["enable_fp_fusion"] is True for c in tuner.configs)
+
+
+def test_each_autotuner_keys_on_its_kernel_s_own_arguments():
+    # Triton <= 3.8 dropped a key name that is not an argument of the kernel; 3.9 refuses it
+    # when the autotuner is made, which made every GPU launch fail.
+    from fastformer.kernels import attention as kernels
+
+    for kernel in ("fwd", "dq", "dkdv"):
+        tuner = kernels._autotuned(kernel, 90, "16bit", 64, "base")
+        names = kernels.KERNELS[kernel].arg_names
+        assert set(tuner.keys) <= set(names), kernel
+        assert set(tuner.keys) == set(kernels._TUNE_KEY) & set(names), kernel
+        assert {"SEQ_Q_BUCKET", "SEQ_K_BUCKET", "HEAD_D", "IS_CAUSAL"} <= set(tuner.keys)
+    assert "PART" in kernels._autotuned("dkdv", 90, "16bit", 64, "base").keys
+    assert "WRITE_DS" in kernels._autotuned("dq", 90, "16bit", 64, "base").keys
 
 
 def test_tuning_choices_are_read_back_from_disk(tmp_path):
