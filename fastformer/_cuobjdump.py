@@ -21,7 +21,7 @@ from pathlib import Path
 
 def cuobjdump_path() -> str | None:
     """CUOBJDUMP if set, else the CUDA toolkit's (on the PATH or next to nvcc), else the copy
-    Triton's wheel ships (3.6 and 3.8 do); None when there is none."""
+    Triton's wheel ships (3.6, 3.8 and 3.9 do); None when there is none."""
     if os.environ.get("CUOBJDUMP"):
         return os.environ["CUOBJDUMP"]
     candidates = [shutil.which("cuobjdump")]

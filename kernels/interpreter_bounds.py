@@ -22,7 +22,7 @@ whose layout interleaves or overlaps its dims (`unfold`, `as_strided`), or one w
 differs from its argument's element size, anywhere inside the argument's extent.
 
 It hooks the interpreter's internals (`GridExecutor`, `InterpreterBuilder`), the same in
-Triton 3.6 and 3.8; tests/test_interpreter_bounds.py checks that it still catches an access one
+Triton 3.6, 3.8 and 3.9; tests/test_interpreter_bounds.py checks that it still catches an access one
 element past a tensor.
 """
 

@@ -17,7 +17,7 @@ each launch passes its own. Launch hooks (profilers such
 as proton), pre-run hooks and stage-inspection hooks send every launch through Triton's own path.
 
 The launcher's calling convention is Triton's internal one: direct launches are made only on the
-Triton versions whose convention the tests check (tests/test_launcher.py, CI runs 3.8 and 3.6),
+Triton versions whose convention the tests check (tests/test_launcher.py, CI runs 3.6, 3.8, 3.9),
 and `FASTFORMER_TRITON_DIRECT_LAUNCH=0` (read when this module is imported) turns them off.
 Otherwise, and under TRITON_INTERPRET=1, `launch` is `fn[grid](*args, **kwargs)` (the
 interpreter's one launch at a time: it is not thread-safe).
@@ -38,7 +38,7 @@ from triton.runtime.driver import driver
 from triton.runtime.interpreter import InterpretedFunction
 
 _LIMIT = 4096  # launch keys kept; past it the memo starts again (a changing shape each call)
-TESTED_TRITON = ("3.6", "3.8")  # major.minor versions whose launcher convention tests check
+TESTED_TRITON = ("3.6", "3.8", "3.9")  # major.minor versions whose launcher convention tests check
 ENABLED = (
     ".".join(triton.__version__.split(".")[:2]) in TESTED_TRITON
     and os.environ.get("FASTFORMER_TRITON_DIRECT_LAUNCH", "1") != "0"

@@ -121,8 +121,14 @@ def test_masks_of_scalar_conditions_check_every_lane():
     # As an index array, a 0/1 mask checked lanes 0 and 1 only: the all-masked program past
     # the last row raised, and a read of X[2..3] passed.
     x, y = torch.arange(4.0), torch.zeros(8)
-    row_copy[(2,)](x, y, 1, 4, BLOCK=4)
-    assert torch.equal(y, torch.cat([x, torch.zeros(4)]))
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 9):
+        # Triton 3.9's interpreter refuses such a mask itself, after the check passed it (no
+        # fastformer kernel builds one: their masks are boolean).
+        with pytest.raises(InterpreterError, match="ValueError\\('mask has unsupported dtype'\\)"):
+            row_copy[(2,)](x, y, 1, 4, BLOCK=4)
+    else:
+        row_copy[(2,)](x, y, 1, 4, BLOCK=4)
+        assert torch.equal(y, torch.cat([x, torch.zeros(4)]))
     with pytest.raises(InterpreterError, match="row_copy: a 4-byte load on 2 unmasked lane"):
         row_copy[(1,)](torch.arange(2.0), torch.zeros(4), 1, 4, BLOCK=4)
 
