@@ -5,6 +5,7 @@
 PYTHON ?=
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.14.1
+LATEST_TORCH ?= torch==2.15.0
 DEV_DEPS := numpy pytest pytest-benchmark pytest-timeout pytest-xdist ruff matplotlib ninja setuptools wheel
 PYTEST_ARGS ?=
 
@@ -16,7 +17,7 @@ PY := $(PYTHON)
 OWN_ENV := 0
 endif
 
-.PHONY: install build test test-compat bench check info lint format clean
+.PHONY: install build test test-compat test-latest bench check info lint format clean
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -37,6 +38,14 @@ test: install
 # The same tests on the GPU machine's stack (torch 2.11 + triton 3.6) in .venv-compat (CI runs it).
 test-compat:
 	bash scripts/test_compat.sh $(PYTEST_ARGS)
+
+# And on the newest torch and Triton on PyPI (torch 2.15 + triton 3.9: what `pip install torch`
+# gives a user now) in .venv-latest. An empty constraint file lifts a pip configuration's cap on
+# torch (the CI machine's caps it at 2.14.1, the release its mirror holds).
+test-latest:
+	PIP_CONSTRAINT=/dev/null COMPAT_TORCH=$(LATEST_TORCH) COMPAT_NUMPY=numpy \
+	    COMPAT_VENV=.venv-latest COMPAT_DIR=build/latest \
+	    bash scripts/test_compat.sh $(PYTEST_ARGS)
 
 bench: install
 	$(PY) -m fastformer bench

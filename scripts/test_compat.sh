@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The test suite on the GPU machine's software stack (torch 2.11 + triton 3.6, see
-# ENVIRONMENT.md), on CPU: a second venv and a copy of the source tree, so that the main build
-# stays untouched. It catches what only those versions break (torch library APIs, Triton 3.6
-# codegen: the sm_90 compile check, the interpreter) before a GPU session finds it.
+# The test suite on another software stack, on CPU: a second venv and a copy of the source tree,
+# so that the main build stays untouched. By default the GPU machine's (torch 2.11 + triton 3.6,
+# see ENVIRONMENT.md); `make test-latest` sets COMPAT_TORCH, COMPAT_NUMPY, COMPAT_VENV and
+# COMPAT_DIR for the newest torch and Triton on PyPI. It catches what only those versions break
+# (torch library APIs, Triton codegen: the sm_90 compile check, the interpreter) before a GPU
+# session or a user finds it.
 #
 #   scripts/test_compat.sh [pytest args...]      (or `make test-compat PYTEST_ARGS=...`)
 #   scripts/test_compat.sh --venv-only           make the venv only (CI starts it early)
@@ -12,6 +14,8 @@ ROOT=$PWD
 VENV=$ROOT/${COMPAT_VENV:-.venv-compat}
 SRC=$ROOT/${COMPAT_DIR:-build/compat}
 TORCH_SPEC=${COMPAT_TORCH:-torch==2.11.0}
+# numpy<2.4: Triton 3.6's interpreter fails on NumPy 2.4 (fastformer refuses that pair).
+NUMPY_SPEC=${COMPAT_NUMPY:-numpy<2.4}
 
 # A CUDA build of torch takes ~5.5 GB in a venv. Without the room, this extra stage is reported
 # as not run (loudly, exit 0): it re-checks on other versions what `make test` has just passed,
@@ -26,15 +30,14 @@ if [ ! -x "$VENV/bin/python" ]; then
             echo "compat venv not made early: $FREE_GB GB free on $ROOT, $NEED_GB GB asked"
         else
             echo "COMPAT STAGE NOT RUN: $FREE_GB GB free on $ROOT;" \
-                "the torch 2.11 venv needs ~$NEED_GB GB"
+                "the $TORCH_SPEC venv needs ~$NEED_GB GB"
         fi
         exit 0
     fi
     python3 -m venv "$VENV"
-    # numpy<2.4: Triton 3.6's interpreter fails on NumPy 2.4 (fastformer refuses that pair).
     # Byte-compiled at install: the CI VM sets PYTHONDONTWRITEBYTECODE=1, so with --no-compile
     # every process compiled torch's modules again on import (tests ~25% slower).
-    "$VENV/bin/python" -m pip install -q "$TORCH_SPEC" "numpy<2.4" pytest \
+    "$VENV/bin/python" -m pip install -q "$TORCH_SPEC" "$NUMPY_SPEC" pytest \
         pytest-xdist pytest-timeout pytest-benchmark matplotlib ninja setuptools wheel ||
         { rm -rf "$VENV"; exit 1; }  # a half-made venv would be taken as ready next time
 fi
