@@ -23,6 +23,15 @@ NUMPY_SPEC=${COMPAT_NUMPY:-numpy<2.4}
 # the room of both venvs, as the main one is being made beside it; short of that, it leaves the
 # venv to the stage itself.)
 NEED_GB=${COMPAT_NEED_GB:-8}
+# A venv of another torch than the pinned one asked (LATEST_TORCH moved on) is made anew.
+WANT=${TORCH_SPEC#torch==}
+if [ -x "$VENV/bin/python" ] && [ "$WANT" != "$TORCH_SPEC" ]; then
+    HAVE=$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])' || true)
+    if [ "$HAVE" != "$WANT" ]; then
+        echo "$VENV has torch ${HAVE:-(none)}, $TORCH_SPEC asked: made anew"
+        rm -rf "$VENV"
+    fi
+fi
 if [ ! -x "$VENV/bin/python" ]; then
     FREE_GB=$(df -Pk "$ROOT" | awk 'NR == 2 {print int($4 / 1048576)}')
     if [ "$FREE_GB" -lt "$NEED_GB" ]; then
