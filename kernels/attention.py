@@ -1058,7 +1058,7 @@ def _triton_version() -> tuple[int, int]:
 
 # What takes the place of a version's spilling configs in the lists they would leave empty:
 # 0 spills and wgmma under that version (compile_report). CONFIGS key -> configs. The d256 dq's
-# one 0-spill wgmma tile under 3.9 is deeper and taller: 64-row tiles spilled 56-296 bytes.
+# one 0-spill wgmma tile under 3.9 is deeper and taller: 64-row tiles spilled 56-632 bytes.
 _VERSION_EXTRA = {
     (3, 9): {
         ("dq", 90, "16bit", 256, "masked_dropout"): [_C(128, 16, 8, 3)],
@@ -1116,7 +1116,7 @@ _FP32_POINTERS = {"Lse", "Stat", "Delta", "DLse", "DS"}
 _POINTERS = {"Q", "K", "V", "Out", "DO", "DQ", "DK", "DV", "Mask", "Kpm", "KvRange", "Seed"}
 _POINTERS |= _FP32_POINTERS
 # Re-tune when any of these change; Triton's autotuner adds the tensor dtypes itself.
-# (`tune_key` keeps a kernel's own: Triton 3.9 refuses a key name that is not an argument.)
+# (`_tune_key` keeps a kernel's own: Triton 3.9 refuses a key name that is not an argument.)
 _TUNE_KEY = [
     "HEAD_D",
     "HEAD_DV",
@@ -1136,7 +1136,7 @@ INTERPRETED = not isinstance(attn_fwd, triton.runtime.JITFunction)
 COMPILE_OPTIONS = {"enable_fp_fusion": True}
 
 
-def tune_key(fn) -> list[str]:
+def _tune_key(fn) -> list[str]:
     """The names of _TUNE_KEY that are arguments of the kernel `fn` (Triton <= 3.8 dropped the
     others silently)."""
     return [name for name in _TUNE_KEY if name in fn.arg_names]
@@ -1247,7 +1247,7 @@ def _autotuned(kernel: str, arch: int, dclass: str, bucket: int, fclass: str, tm
     # process (the next training run, bench or test) does not tune it again.
     fn = KERNELS[kernel]
     tune = triton.autotune(
-        configs=configs, key=tune_key(fn), do_bench=_tune_bench, cache_results=True
+        configs=configs, key=_tune_key(fn), do_bench=_tune_bench, cache_results=True
     )
     return tune(fn)
 

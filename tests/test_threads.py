@@ -132,7 +132,7 @@ def test_first_calls_of_two_keys_of_one_autotuner_tune_one_at_a_time(monkeypatch
         kernels._launch("fwd", lambda c: (1,), tuple(args), meta, q, None)
 
     for _ in range(5):  # a new autotuner each time, as in a new process
-        tuner = triton.autotune(configs, key=kernels.tune_key(_StubKernel), do_bench=do_bench)(
+        tuner = triton.autotune(configs, key=kernels._tune_key(_StubKernel), do_bench=do_bench)(
             _StubKernel()
         )
         monkeypatch.setattr(kernels, "_autotuned", lambda *key, tuner=tuner: tuner)
