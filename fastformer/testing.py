@@ -69,16 +69,19 @@ def parity(
     ref64: torch.Tensor,
     ref_lp: torch.Tensor,
     atol_floor: float | None = None,
+    relative_floor: bool = False,
 ) -> ParityResult:
     """Apply the parity rule to one tensor; `atol_floor` defaults by the dtype of `ref_lp`.
-    Bool and integer tensors (masks, indices) must be equal to `ref_lp`."""
+    The floor scales with the largest |ref64| above 1, and with `relative_floor` below 1 too
+    (for tensors whose other sources of error are bounded apart). Bool and integer tensors
+    (masks, indices) must be equal to `ref_lp`."""
     if not ref_lp.is_floating_point():
         same = fast.shape == ref_lp.shape and torch.equal(fast.cpu(), ref_lp.cpu())
         return ParityResult(name, 0.0 if same else math.inf, 0.0)
     floor = ATOL_FLOOR.get(ref_lp.dtype, 1e-5) if atol_floor is None else atol_floor
     magnitude = float(ref64.detach().abs().max()) if ref64.numel() else 0.0
     if math.isfinite(magnitude):
-        floor *= max(1.0, magnitude)
+        floor *= magnitude if relative_floor else max(1.0, magnitude)
     lp_error = max_abs_diff(ref_lp, ref64)
     # A reference that overflowed (inf or NaN where float64 is finite) sets no bound: an
     # infinite one would pass anything; the floor alone is left.

@@ -87,6 +87,16 @@ def test_parity_bound_is_twice_the_low_precision_error_plus_the_scaled_floor():
             assert got == pytest.approx(floor * magnitude, rel=1e-9), (dtype, scale)
 
 
+def test_a_relative_floor_follows_the_reference_below_1_as_above():
+    # bench's model parity: a mean loss's gradients (~1e-2) got bfloat16's whole 1e-2 floor.
+    for magnitude in (0.02, 1.0, 300.0):
+        exact = torch.tensor([magnitude, -magnitude / 3], dtype=torch.bfloat16)
+        got = parity("x", exact, exact.double(), exact, relative_floor=True).bound
+        assert got == pytest.approx(1e-2 * float(exact[0]), rel=1e-9), magnitude
+    zero = torch.zeros(3)
+    assert parity("x", zero, zero.double(), zero, relative_floor=True).bound == 0.0
+
+
 def test_an_overflowed_reference_leaves_the_floor_of_the_float64_magnitude():
     ref64 = torch.tensor([7e4, 1.0], dtype=torch.float64)
     ref_lp = ref64.half()  # 7e4 overflows float16

@@ -361,7 +361,7 @@ def model_parity(eager, fast, src, tgt) -> dict[str, Any]:
     allowance, in float16, one flip where the upstream gradient is large failed the tiny
     model's linear1 gradients by 2.4x, and others, upstream, the relative floor
     (benchmarks/NOTES.md)."""
-    from fastformer.testing import ATOL_FLOOR, parity
+    from fastformer.testing import parity
 
     ref64, reference = copy.deepcopy(eager).double(), copy.deepcopy(eager)
     twin = torch_nn_twin(eager)
@@ -373,10 +373,10 @@ def model_parity(eager, fast, src, tgt) -> dict[str, Any]:
 
     def checked(name: str, got: torch.Tensor, ref: torch.Tensor, lows: list, allow=None) -> Any:
         got = _less(got, ref, allow)
-        floor = ATOL_FLOOR.get(lows[0].dtype, 1e-5)
-        if relative:
-            floor *= min(1.0, float(ref.abs().max()))
-        return max((parity(name, got, ref, lp, floor) for lp in lows), key=lambda r: r.bound)
+        return max(
+            (parity(name, got, ref, lp, relative_floor=relative) for lp in lows),
+            key=lambda r: r.bound,
+        )
 
     results = [checked("loss", loss_f, loss64, [loss for loss, _ in runs])]
     missing = sorted(set(grads64) - set(grads_f))
