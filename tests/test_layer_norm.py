@@ -182,6 +182,24 @@ def _plain_or_fused(fused, hidden):
     return fast
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("hidden", [16384, 65536])
+def test_layer_norm_rows_whose_head_is_far_from_their_mean(fused, hidden):
+    # The CPU forward's one pass sums d = x - shift and d * d, shift the mean of a row's first
+    # 32 columns. Here those are at 1e4 and the rest N(0, 1): mean(d * d) - mean(d)^2 would
+    # keep 13 to 15 of float32's 24 bits, so such rows must take the passes of the mean first.
+    x = _make((3, hidden), grad=False)
+    x[:, :32] += 1e4
+    x.requires_grad_()
+    results = compare_with_reference(
+        _plain_or_fused(fused, hidden),
+        lambda x, w, b: ref.layer_norm(x, hidden, w, b),
+        [x, *_params(hidden, "both")],
+        names="xwb",
+    )
+    assert_parity(results)
+
+
 @pytest.mark.parametrize(("hidden", "shift"), [(4, 1e4), (8, 1e5), (8, 1e6)])
 @pytest.mark.parametrize("fused", [False, True])
 def test_layer_norm_gradients_of_rows_whose_mean_dwarfs_their_spread(fused, hidden, shift):
