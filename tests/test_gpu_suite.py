@@ -91,7 +91,7 @@ def test_suite_runs_every_stage_and_counts_failures(tmp_path):
     threads = [c.split()[0] for c in calls if "-m pytest" in c or "fastformer check" in c]
     assert threads and all(t == "OMP_NUM_THREADS=2" for t in threads), calls
     # The benchmark last and alone: the default run exactly as a user starts it (no full grid
-    # without SUITE_FULL=1), then the profile and the LayerNorm sweep (the stub suite is well
+    # without SUITE_FULL=1), then the LayerNorm sweep and the profile (the stub suite is well
     # under 400 s).
     out = tmp_path / "out"
     assert commands[-3:] == [
@@ -143,12 +143,12 @@ def test_suite_copies_a_carried_build_in_before_the_check(tmp_path):
 
 def _after_bench(out) -> list[str]:  # the stages after the default bench
     return [
-        "benchmarks/profile_kernels.py --iters 3",
         f"benchmarks/sweep_layer_norm.py --out {out}/sweep_layer_norm.json",
+        "benchmarks/profile_kernels.py --iters 3",
     ]
 
 
-# The optional stages of each flag, between the default bench and the profile: (commands with
+# The optional stages of each flag, between the default bench and the LayerNorm sweep: (commands with
 # {out} for the output folder, their stage names). [TMA]: run with FASTFORMER_ATTN_TMA=1.
 _OPTIONAL_STAGES = {
     "SUITE_FULL": (
@@ -207,6 +207,6 @@ def test_suite_skips_the_profile_past_its_time(tmp_path):
     summary = (tmp_path / "out" / "summary.txt").read_text()
     skipped = [line for line in summary.splitlines() if "skipped" in line]
     assert len(skipped) == 2
-    for stage, line in zip(("profile", "sweep_layer_norm"), skipped):
+    for stage, line in zip(("sweep_layer_norm", "profile"), skipped):
         assert re.fullmatch(stage + r": skipped \(elapsed \d+s\)", line)
     assert "suite: 1 failed stage(s)" in summary
