@@ -1561,11 +1561,6 @@ def _padding(
     return _Padding(kpm, kv_range, (kpm.stride(0), kpm.stride(1)))
 
 
-# A 0-dim int64 tensor per device for the kernels' Seed pointer when the seed is an int: they
-# never read it then. Not kept when made inside CUDA graph capture (graph pool memory).
-_SEED_DUMMY: dict[torch.device, torch.Tensor] = {}
-
-
 # The seed argument that sends the kernels to Seed: negative, and of int64's class, as host
 # seeds in [2**32, 2**63) are. Triton types a do_not_specialize int by its range, so -1 (int32)
 # made other kernels: the first captured call compiled and loaded 3 of them inside capture.
@@ -1578,12 +1573,11 @@ def _seed_args(seed: int | torch.Tensor, device: torch.device) -> tuple[torch.Te
     memory, which the argument `_SEED_IN_MEMORY` tells them."""
     if isinstance(seed, torch.Tensor):
         return seed, _SEED_IN_MEMORY
-    dummy = _SEED_DUMMY.get(device)
-    if dummy is None:
-        dummy = torch.zeros((), dtype=torch.int64, device=device)
-        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-            _SEED_DUMMY[device] = dummy
-    return dummy, seed
+    # With an int seed the kernels never read Seed: an uninitialized tensor of the call's own.
+    # Not one kept across calls: one made in inductor's CUDA-graph warm-up lives in the graph
+    # pool, which cudagraph trees refuse ("tensor(s) in the cudagraph pool not tracked as
+    # outputs", H200, 2026-12-04).
+    return torch.empty((), dtype=torch.int64, device=device), seed
 
 
 def _stat_arg(
