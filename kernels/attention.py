@@ -55,8 +55,9 @@ class, head-dim bucket and feature class; the autotune key adds head dims, causa
 padding, dropout and power-of-two sequence buckets); under TRITON_INTERPRET=1 one fixed small
 config. A new key's candidates (a backward's dq and dK/dV ones together) are compiled at once in
 threads before the autotuner times them, and its choice is kept in Triton's cache directory.
-With FASTFORMER_ATTN_TMA=1 the sm_90 lists also hold TMA twins of their 16-bit configs: the
-loops read K and V (fwd, dq) or Q and dO (dkdv) through per-slice tensor descriptors (`tma_ok`).
+On sm_90 the lists also hold TMA twins of their 16-bit configs (FASTFORMER_ATTN_TMA=0: none):
+the loops read K and V (fwd, dq) or Q and dO (dkdv) through per-slice tensor descriptors
+(`tma_ok`).
 `compile_report(arch)` (or `python -m fastformer.kernels.attention 90 80`) compiles every
 config of an arch table without a GPU and reports the cubins' registers, spills (stack frame)
 and shared memory.
@@ -1253,13 +1254,14 @@ def _autotuned(kernel: str, arch: int, dclass: str, bucket: int, fclass: str, tm
 
 
 # --------------------------------------------------------------------------- TMA loads
-# FASTFORMER_ATTN_TMA=1 (read at import): on sm_90 and newer, each kernel also tunes a twin of
-# each 16-bit config whose loop reads its tiles (K and V in fwd and dq, Q and dO in dkdv)
-# through TMA descriptors (one per program and slice, made on the device: `_slice_descriptor`).
-# sm_90 compile: 186-201 registers instead of 249-255 for the d64 (128, 64, 4, 3) forward, 6%
-# fewer SASS instructions in its key loop (benchmarks/NOTES.md). Off by default until a GPU run
-# has measured it.
-TMA = os.environ.get("FASTFORMER_ATTN_TMA", "0") == "1"
+# On sm_90 and newer each kernel also tunes a twin of each 16-bit config whose loop reads its
+# tiles (K and V in fwd and dq, Q and dO in dkdv) through TMA descriptors (one per program and
+# slice, made on the device: `_slice_descriptor`); FASTFORMER_ATTN_TMA=0 (read at import) leaves
+# them out. sm_90 compile: 186-201 registers instead of 249-255 for the d64 (128, 64, 4, 3)
+# forward, 6% fewer SASS instructions in its key loop. On by default since the H200 run of
+# 2026-12-04: the GPU tests and the parity grid passed with them, the twin test gave the pointer
+# loads' bits, and they won the d64 forward and dK/dV by 7-19% (benchmarks/NOTES.md).
+TMA = os.environ.get("FASTFORMER_ATTN_TMA", "1") != "0"
 # Twins that spill (compile_report, Triton 3.6 or 3.8): (kernel, bucket, feature class, config).
 # The split d256 dK/dV (PART 1 and 2) has none: its twins took 20-90 more registers than the
 # pointer loads, and the dK part spilled 4-832 bytes.
@@ -1292,8 +1294,8 @@ _TMA_EXTRA = {
 
 
 def tma_candidates(kernel: str, arch: int, dclass: str, bucket: int, fclass: str) -> list[Config]:
-    """What FASTFORMER_ATTN_TMA=1 adds to one CONFIGS list (sm_90 table, 16-bit): the TMA twin
-    of each config, less the spilling, and the TMA-only tiles."""
+    """What TMA adds to one CONFIGS list (sm_90 table, 16-bit): the TMA twin of each config,
+    less the spilling, and the TMA-only tiles."""
     if arch != 90 or dclass != "16bit" or kernel not in KERNELS:
         return []
     if kernel == "dkdv" and bucket > 128:
