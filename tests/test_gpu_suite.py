@@ -2,8 +2,8 @@
 
 A lent GPU session has one try at this script, so its stages, the parallel split of the tests
 and of the parity grid, the benchmark stages (the default `bench`; the full grid only with
-SUITE_FULL=1; with SUITE_TMA=1 the tests and the grid with TMA twins, and an attention bench with
-them; the profile only when time is left), the exit status and the in-place build fallback are
+SUITE_FULL=1; the LayerNorm sweep and the profile only when time is left; nothing a stage started
+left running), the exit status and the in-place build fallback are
 checked here.
 """
 
@@ -18,9 +18,13 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "run_gpu_suite.sh"
 
 # Logs each call; pip fails when STUB_PIP_RC=1; the prebuilt check fails unless
-# STUB_PREBUILT_RC=0; check shard 3 fails; check shards take 1 s.
+# STUB_PREBUILT_RC=0; check shard 3 fails; check shards take 1 s; pytest and bench leave a
+# process running (its pid in $STUB_LOG.left), as a cut pytest leaves its xdist workers.
 STUB = """#!/usr/bin/env bash
-echo "OMP_NUM_THREADS=${OMP_NUM_THREADS:-} PYTHONPATH=${PYTHONPATH:-} $*${FASTFORMER_ATTN_TMA:+ [TMA]}" >> "$STUB_LOG"
+echo "OMP_NUM_THREADS=${OMP_NUM_THREADS:-} PYTHONPATH=${PYTHONPATH:-} $*" >> "$STUB_LOG"
+case "$*" in
+  "-m pytest"*|"-m fastformer bench"*) sleep 300 & echo $! >> "$STUB_LOG.left" ;;
+esac
 case "$*" in
   "-m pip install"*) exit "${STUB_PIP_RC:-0}" ;;
   "-c import torch, fastformer._ext"*) exit "${STUB_PREBUILT_RC:-1}" ;;
@@ -58,7 +62,7 @@ def _run_suite(
     env = {**os.environ, "PYTHON": str(stub), "STUB_LOG": str(log), "STUB_PIP_RC": str(pip_rc)}
     env["STUB_PREBUILT_RC"] = str(prebuilt_rc)
     env.update(CHECK_SHARDS="4", PYTHONPATH="")
-    for name in ("SUITE_FULL", "SUITE_TMA", "SUITE_PROFILE_BEFORE_S", "FASTFORMER_ATTN_TMA"):
+    for name in ("SUITE_FULL", "SUITE_PROFILE_BEFORE_S"):
         env.pop(name, None)
     env.update(extra_env)
     done = subprocess.run(
@@ -105,6 +109,17 @@ def test_suite_runs_every_stage_and_counts_failures(tmp_path):
     # The four 1-second shards ran at once, not one after another.
     verify = [line for line in summary.splitlines() if line.startswith("verify-")]
     assert max(int(line.split()[-1].rstrip("s")) for line in verify) < 4
+    # Nothing a stage started runs on after it: not beside the next stage, not after the suite.
+    left = [int(pid) for pid in (tmp_path / "calls.log.left").read_text().split()]
+    assert len(left) == 3 and not any(_running(pid) for pid in left)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"  # a zombie has ended (its parent, the stub, is gone)
 
 
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
@@ -149,7 +164,7 @@ def _after_bench(out) -> list[str]:  # the stages after the default bench
 
 
 # The optional stages of each flag, between the default bench and the LayerNorm sweep: (commands with
-# {out} for the output folder, their stage names). [TMA]: run with FASTFORMER_ATTN_TMA=1.
+# {out} for the output folder, their stage names).
 _OPTIONAL_STAGES = {
     "SUITE_FULL": (
         [
@@ -161,21 +176,13 @@ _OPTIONAL_STAGES = {
         ],
         ["bench_full_attention", "bench_full_ops", "bench_full_model"],
     ),
-    "SUITE_TMA": (
-        [
-            "-m fastformer bench --no-model --ops attention --max-seconds 100 "
-            "--out {out}/bench-tma [TMA]"
-        ],
-        ["bench_tma"],
-    ),
 }
 
 
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
 @pytest.mark.parametrize("flag", sorted(_OPTIONAL_STAGES))
 def test_suite_optional_stages_run_after_the_default_bench(tmp_path, flag):
-    """SUITE_FULL=1: the full grid and model variants; SUITE_TMA=1: the attention grid with
-    the TMA twins, whose GPU tests and parity grid ran with FASTFORMER_ATTN_TMA=1 too."""
+    """SUITE_FULL=1: the full grid and model variants."""
     done, calls = _run_suite(tmp_path, pip_rc=0, **{flag: "1"})
     assert done.returncode == 1, done.stdout + done.stderr  # only the failing shard counts
     commands = [c.split(" ", 2)[2] for c in calls]
@@ -186,10 +193,6 @@ def test_suite_optional_stages_run_after_the_default_bench(tmp_path, flag):
         *(command.format(out=out) for command in extra),
         *_after_bench(out),
     ]
-    # SUITE_TMA=1: the GPU tests, the parity grid and the extra attention grid with TMA twins.
-    tma = [c for c in commands if "[TMA]" in c]
-    verify = [c for c in commands if "-m pytest" in c or "fastformer check" in c]
-    assert tma == (verify + [extra[0].format(out=out)] if flag == "SUITE_TMA" else [])
     summary = (out / "summary.txt").read_text()
     for name in stages:
         assert f"{name} rc=0" in summary
