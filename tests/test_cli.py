@@ -2930,3 +2930,22 @@ def test_model_parity_fails_on_a_gradient_in_one_model_only():
     result = B.model_parity(eager_frozen, fast, src, tgt)
     assert result["passed"] is False
     assert f"d{name}: a gradient in the fastformer model only" in result["failed"]
+
+
+def test_bench_measures_attention_after_the_other_ops_and_reports_them_in_order(
+    monkeypatch, tmp_path
+):
+    # A time limit falling in attention's long grid (peers compiled for each case) cut its last
+    # cases, not whole ops: on an H200 the LayerNorm and FFN grids, run after it, measured nothing.
+    ran = []
+
+    def record(op, *args, **kwargs):
+        ran.append(op)
+        args[5]({"cases": []})
+
+    monkeypatch.setattr(B, "bench_op", record)
+    argv = ["bench", "--quick", "--no-model", "--device", "cpu", "--out", str(tmp_path)]
+    main([*argv, "--ops", "attention,layer_norm,ffn"])
+    assert ran == ["layer_norm", "ffn", "attention"]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert list(results["ops"]) == ["attention", "layer_norm", "ffn"]
