@@ -235,7 +235,9 @@ __device__ __forceinline__ V row_sum(V v, V* red, bool* nonfinite = nullptr) {
   if (threadIdx.x % kWarp == 0) slot[threadIdx.x / kWarp] = v;
   __syncthreads();
   const V total = slots_total(slot, warps);
-  if (nonfinite != nullptr) {
+  if (nonfinite != nullptr && blockDim.y == 1) {  // a block a row: the total is the block's
+    *nonfinite = !finite(total);
+  } else if (nonfinite != nullptr) {
     *nonfinite = false;
     for (int y = 0; y < blockDim.y; ++y) *nonfinite |= !finite(slots_total(red + y * warps, warps));
   }
