@@ -33,9 +33,9 @@ SUITE_START=$(date +%s)
 
 # boxed SECONDS COMMAND...: COMMAND with a time box, in a session of its own whose processes
 # are all killed once it returns. On the H200 (2026-12-04) the verify stage's pytest was cut by
-# its box while its xdist workers were still up, and the bench after it measured the model's
-# host-bound steps 1.3-1.6x slower than a later run on an idle machine: whatever a stage leaves
-# must not run beside the next one.
+# its box with its xdist workers under it, and the bench after it measured the model's
+# host-bound steps 1.3-1.6x slower than a later run on an idle machine (what the cut stage left
+# running is the likely cause): whatever a stage leaves must not run beside the next one.
 SETSID=$(command -v setsid || true)
 boxed() {
     local limit=$1 pid rc
