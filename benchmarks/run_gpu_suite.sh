@@ -94,9 +94,9 @@ CHECK_SHARDS="${CHECK_SHARDS:-7}"
 { nvidia-smi; "$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } \
     >"$OUT/machine.log" 2>&1
 
-# Budget (seconds), at most: build 130 (or the prebuilt check, ~10) + info 15 + verify 150 +
-# bench 200 = 495; on the H200 of 2026-12-04 the build took 62 s and the bench 195, so with a
-# build about 420 s. The LayerNorm sweep (45) and the profile (60) each run only when the suite
+# Budget (seconds), at most: build 130 (or the prebuilt check, ~10) + info 15 + verify 170 +
+# bench 200 = 515; on the H200 of 2026-12-04 the build took 62 s and the bench 195, so with a
+# build about 440 s. The LayerNorm sweep (45) and the profile (60) each run only when the suite
 # is still under SUITE_PROFILE_BEFORE_S (400 s) as it would start, so they never take a run past
 # 400 + 60 s.
 # (The in-place build fallback, after a failed pip build, can add up to 130 s.) The bench stage
@@ -153,10 +153,11 @@ jobs+=("check_ln_ffn=$CHECK --ops layer_norm,ffn")  # C++ ops: fast, never cut b
 for k in $(seq 1 "$CHECK_SHARDS"); do
     jobs+=("check$k=$CHECK --ops attention --shard $k/$CHECK_SHARDS")
 done
-# 150 s: on the H200 of 2026-12-04 the non-attention tests (101) ran their last one at ~129 s.
-parallel_stage verify 150 "${jobs[@]}"
+# 170 s: on the H200 of 2026-12-04 the non-attention tests (101) ran their last one at ~129 s,
+# with the reduce-overhead test failing in its first step; passing, it compiles two more graphs.
+parallel_stage verify 170 "${jobs[@]}"
 
-# Budget (seconds), so far at most build 130 + info 15 + verify 150; from here: bench 200, then
+# Budget (seconds), so far at most build 130 + info 15 + verify 170; from here: bench 200, then
 # the LayerNorm sweep 45 and the profile 60, each only if the suite is still under
 # SUITE_PROFILE_BEFORE_S (400 s) when it would start: 8 minutes at most.
 # The benchmark alone on the GPU, exactly as a user runs it: the base model, then the default
