@@ -36,11 +36,14 @@ SUITE_START=$(date +%s)
 # its box with its xdist workers under it, and the bench after it measured the model's
 # host-bound steps 1.3-1.6x slower than a later run on an idle machine (what the cut stage left
 # running is the likely cause): whatever a stage leaves must not run beside the next one.
+# The box ends with SIGINT, SIGKILL 15 s later: on KeyboardInterrupt pytest (xdist too) prints
+# the failures so far with their tracebacks and bench writes what it measured, where SIGTERM
+# left the cut verify stage of 2026-12-04 without either.
 SETSID=$(command -v setsid || true)
 boxed() {
     local limit=$1 pid rc
     shift
-    $SETSID timeout --kill-after=15 "$limit" "$@" &
+    $SETSID timeout -s INT --kill-after=15 "$limit" "$@" &
     pid=$!  # the session's leader (no job control: the background job leads no group)
     wait "$pid"
     rc=$?

@@ -3,7 +3,7 @@
 A lent GPU session has one try at this script, so its stages, the parallel split of the tests
 and of the parity grid, the benchmark stages (the default `bench`; the full grid only with
 SUITE_FULL=1; the LayerNorm sweep and the profile only when time is left; nothing a stage started
-left running), the exit status and the in-place build fallback are
+left running; a stage past its box interrupted with SIGINT first), the exit status and the in-place build fallback are
 checked here.
 """
 
@@ -24,6 +24,11 @@ STUB = """#!/usr/bin/env bash
 echo "OMP_NUM_THREADS=${OMP_NUM_THREADS:-} PYTHONPATH=${PYTHONPATH:-} $*" >> "$STUB_LOG"
 case "$*" in
   "-m pytest"*|"-m fastformer bench"*) sleep 300 & echo $! >> "$STUB_LOG.left" ;;
+  "-m fastformer info") if [ -n "${STUB_HANG_INFO:-}" ]; then
+      trap 'echo INT >> "$STUB_LOG.signal"; exit 130' INT
+      trap 'echo TERM >> "$STUB_LOG.signal"; exit 143' TERM
+      sleep 60 & wait
+    fi ;;
 esac
 case "$*" in
   "-m pip install"*) exit "${STUB_PIP_RC:-0}" ;;
@@ -213,3 +218,14 @@ def test_suite_skips_the_profile_past_its_time(tmp_path):
     for stage, line in zip(("sweep_layer_norm", "profile"), skipped):
         assert re.fullmatch(stage + r": skipped \(elapsed \d+s\)", line)
     assert "suite: 1 failed stage(s)" in summary
+
+
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
+def test_a_stage_past_its_box_is_interrupted_first(tmp_path):
+    """The box ends a stage with SIGINT (KeyboardInterrupt: pytest prints its failures so far,
+    bench writes its results), SIGKILL only 15 s later; the stage counts as failed (124)."""
+    done, _ = _run_suite(tmp_path, pip_rc=0, STUB_HANG_INFO="1")
+    assert done.returncode == 2, done.stdout + done.stderr  # info and check shard 3 failed
+    assert (tmp_path / "calls.log.signal").read_text() == "INT\n"
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert re.search(r"^info +rc=124 +1[5-9]s$", summary, re.M), summary
