@@ -3,8 +3,8 @@
 A lent GPU session has one try at this script, so its stages, the parallel split of the tests
 and of the parity grid, the benchmark stages (the default `bench`; the full grid only with
 SUITE_FULL=1; the LayerNorm sweep and the profile only when time is left; nothing a stage started
-left running; a stage past its box interrupted with SIGINT first), the exit status and the in-place build fallback are
-checked here.
+left running; a stage past its box interrupted with SIGINT first), the exit status and the
+in-place build fallback are checked here.
 """
 
 import os
@@ -168,8 +168,8 @@ def _after_bench(out) -> list[str]:  # the stages after the default bench
     ]
 
 
-# The optional stages of each flag, between the default bench and the LayerNorm sweep: (commands with
-# {out} for the output folder, their stage names).
+# The optional stages of each flag, between the default bench and the LayerNorm sweep:
+# (commands with {out} for the output folder, their stage names).
 _OPTIONAL_STAGES = {
     "SUITE_FULL": (
         [
