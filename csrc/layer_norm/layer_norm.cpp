@@ -710,25 +710,6 @@ std::pair<A, A> row_stats(const A* v, int64_t n, double eps, bool rms, const Mom
   return {mu, A(1) / std::sqrt(var + static_cast<A>(eps))};
 }
 
-// Rows of at most 2 KB ask for the next row of x while this one is worked on: at 4096 x 256-512
-// fp32 the forward went 11-14% faster on the AVX-512 CI VM, toggled within one process (0-6%
-// between processes, whose noise is +-3%). Rows of 4 KB gained nothing, and the backward (x and
-// dy) nothing or lost.
-constexpr int64_t kPrefetchRowBytes = 2048;
-
-template <typename T>
-FF_INLINE void prefetch_row(const T* row, int64_t n) {
-#if defined(__GNUC__) || defined(__clang__)
-  const char* bytes = reinterpret_cast<const char*>(row);
-  for (int64_t j = 0; j < n * static_cast<int64_t>(sizeof(T)); j += 64) {
-    __builtin_prefetch(bytes + j);
-  }
-#else
-  (void)row;
-  (void)n;
-#endif
-}
-
 template <typename T>
 void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
                     const c10::optional<at::Tensor>& bias, int64_t rows, at::Tensor& mean,
@@ -745,9 +726,9 @@ void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
     prefault_rows(p.out, n, begin, end);
     prefault_rows(p.pre, n, begin, end);
     std::vector<A> buf(n);
-    const bool prefetch = n * static_cast<int64_t>(sizeof(T)) <= kPrefetchRowBytes;
+    // (No software prefetch of the next row: on an AMD EPYC VM it cost fp32 4096 x 512 15-25%
+    // against no prefetch, where it had gained 0-14% on an Intel Xeon; benchmarks/NOTES.md.)
     for (int64_t row = begin; row < end; ++row) {
-      if (prefetch && row + 1 < end) prefetch_row(p.x + (row + 1) * n, n);
       const A* v = buf.data();
       Moments<A> moments{};  // of v, when the conversion took them
       bool converted = false;
