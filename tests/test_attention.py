@@ -1535,6 +1535,31 @@ def test_launch_grids_stay_within_cuda_limits(monkeypatch):
         assert max(grid[1:]) <= kernels.MAX_GRID_YZ
 
 
+@pytest.mark.parametrize(("causal", "padding"), [(False, False), (True, False), (True, True)])
+def test_causal_query_blocks_start_longest_first(causal, padding, monkeypatch):
+    # A causal query block's key loop grows with its index; the fwd and dq kernels take the
+    # blocks last first, so that the programs left running at the end of the grid are short
+    # (in index order with key padding, where the reversal made ptxas spill).
+    if DEVICE != "cpu":
+        pytest.skip("a kernel through the interpreter")
+    import triton
+    import triton.language as tl
+
+    from fastformer.kernels import attention as kernels
+
+    # The interpreter runs a kernel's source in its module's globals, not in its closure.
+    monkeypatch.setitem(globals(), "_query_block", kernels._query_block)
+
+    @triton.jit
+    def block_of_program(Out, IS_CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr):
+        tl.store(Out + tl.program_id(0), _query_block(IS_CAUSAL, HAS_KPM))  # noqa: F821
+
+    out = torch.full((5,), -1, dtype=torch.int32)
+    block_of_program[(5,)](out, IS_CAUSAL=causal, HAS_KPM=padding)
+    expected = [4, 3, 2, 1, 0] if causal and not padding else [0, 1, 2, 3, 4]
+    assert out.tolist() == expected
+
+
 @pytest.mark.parametrize(
     ("triton_version", "numpy_version", "refused"),
     [("3.6.0", "2.4.0", True), ("3.6.0", "2.3.5", False), ("3.7.0", "2.4.1", False)],
