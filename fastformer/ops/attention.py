@@ -37,6 +37,7 @@ holds for any B * H and for Lq * C < 2**32 (a ValueError beyond).
 regenerates it too, so nothing of size Lq x Lk is stored.
 """
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -482,7 +483,10 @@ def _as_inputs(inputs) -> AttentionInputs | None:
     return AttentionInputs(inputs) if isinstance(inputs, Tensor) else inputs
 
 
+@functools.cache
 def _kernels():
+    # Imported on first use (Triton is not needed before); cached: an import statement costs
+    # ~2 us a call on the CI VM, several a call of the op.
     from fastformer.kernels import attention as kernels
 
     return kernels
