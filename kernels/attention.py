@@ -71,6 +71,7 @@ import math
 import os
 import tempfile
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -2173,13 +2174,20 @@ def compile_report(arch: int = 90, workers: int = 2) -> list[dict]:
     """Compile every config of the `arch` table (see compile_jobs) without a GPU: registers,
     stack frame (spills), smem and whether wgmma was used, one dict per compiled kernel. Needs
     TRITON_INTERPRET unset and cuobjdump (Triton's wheel ships it)."""
+    return list(_compile_rows(arch, workers))
+
+
+def _compile_rows(arch: int, workers: int) -> Iterator[dict]:
+    # Row by row as they are done: `main` prints each, and the test waiting for it reads a job
+    # that prints nothing for minutes as stalled.
     from concurrent.futures import ProcessPoolExecutor
 
     jobs = compile_jobs(arch)
     if workers <= 1:
-        return [_compile_job(job) for job in jobs]
+        yield from map(_compile_job, jobs)
+        return
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(_compile_job, jobs))
+        yield from pool.map(_compile_job, jobs)
 
 
 # Opt-in shared memory per block: A100 (sm_80) and H100/H200 (sm_90).
@@ -2211,7 +2219,7 @@ def main() -> None:
     import sys
 
     for arch in [int(a) for a in sys.argv[1:]] or [90]:
-        for row in compile_report(arch):
+        for row in _compile_rows(arch, workers=2):
             print(json.dumps(row), flush=True)
 
 

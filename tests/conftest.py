@@ -17,7 +17,25 @@ import pytest  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--sample-cases",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the first and every Nth case of each parametrized test (CI's stages on other "
+        "torch and Triton versions: every test still runs, on a third of its grid)",
+    )
+
+
+def pytest_configure(config):
+    every = config.getoption("sample_cases")
+    if every < 1:
+        raise pytest.UsageError(f"--sample-cases must be >= 1, got {every}")
+
+
 def pytest_collection_modifyitems(config, items):
+    _sample_cases(config, items, config.getoption("sample_cases"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
@@ -65,3 +83,20 @@ def fake_cuda():
             return torch.empty(*shape, device="cuda", dtype=dtype, requires_grad=requires_grad)
 
     return make
+
+
+def _sample_cases(config, items, every: int) -> None:
+    # Cases are counted per test function in collection order, so the sample is the same on
+    # every xdist worker; `every_case` tests (each case checks a different thing) keep all.
+    if every == 1:
+        return
+    seen: dict[str, int] = {}
+    kept, dropped = [], []
+    for item in items:
+        name = item.nodeid.split("[")[0]
+        index = seen[name] = seen.get(name, -1) + 1
+        keep = index % every == 0 or "every_case" in item.keywords
+        (kept if keep else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
