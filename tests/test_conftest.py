@@ -11,14 +11,18 @@ from pathlib import Path
 TESTS = Path(__file__).parent
 
 
-def _collected(*args: str) -> list[str]:
-    out = subprocess.run(
+def _collect(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
         cwd=TESTS.parent,
         capture_output=True,
         text=True,
         timeout=600,
     )
+
+
+def _collected(*args: str) -> list[str]:
+    out = _collect(*args)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return [line for line in out.stdout.splitlines() if "::" in line]
 
@@ -45,20 +49,6 @@ def test_sample_cases_keeps_every_test_on_every_nth_case():
 
 
 def test_sample_cases_below_one_is_an_error():
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "--collect-only",
-            "-q",
-            "--sample-cases=0",
-            "tests/test_ffn.py",
-        ],
-        cwd=TESTS.parent,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    out = _collect("--sample-cases=0", "tests/test_ffn.py")
     assert out.returncode != 0
     assert "--sample-cases must be >= 1, got 0" in out.stderr + out.stdout
