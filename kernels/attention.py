@@ -2174,10 +2174,10 @@ def compile_report(arch: int = 90, workers: int = 2) -> list[dict]:
     """Compile every config of the `arch` table (see compile_jobs) without a GPU: registers,
     stack frame (spills), smem and whether wgmma was used, one dict per compiled kernel. Needs
     TRITON_INTERPRET unset and cuobjdump (Triton's wheel ships it)."""
-    return list(_compile_rows(arch, workers))
+    return list(_compile_report_rows(arch, workers))
 
 
-def _compile_rows(arch: int, workers: int) -> Iterator[dict]:
+def _compile_report_rows(arch: int, workers: int) -> Iterator[dict]:
     # Row by row as they are done: `main` prints each, and the test waiting for it reads a job
     # that prints nothing for minutes as stalled.
     from concurrent.futures import ProcessPoolExecutor
@@ -2219,7 +2219,7 @@ def main() -> None:
     import sys
 
     for arch in [int(a) for a in sys.argv[1:]] or [90]:
-        for row in _compile_rows(arch, workers=2):
+        for row in _compile_report_rows(arch, workers=2):
             print(json.dumps(row), flush=True)
 
 
