@@ -2138,7 +2138,7 @@ def _compile_job(job: tuple) -> dict:
     )
 
 
-def compile_jobs(arch: int = 90) -> list[tuple]:
+def compile_jobs(arch: int = 90, heaviest_only: bool = False) -> list[tuple]:
     """Every kernel specialization the compile check builds for the `arch` config table.
 
     Each (kernel, head-dim bucket, config, dK/dV part, feature class) is compiled in fp16 (fp32
@@ -2149,6 +2149,11 @@ def compile_jobs(arch: int = 90) -> list[tuple]:
     same code and registers as fp16 but for the MMA type). On sm_90 the TMA candidates too
     (`tma_candidates`). The float-mask classes of fwd and dq once more with a float32 Out
     (OUT32_CLASSES). Plus the key-range kernel.
+
+    `heaviest_only`: one config per specialization (kernel, dtype, bucket, feature class, dK/dV
+    part, TMA or not), the one with the most tile elements per thread, then the most stages
+    (`_heaviest`): every code path is compiled once, at the config most likely to spill or run
+    out of shared memory (CI's check under the newest Triton: 166 of the 273 sm_90 kernels).
     """
     jobs = set()
     for (kernel, table_arch, dclass, bucket, fclass), configs in CONFIGS.items():
@@ -2165,24 +2170,40 @@ def compile_jobs(arch: int = 90) -> list[tuple]:
         for config, part in itertools.product(configs[:1], parts):
             if dclass == "16bit" and fclass == "base" and bucket > 64:
                 jobs.add((kernel, "bfloat16", bucket, tuple(config), "base", arch, part))
-    jobs = sorted(jobs)
+    jobs = _heaviest(jobs) if heaviest_only else sorted(jobs)
     jobs.append(("kv_range", "float16", 64, (0, KV_RANGE_BLOCK, 4, 1), "base", arch, 0))
     return jobs
 
 
-def compile_report(arch: int = 90, workers: int = 2) -> list[dict]:
+def _heaviest(jobs: set[tuple]) -> list[tuple]:
+    # Registers go with the accumulator elements each thread holds; shared memory with the
+    # tiles in flight (stages).
+    def weight(job: tuple) -> tuple:
+        c = Config(*job[3])
+        return (c.block_m * c.block_n / c.num_warps, c.num_stages, job)
+
+    groups: dict[tuple, tuple] = {}
+    for job in jobs:
+        kernel, dtype, bucket, config, fclass, _, part = job
+        key = (kernel, dtype, bucket, fclass, part, Config(*config).tma)
+        if key not in groups or weight(job) > weight(groups[key]):
+            groups[key] = job
+    return sorted(groups.values())
+
+
+def compile_report(arch: int = 90, workers: int = 2, heaviest_only: bool = False) -> list[dict]:
     """Compile every config of the `arch` table (see compile_jobs) without a GPU: registers,
     stack frame (spills), smem and whether wgmma was used, one dict per compiled kernel. Needs
     TRITON_INTERPRET unset and cuobjdump (Triton's wheel ships it)."""
-    return list(_compile_report_rows(arch, workers))
+    return list(_compile_report_rows(arch, workers, heaviest_only))
 
 
-def _compile_report_rows(arch: int, workers: int) -> Iterator[dict]:
+def _compile_report_rows(arch: int, workers: int, heaviest_only: bool) -> Iterator[dict]:
     # Row by row as they are done: `main` prints each, and the test waiting for it reads a job
     # that prints nothing for minutes as stalled.
     from concurrent.futures import ProcessPoolExecutor
 
-    jobs = compile_jobs(arch)
+    jobs = compile_jobs(arch, heaviest_only)
     if workers <= 1:
         yield from map(_compile_job, jobs)
         return
@@ -2213,13 +2234,16 @@ def check_compile_report(report: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    """`python -m fastformer.kernels.attention [arch ...]` (default 90): print the compile
-    report of each arch table as JSON lines."""
+    """`python -m fastformer.kernels.attention [--heaviest-only] [arch ...]` (default 90): print
+    the compile report of each arch table as JSON lines (`compile_jobs`)."""
     import json
     import sys
 
-    for arch in [int(a) for a in sys.argv[1:]] or [90]:
-        for row in _compile_report_rows(arch, workers=2):
+    args = sys.argv[1:]
+    heaviest_only = "--heaviest-only" in args
+    archs = [int(a) for a in args if a != "--heaviest-only"] or [90]
+    for arch in archs:
+        for row in _compile_report_rows(arch, 2, heaviest_only):
             print(json.dumps(row), flush=True)
 
 

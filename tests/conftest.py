@@ -26,6 +26,12 @@ def pytest_addoption(parser):
         help="run the first and every Nth case of each parametrized test (CI's stages on other "
         "torch and Triton versions: every test still runs, on a third of its grid)",
     )
+    parser.addoption(
+        "--compile-heaviest-only",
+        action="store_true",
+        help="the attention compile check builds one config per kernel specialization, its "
+        "heaviest (CI's stage on the newest Triton; kernels.attention.compile_jobs)",
+    )
 
 
 def pytest_configure(config):

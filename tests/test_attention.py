@@ -2164,7 +2164,11 @@ def _selected_archs(session) -> list[int]:
     return sorted({item.callspec.params["arch"] for item in items}, reverse=True)
 
 
-def _start_compile(folder: Path, archs: list[int]) -> None:
+def _heaviest_only(request) -> bool:
+    return request.config.getoption("compile_heaviest_only")
+
+
+def _start_compile(folder: Path, archs: list[int], heaviest_only: bool) -> None:
     # One subprocess without TRITON_INTERPRET (the interpreter replaces the JIT) compiling on 2
     # processes, to files (a full pipe would stall it); `rc` appears when it is done.
     folder.mkdir(parents=True, exist_ok=True)
@@ -2174,8 +2178,9 @@ def _start_compile(folder: Path, archs: list[int]) -> None:
             return
         (folder / "started").touch()
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
+    args = ["--heaviest-only"] * heaviest_only + [str(arch) for arch in archs]
     script = (
-        f'"$0" -m fastformer.kernels.attention {" ".join(map(str, archs))} >out 2>err; '
+        f'"$0" -m fastformer.kernels.attention {" ".join(args)} >out 2>err; '
         "echo $? >rc.tmp; mv rc.tmp rc"
     )
     subprocess.Popen(["sh", "-c", script, sys.executable], cwd=folder, env=env)
@@ -2187,12 +2192,12 @@ def _compile_in_background(request, tmp_path_factory):
     # start it with the module so that it overlaps the interpreter tests.
     archs = _selected_archs(request.session)
     if archs and _cuobjdump_found():
-        _start_compile(_compile_dir(tmp_path_factory), archs)
+        _start_compile(_compile_dir(tmp_path_factory), archs, _heaviest_only(request))
 
 
 def _compile_rows(request, tmp_path_factory) -> list[dict]:
     folder = _compile_dir(tmp_path_factory)
-    _start_compile(folder, _selected_archs(request.session))
+    _start_compile(folder, _selected_archs(request.session), _heaviest_only(request))
     # A stall, not a total: one kernel takes seconds, the whole job 5-25 minutes of a 2-core
     # CI machine (it shares them with the tests), and a slow machine is not a failure.
     out, size, last = folder / "out", -1, time.monotonic()
@@ -2220,7 +2225,7 @@ def test_compile_report(arch, request, tmp_path_factory):
     from fastformer.kernels import attention as kernels
 
     report = [r for r in _compile_rows(request, tmp_path_factory) if r["arch"] == arch]
-    assert len(report) == len(kernels.compile_jobs(arch))
+    assert len(report) == len(kernels.compile_jobs(arch, _heaviest_only(request)))
     assert kernels.check_compile_report(report) == []
     kinds = {(r["kernel"], r["variant"]) for r in report}
     assert {("fwd", "all"), ("dkdv", "all"), ("dq", "all"), ("fwd", "causal")} <= kinds
@@ -2407,6 +2412,26 @@ def test_precompile_compiles_every_candidate_for_the_autotuner(tmp_path):
         assert int(candidates) >= 2 and int(before) == int(after) == int(candidates), line
     # dq's candidates, plus the one good config of the three (Triton 3.8 also caches failures)
     assert compiled == f"compiled {int(launches[0].split()[1]) + 1}"
+
+
+@pytest.mark.parametrize("arch", _COMPILE_ARCHS)
+def test_heaviest_only_compiles_each_specialization_once_at_its_heaviest_config(arch):
+    from fastformer.kernels import attention as kernels
+
+    def specialization(job):
+        return job[:3] + job[4:] + (kernels.Config(*job[3]).tma,)
+
+    def per_thread(job):
+        c = kernels.Config(*job[3])
+        return c.block_m * c.block_n / c.num_warps
+
+    every, heaviest = kernels.compile_jobs(arch), kernels.compile_jobs(arch, heaviest_only=True)
+    assert set(heaviest) <= set(every) and len(heaviest) < len(every)
+    kept = {specialization(job): job for job in heaviest}
+    assert len(kept) == len(heaviest)  # one config each
+    assert set(kept) == {specialization(job) for job in every}  # and every one
+    for job in every:
+        assert per_thread(job) <= per_thread(kept[specialization(job)]), job
 
 
 def test_check_compile_report_flags_problems():
