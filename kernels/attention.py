@@ -60,7 +60,7 @@ the loops read K and V (fwd, dq) or Q and dO (dkdv) through per-slice tensor des
 (`tma_ok`).
 `compile_report(arch)` (or `python -m fastformer.kernels.attention 90 80`) compiles every
 config of an arch table without a GPU and reports the cubins' registers, spills (stack frame)
-and shared memory.
+and shared memory (`--heaviest-only`: one config per kernel specialization, its heaviest tile).
 """
 
 from __future__ import annotations
