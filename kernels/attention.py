@@ -2192,9 +2192,10 @@ def _heaviest(jobs: set[tuple]) -> list[tuple]:
 
 
 def compile_report(arch: int = 90, workers: int = 2, heaviest_only: bool = False) -> list[dict]:
-    """Compile every config of the `arch` table (see compile_jobs) without a GPU: registers,
-    stack frame (spills), smem and whether wgmma was used, one dict per compiled kernel. Needs
-    TRITON_INTERPRET unset and cuobjdump (Triton's wheel ships it)."""
+    """Compile every config of the `arch` table (see compile_jobs; `heaviest_only`: one config
+    per kernel specialization) without a GPU: registers, stack frame (spills), smem and whether
+    wgmma was used, one dict per compiled kernel. Needs TRITON_INTERPRET unset and cuobjdump
+    (Triton's wheel ships it)."""
     return list(_compile_report_rows(arch, workers, heaviest_only))
 
 
