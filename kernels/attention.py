@@ -2151,7 +2151,7 @@ def compile_jobs(arch: int = 90, heaviest_only: bool = False) -> list[tuple]:
     (OUT32_CLASSES). Plus the key-range kernel.
 
     `heaviest_only`: one config per specialization (kernel, dtype, bucket, feature class, dK/dV
-    part, TMA or not), the one with the most tile elements per thread, then the most stages
+    part, TMA or not), the one with the most tile elements per warp, then the most stages
     (`_heaviest`): every code path is compiled once, at the config most likely to spill or run
     out of shared memory (CI's check under Triton 3.9: 164 of its 257 sm_90 kernels).
     """
@@ -2182,13 +2182,12 @@ def _heaviest(jobs: set[tuple]) -> list[tuple]:
         c = Config(*job[3])
         return (c.block_m * c.block_n / c.num_warps, c.num_stages, job)
 
-    groups: dict[tuple, tuple] = {}
+    groups: dict[tuple, list[tuple]] = {}
     for job in jobs:
         kernel, dtype, bucket, config, fclass, _, part = job
         key = (kernel, dtype, bucket, fclass, part, Config(*config).tma)
-        if key not in groups or weight(job) > weight(groups[key]):
-            groups[key] = job
-    return sorted(groups.values())
+        groups.setdefault(key, []).append(job)
+    return sorted(max(group, key=weight) for group in groups.values())
 
 
 def compile_report(arch: int = 90, workers: int = 2, heaviest_only: bool = False) -> list[dict]:

@@ -2421,7 +2421,7 @@ def test_heaviest_only_compiles_each_specialization_once_at_its_heaviest_config(
     def specialization(job):
         return job[:3] + job[4:] + (kernels.Config(*job[3]).tma,)
 
-    def per_thread(job):
+    def per_warp(job):
         c = kernels.Config(*job[3])
         return c.block_m * c.block_n / c.num_warps
 
@@ -2431,7 +2431,7 @@ def test_heaviest_only_compiles_each_specialization_once_at_its_heaviest_config(
     assert len(kept) == len(heaviest)  # one config each
     assert set(kept) == {specialization(job) for job in every}  # and every one
     for job in every:
-        assert per_thread(job) <= per_thread(kept[specialization(job)]), job
+        assert per_warp(job) <= per_warp(kept[specialization(job)]), job
 
 
 def test_check_compile_report_flags_problems():
