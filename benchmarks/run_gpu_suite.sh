@@ -161,8 +161,8 @@ done
 parallel_stage verify 170 "${jobs[@]}"
 
 # Budget (seconds), so far at most build 130 + info 15 + verify 170; from here: bench 200, then
-# the LayerNorm sweep 45 and the profile 60, each only if the suite is still under
-# SUITE_PROFILE_BEFORE_S (400 s) when it would start: 8 minutes at most.
+# the ws bench 60, the LayerNorm sweep 45 and the profile 60, each only if the suite is still
+# under SUITE_PROFILE_BEFORE_S (400 s) when it would start: 8 minutes at most.
 # The benchmark alone on the GPU, exactly as a user runs it: the base model, then the default
 # per-op grid (a representative subset sized for the 3-minute target: fastformer/cli/cases.py).
 stage bench 200 "$PY" -m fastformer bench --max-seconds 170 --out "$OUT/bench"
@@ -177,6 +177,17 @@ if [ "${SUITE_FULL:-0}" = 1 ]; then
     # and both with their steps replayed from CUDA graphs.
     stage bench_full_model 200 "$PY" -m fastformer bench --full --ops "" --max-seconds 170 \
         --out "$OUT/bench-full-model"
+fi
+# The warp-specialized attention forward tiles (FASTFORMER_ATTN_WS=1, not yet timed on a GPU):
+# the non-causal d64 and d128 rows of the default grid, whose tuning log times each ws tile
+# against the other candidates in one run; the rows compare with the default bench's. Only
+# with time left (the same limit), before the sweep: what it measures is new.
+ELAPSED=$(( $(date +%s) - SUITE_START ))
+if [ "$ELAPSED" -lt "${SUITE_PROFILE_BEFORE_S:-400}" ]; then
+    stage bench_ws 60 env FASTFORMER_ATTN_WS=1 "$PY" -m fastformer bench --no-model \
+        --ops attention --cases s8192d64,h16s2048d128 --max-seconds 45 --out "$OUT/bench-ws"
+else
+    echo "bench_ws: skipped (elapsed ${ELAPSED}s)" | tee -a "$OUT/summary.txt"
 fi
 # LayerNorm's launch configurations against each other (~20 s): the data for its bandwidth
 # targets; only with time left (a skipped stage is not a failure). Before the profile: it feeds

@@ -57,7 +57,9 @@ config. A new key's candidates (a backward's dq and dK/dV ones together) are com
 threads before the autotuner times them, and its choice is kept in Triton's cache directory.
 On sm_90 the lists also hold TMA twins of their 16-bit configs (FASTFORMER_ATTN_TMA=0: none):
 the loops read K and V (fwd, dq) or Q and dO (dkdv) through per-slice tensor descriptors
-(`tma_ok`).
+(`tma_ok`). With FASTFORMER_ATTN_WS=1 the non-causal forwards without masks, padding or dropout
+also tune warp-specialized tiles (`ws_candidates`: a TMA producer warpgroup and two consumer
+warpgroups, Triton's automatic warp specialization).
 `compile_report(arch)` (or `python -m fastformer.kernels.attention 90 80`) compiles every
 config of an arch table without a GPU and reports the cubins' registers, spills (stack frame)
 and shared memory (`--heaviest-only`: one config per kernel specialization, its heaviest tile).
@@ -409,10 +411,10 @@ def _fwd_loop(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, EDGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     # Branch-free body: a runtime `if` in the loop would turn off Triton's software pipelining.
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         acc, l_i, m_i = _fwd_tile(
             acc, l_i, m_i, q, k_base, v_base, mask_base, kpm_base, start_n, row0, rows_local,
             offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
@@ -434,7 +436,7 @@ def attn_fwd(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, ROW_STAT: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     """O and LSE for one (query block, batch*head); grid `bh_grid`."""
     seed = _resolved_seed(seed, Seed, HAS_DROPOUT)
@@ -447,8 +449,10 @@ def attn_fwd(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    q = _load_rows(Q + off_b * stride_qb + off_h * stride_qh, row0, rows_local, Lq, stride_qm,
-                   offs_d, HEAD_D, BLOCK_D)
+    q_base = Q + off_b * stride_qb + off_h * stride_qh
+    if WARP_SPEC:  # Triton's warp specialization took the loop only with Q through TMA too
+        q_base = _slice_descriptor(q_base, Lq, stride_qm, HEAD_D, BLOCK_M, BLOCK_D)
+    q = _tile_rows(q_base, row0, rows_local, Lq, stride_qm, offs_d, HEAD_D, BLOCK_D, WARP_SPEC)
     k_base = K + off_b * stride_kb + off_hkv * stride_kh
     v_base = V + off_b * stride_vb + off_hkv * stride_vh
     if USE_TMA:
@@ -463,19 +467,27 @@ def attn_fwd(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     lo, hi, full_hi = _key_range(KvRange, off_b, row0, Lk, IS_CAUSAL, HAS_KPM, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _fwd_loop(
-        acc, l_i, m_i, q, k_base, v_base, mask_base, kpm_base, lo, full_hi, row0, rows_local,
-        offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
-        seed, drop_t, drop_base, qk_scale, Lq, Lk,
-        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
-        DOT_PREC, False, BLOCK_N, USE_TMA,
-    )
+    if WARP_SPEC:
+        # One loop, every tile with the key-bound mask: Triton 3.6 and 3.9 failed to compile a
+        # second loop after a warp-specialized one (and cannot specialize a loop of masks,
+        # padding or dropout: the "plain" class only, `ws_candidates`).
+        tl.static_assert(USE_TMA and not IS_CAUSAL and MASK_KIND == 0)
+        tl.static_assert(not HAS_KPM and not HAS_DROPOUT)
+        full_hi = lo
+    else:
+        acc, l_i, m_i = _fwd_loop(
+            acc, l_i, m_i, q, k_base, v_base, mask_base, kpm_base, lo, full_hi, row0, rows_local,
+            offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
+            seed, drop_t, drop_base, qk_scale, Lq, Lk,
+            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
+            DOT_PREC, False, BLOCK_N, USE_TMA, False,
+        )
     acc, l_i, m_i = _fwd_loop(
         acc, l_i, m_i, q, k_base, v_base, mask_base, kpm_base, full_hi, hi, row0, rows_local,
         offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
         seed, drop_t, drop_base, qk_scale, Lq, Lk,
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
-        DOT_PREC, True, BLOCK_N, USE_TMA,
+        DOT_PREC, True, BLOCK_N, USE_TMA, WARP_SPEC,
     )
 
     empty = l_i == 0.0  # every key masked: O = 0, LSE = -inf
@@ -853,7 +865,9 @@ def attn_bwd_dq(
 class Config(NamedTuple):
     """One launch configuration: tile sizes (query rows, key rows), warps, pipeline stages,
     and for dK/dV with both accumulators (PART 0) the tile orientation: (key x query) tiles,
-    or (query x key) tiles when qk_tiles (the orientation of the dropout keep-mask)."""
+    or (query x key) tiles when qk_tiles (the orientation of the dropout keep-mask). tma: the
+    loop's tiles through TMA descriptors; ws (forward, with tma): the key loop warp-specialized
+    (`ws_candidates`)."""
 
     block_m: int
     block_n: int
@@ -861,6 +875,7 @@ class Config(NamedTuple):
     num_stages: int
     qk_tiles: bool = False
     tma: bool = False
+    ws: bool = False
 
 
 # The interpreter runs one fixed small config (fast tests); GPUs autotune over small lists keyed
@@ -1095,6 +1110,9 @@ def _for_this_triton(key: tuple, configs: list[Config]) -> list[Config]:
 # against 12.4 for (64, 128, 8, 2) and 15.9 for (32, 128, 8, 3) (sm_90, Triton 3.6).
 _PLAIN_EXTRA = {
     (90, "dkdv", "16bit", 64): [_QK(128, 128, 8, 3), _QK(128, 128, 8, 2)],
+    # (none: a class of their own for the warp-specialized tiles, `ws_candidates`)
+    (90, "fwd", "16bit", 64): [],
+    (90, "fwd", "16bit", 128): [],
 }
 
 
@@ -1232,9 +1250,11 @@ def config_class(kernel: str, arch: int, dclass: str, bucket: int, meta: dict) -
 
 
 def _constexprs(kernel: str, c: Config) -> dict:
-    # The launch constants a config sets: its tiles, TMA loads in its loop, and dK/dV's tile
-    # orientation.
+    # The launch constants a config sets: its tiles, TMA loads in its loop, dK/dV's tile
+    # orientation and the forward's warp specialization.
     blocks = {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "USE_TMA": c.tma}
+    if kernel == "fwd":
+        return {**blocks, "WARP_SPEC": c.ws}
     return {**blocks, "QK_TILES": c.qk_tiles} if kernel == "dkdv" else blocks
 
 
@@ -1248,7 +1268,8 @@ def _tune_bench(kernel_call, quantiles):
 @functools.cache
 def _autotuned(kernel: str, arch: int, dclass: str, bucket: int, fclass: str, tma: bool = False):
     listed = CONFIGS[(kernel, arch, dclass, bucket, fclass)]
-    listed = listed + tma_candidates(kernel, arch, dclass, bucket, fclass) if tma else listed
+    if tma:
+        listed = listed + tma_candidates(kernel, arch, dclass, bucket, fclass, WS)
     configs = [
         triton.Config(
             {**_constexprs(kernel, c), **COMPILE_OPTIONS},
@@ -1305,10 +1326,27 @@ _TMA_EXTRA = {
     ("fwd", 128, "base"): [_C(128, 64, 8, 4, tma=True)],
 }
 
+# Warp-specialized forward tiles (Triton's automatic warp specialization on sm_90, the shape of
+# FlashAttention-3): a producer warpgroup issues the TMA loads, and the compiler splits the
+# 128 query rows between two consumer warpgroups. num_warps 4 becomes 12 warps at 168
+# registers (the file's cap for 384 threads), 0 spills (sm_90, Triton 3.6 and 3.9); with 8
+# warps the compiler leaves the loop alone. Non-causal calls without masks, padding or dropout
+# only (`ws_candidates`): a second loop after the specialized one, the causal or bound edge
+# tiles, failed to compile. Not timed on a GPU yet: FASTFORMER_ATTN_WS=1 (read at import)
+# lets them tune; the compile check builds them either way.
+_WS_TILES = {
+    64: [_C(128, 64, 4, 3, tma=True, ws=True), _C(128, 128, 4, 3, tma=True, ws=True)],
+    128: [_C(128, 64, 4, 3, tma=True, ws=True), _C(128, 128, 4, 2, tma=True, ws=True)],
+}
+WS = os.environ.get("FASTFORMER_ATTN_WS", "0").strip().lower() in ("1", "true", "yes", "on")
 
-def tma_candidates(kernel: str, arch: int, dclass: str, bucket: int, fclass: str) -> list[Config]:
+
+def tma_candidates(
+    kernel: str, arch: int, dclass: str, bucket: int, fclass: str, ws: bool = True
+) -> list[Config]:
     """What TMA adds to one CONFIGS list (sm_90 table, 16-bit): the TMA twin of each config,
-    less the spilling, and the TMA-only tiles."""
+    less the spilling, and the TMA-only tiles (a "plain" list takes its "base" list's), with
+    `ws` the warp-specialized ones (`ws_candidates`)."""
     if arch != 90 or dclass != "16bit" or kernel not in KERNELS:
         return []
     if kernel == "dkdv" and bucket > 128:
@@ -1316,12 +1354,20 @@ def tma_candidates(kernel: str, arch: int, dclass: str, bucket: int, fclass: str
     configs = CONFIGS[(kernel, arch, dclass, bucket, fclass)]
     spills = _TMA_SPILLS | _TMA_VERSION_SPILLS.get(_triton_version(), set())
     twins = [c._replace(tma=True) for c in configs if (kernel, bucket, fclass, c) not in spills]
-    return twins + _TMA_EXTRA.get((kernel, bucket, fclass), [])
+    extra = _TMA_EXTRA.get((kernel, bucket, "base" if fclass == "plain" else fclass), [])
+    return twins + extra + (ws_candidates(kernel, bucket, fclass) if ws else [])
+
+
+def ws_candidates(kernel: str, bucket: int, fclass: str) -> list[Config]:
+    """The warp-specialized forward tiles of a "plain" call (non-causal, no mask, padding or
+    dropout) at head-dim bucket 64 or 128, sm_90 and TMA loads (Q's too): `_WS_TILES`."""
+    return list(_WS_TILES.get(bucket, [])) if (kernel, fclass) == ("fwd", "plain") else []
 
 
 def tma_ok(kernel: str, *tensors: torch.Tensor) -> bool:
-    """Whether `kernel`'s TMA twins may tune for the tensors its loop reads (K and V for fwd
-    and dq, Q and dO for dkdv): enabled (TMA), a 16-bit CUDA call on sm_90 or newer, and every
+    """Whether `kernel`'s TMA twins may tune for the tensors its loop reads (K and V for dq,
+    Q and dO for dkdv; Q, K and V for fwd, whose warp-specialized tiles load Q through TMA
+    too): enabled (TMA), a 16-bit CUDA call on sm_90 or newer, and every
     (batch, head) slice meeting TMA's alignment (base and row stride multiples of 16 bytes; the
     kernels' last stride is 1)."""
     if not TMA or kernel not in KERNELS:
@@ -1430,6 +1476,7 @@ def _launch(
     if config is None and (INTERPRETED or q.device.type != "cuda"):
         config = INTERPRET_CONFIG
     if config is not None:
+        _check_ws(kernel, config, meta)
         blocks = _constexprs(kernel, config)
         if config.tma and not INTERPRETED:
             _ensure_allocator()
@@ -1450,6 +1497,16 @@ def _launch(
                 _tune(kernel, grid, args, meta, q, key, then, tma)  # its first launch too
                 return
     launcher.launch(KERNELS[kernel], grid(best), args, (key, *best.items()), meta, best)
+
+
+def _check_ws(kernel: str, config: Config, meta: dict) -> None:
+    # A fixed config (tests): the warp-specialized loop has no edge loop and no masks.
+    plain = not (meta["IS_CAUSAL"] or meta["MASK_KIND"] or meta["HAS_KPM"] or meta["HAS_DROPOUT"])
+    if config.ws and not (kernel == "fwd" and config.tma and plain):
+        raise ValueError(
+            f"config {config}: warp specialization is for TMA forwards without causal, masks, "
+            "padding or dropout"
+        )
 
 
 def _tune(kernel: str, grid, args: tuple, meta: dict, q, key: tuple, then: tuple, tma: bool):
@@ -1486,7 +1543,8 @@ def _config_name(config) -> str:
     kw = config.kwargs
     qk = ", qk" if kw.get("QK_TILES") else ""
     tma = ", tma" if kw.get("USE_TMA") else ""
-    return f"{kw['BLOCK_M']}x{kw['BLOCK_N']} w{config.num_warps} s{config.num_stages}{qk}{tma}"
+    ws = ", ws" if kw.get("WARP_SPEC") else ""
+    return f"{kw['BLOCK_M']}x{kw['BLOCK_N']} w{config.num_warps} s{config.num_stages}{qk}{tma}{ws}"
 
 
 def _log_tuning(kernel: str, fclass: str, key: tuple, best, timings: dict | None) -> None:
@@ -1828,7 +1886,7 @@ def attention_forward(
         h // hkv, lq, lk, _seq_bucket(lq), _seq_bucket(lk),
     )
     grid = lambda c: bh_grid(_cdiv(lq, c["BLOCK_M"]), b, h)
-    _launch("fwd", grid, args, meta, q, config, tma=tma_ok("fwd", k, v))
+    _launch("fwd", grid, args, meta, q, config, tma=tma_ok("fwd", q, k, v))
     if out32 is not None:
         out.copy_(out32)
     return out, lse
@@ -2034,6 +2092,7 @@ def _compile_inputs(
         "PART": part,
         "QK_TILES": config.qk_tiles,
         "USE_TMA": config.tma,
+        "WARP_SPEC": config.ws,
         "WRITE_DS": variant.mask_kind == MASK_FLOAT,
         "HAS_DLSE": True,
     }
@@ -2108,6 +2167,7 @@ def compile_one(
         options={"num_warps": config.num_warps, "num_stages": config.num_stages, **COMPILE_OPTIONS},
     )
     ptx = compiled.asm["ptx"]  # (the MMA instructions are named there)
+    ttgir = compiled.asm["ttgir"]
     return {
         "kernel": kernel,
         "arch": arch,
@@ -2120,6 +2180,8 @@ def compile_one(
         # Dots of fewer than 64 rows a warpgroup fall back to mma.sync next to wgmma (the
         # query-block scores of dK/dV tiles of 16 or 32 queries): reported, not a failure.
         "mma_sync": "mma.sync" in ptx,
+        # A ws config whose loop the compiler left unspecialized would tune as a duplicate.
+        "warp_specialized": "ttg.warp_specialize" in ttgir,
         "shared": int(compiled.metadata.shared),
         **_cubin_usage(compiled.asm["cubin"]),
     }
@@ -2162,7 +2224,7 @@ def compile_jobs(arch: int = 90, heaviest_only: bool = False) -> list[tuple]:
         dtype = "float32" if dclass == "fp32" else "float16"
         parts = dkdv_parts(getattr(torch, dtype), bucket, bucket) if kernel == "dkdv" else (0,)
         out32 = dclass == "16bit" and fclass in OUT32_CLASSES and kernel in ("fwd", "dq")
-        tma = tma_candidates(kernel, arch, dclass, bucket, fclass)
+        tma = tma_candidates(kernel, arch, dclass, bucket, fclass, ws=True)
         for config, part in itertools.product([*configs, *tma], parts):
             jobs.add((kernel, dtype, bucket, tuple(config), fclass, arch, part))
             if out32:
@@ -2185,7 +2247,7 @@ def _heaviest(jobs: set[tuple]) -> list[tuple]:
     groups: dict[tuple, list[tuple]] = {}
     for job in jobs:
         kernel, dtype, bucket, config, fclass, _, part = job
-        key = (kernel, dtype, bucket, fclass, part, Config(*config).tma)
+        key = (kernel, dtype, bucket, fclass, part, Config(*config).tma, Config(*config).ws)
         groups.setdefault(key, []).append(job)
     return sorted(max(group, key=weight) for group in groups.values())
 
@@ -2230,6 +2292,8 @@ def check_compile_report(report: list[dict]) -> list[str]:
         needs_wgmma = needs_wgmma and r["kernel"] not in _HELPER_KERNELS
         if needs_wgmma and not r["wgmma"]:
             problems.append(f"{name}: no wgmma in the PTX")
+        if len(r["config"]) > 6 and r["config"][6] and not r.get("warp_specialized"):
+            problems.append(f"{name}: ws config not warp-specialized by the compiler")
     return problems
 
 

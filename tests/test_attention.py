@@ -948,7 +948,7 @@ def test_tuned_config_is_launched_directly_after_the_first_call(monkeypatch):
     # One log entry per tuned key: what it chose and each candidate's time (None: did not fit).
     assert len(kernels.TUNING_LOG) == 6
     entry = kernels.TUNING_LOG[0]
-    assert entry["kernel"] == "fwd" and entry["feature_class"] == "base"
+    assert entry["kernel"] == "fwd" and entry["feature_class"] == "plain"  # non-causal
     assert entry["seq_q_bucket"] == 512 and entry["dtype"] == "torch.float16"
     assert entry["IS_CAUSAL"] is False and entry["HEAD_D"] == 64
     assert entry["chosen"] == "64x32 w4 s3"
@@ -1027,7 +1027,7 @@ def test_plain_calls_also_tune_over_tiles_that_spill_only_with_the_causal_mask()
         extra = kernels._PLAIN_EXTRA[(arch, kernel, dclass, bucket)]
         assert kernels.listed_configs(*key, "plain") == base + extra
         assert not set(extra) & set(base)
-    assert kernels.config_class("fwd", 90, "16bit", 64, plain) == "base"  # no plain list
+    assert kernels.config_class("dq", 90, "16bit", 64, plain) == "base"  # no plain list
     assert kernels.CHECK_VARIANTS["plain"].is_causal is False  # what the compile check builds
 
 
@@ -2419,7 +2419,7 @@ def test_heaviest_only_compiles_each_specialization_once_at_its_heaviest_config(
     from fastformer.kernels import attention as kernels
 
     def specialization(job):
-        return job[:3] + job[4:] + (kernels.Config(*job[3]).tma,)
+        return job[:3] + job[4:] + (kernels.Config(*job[3]).tma, kernels.Config(*job[3]).ws)
 
     def per_warp(job):
         c = kernels.Config(*job[3])
@@ -2446,6 +2446,10 @@ def test_check_compile_report_flags_problems():
     )
     assert [p.split(": ")[1].split()[0] for p in problems] == ["spills", "spills", "no", "262144"]
     assert kernels.check_compile_report([{**row, "arch": 80, "wgmma": False}]) == []
+    ws = {**row, "config": [128, 64, 4, 3, False, True, True], "warp_specialized": True}
+    assert kernels.check_compile_report([ws]) == []
+    (problem,) = kernels.check_compile_report([{**ws, "warp_specialized": False}])
+    assert "not warp-specialized" in problem
 
 
 # --------------------------------------------------------------------------- TMA twins
@@ -2621,6 +2625,106 @@ def test_cuda_tma_twins_tune_and_keep_parity(monkeypatch):
     _parity(Case(b=2, h=4, lq=777, lk=777, d=64, causal=True, kpm="edges", dtype=torch.bfloat16))
     with_twins = {key[0] for key in kernels._TUNED if key[-1] is True}
     assert with_twins == {"fwd", "dq", "dkdv"}
+
+
+# --------------------------------------------------------------------------- warp specialization
+
+# Non-causal calls without masks, padding or dropout: the only ones the warp-specialized loop
+# runs. Ragged tiles of queries and keys, a non-power-of-two head dim, GQA on (B, L, H, D)
+# views, and tiles past both sequences.
+_WS_CASES = {
+    "ragged_d40": Case(lq=45, lk=70, d=40, dtype=F16),
+    "gqa_blhd": Case(h=4, hkv=2, lq=33, lk=47, d=32, layout="blhd", dtype=F16),
+    "dv_wider": Case(lq=64, lk=96, d=16, dv=32, dtype=F16),
+    "one_key": Case(b=1, h=1, lq=1, lk=1, d=16, dtype=F16),
+}
+
+
+@pytest.mark.gpu_too
+@pytest.mark.skipif(not _tma_runs_here(), reason="TMA needs sm_90 or newer")
+@pytest.mark.parametrize("c", _WS_CASES.values(), ids=_WS_CASES.keys())
+def test_warp_specialized_forward_is_bit_identical_to_its_tma_twin(c):
+    """A ws config loads Q through TMA too and runs one key loop, its every tile under the
+    key-bound mask, where its TMA twin runs the full tiles unmasked and the last in a loop of
+    its own: the same scores reach the same online softmax, so out and LSE are the same bits
+    (on a GPU also across Triton's split of the rows between consumer warpgroups)."""
+    from fastformer.kernels import attention as kernels
+
+    q, k, v = (t.detach() for t in _qkv(c))
+    results = [
+        kernels.attention_forward(
+            q, k, v, None, None, 0, 0.0, False, q.shape[-1] ** -0.5,
+            config=kernels.Config(32, 32, 4, 1, tma=True, ws=ws),
+        )
+        for ws in (False, True)
+    ]  # fmt: skip
+    for name, a, b in zip(["out", "lse"], *results):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize(
+    "features",
+    [{"causal": True}, {"kpm": "edges"}, {"mask": "bool"}, {"dropout": True}, {"tma": False}],
+    ids=["causal", "padding", "mask", "dropout", "no_tma"],
+)
+def test_ws_config_refused_outside_plain_tma_forwards(features):
+    # The warp-specialized loop has no edge loop, no masks and no keep-mask: a fixed config
+    # asking it for more is an error before any launch, not a static_assert in the compiler.
+    from fastformer.kernels import attention as kernels
+
+    c = replace(Case(lq=40, lk=40, d=16, dtype=F16), causal=features.get("causal", False))
+    c = replace(c, kpm=features.get("kpm", ""), mask=features.get("mask", ""))
+    q, k, v = (t.detach() for t in _qkv(c))
+    mask, kpm = _attn_mask(c), _key_padding(c)
+    config = kernels.Config(32, 32, 4, 1, tma=features.get("tma", True), ws=True)
+    p = 0.3 if features.get("dropout") else 0.0
+    with pytest.raises(ValueError, match="warp specialization is for TMA forwards"):
+        kernels.attention_forward(q, k, v, mask, kpm, 1, p, c.causal, 0.25, config=config)
+
+
+def test_ws_tiles_join_only_plain_forwards_and_only_when_enabled(monkeypatch):
+    """The ws tiles tune for non-causal forwards without masks, padding or dropout, at head
+    dims 64 and 128 on sm_90, and only with FASTFORMER_ATTN_WS=1 (not timed on a GPU yet); the
+    compile check builds them either way."""
+    from fastformer.kernels import attention as kernels
+
+    tiles = kernels._WS_TILES[128]
+    assert kernels.ws_candidates("fwd", 128, "plain") == tiles
+    for args in [("fwd", 128, "base"), ("dq", 128, "plain"), ("fwd", 256, "plain")]:
+        assert kernels.ws_candidates(*args) == [], args
+    assert kernels.tma_candidates("fwd", 90, "16bit", 128, "plain")[-len(tiles) :] == tiles
+    assert not any(c.ws for c in kernels.tma_candidates("fwd", 90, "16bit", 128, "plain", False))
+    assert kernels.config_class("fwd", 90, "16bit", 128, _plain_meta()) == "plain"
+    assert kernels.config_class("fwd", 90, "16bit", 128, _plain_meta(IS_CAUSAL=True)) == "base"
+    jobs = [kernels.Config(*job[3]) for job in kernels.compile_jobs(90)]
+    assert all(tile in jobs for tile in kernels._WS_TILES[64] + tiles)
+    for enabled in (False, True):
+        monkeypatch.setattr(kernels, "WS", enabled)
+        kernels._autotuned.cache_clear()
+        tuner = kernels._autotuned("fwd", 90, "16bit", 128, "plain", True)
+        assert sum(c.kwargs["WARP_SPEC"] for c in tuner.configs) == (len(tiles) if enabled else 0)
+    kernels._autotuned.cache_clear()
+
+
+def _plain_meta(**changes) -> dict:
+    meta = dict(IS_CAUSAL=False, MASK_KIND=0, HAS_KPM=False, HAS_DROPOUT=False)
+    return {**meta, **changes}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(DEVICE == "cuda" and not _tma_runs_here(), reason="TMA needs sm_90+")
+def test_cuda_ws_tiles_tune_and_keep_parity(monkeypatch):
+    """FASTFORMER_ATTN_WS=1: the plain forwards at head dims 64 and 128 tune the warp-specialized
+    tiles too, and keep the parity rule whichever wins."""
+    from fastformer.kernels import attention as kernels
+
+    monkeypatch.setattr(kernels, "WS", True)
+    kernels._autotuned.cache_clear()
+    try:
+        for d in (64, 128):
+            _parity(Case(b=2, h=4, lq=1000, lk=1000, d=d, dtype=torch.bfloat16))
+    finally:
+        kernels._autotuned.cache_clear()
 
 
 _INT32_SEED_SCRIPT = """

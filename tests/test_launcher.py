@@ -58,8 +58,8 @@ _SCRIPT = textwrap.dedent(
     A.attention_forward(q, q, q, None, None, 5, 0.1, False, 0.125)
     grid, args, meta = captured["fwd"]
     fn = A.KERNELS["fwd"]
-    options = dict(BLOCK_M=32, BLOCK_N=32, USE_TMA=False, QK_TILES=False, num_warps=4,
-                   num_stages=1)
+    options = dict(BLOCK_M=32, BLOCK_N=32, USE_TMA=False, QK_TILES=False, WARP_SPEC=False,
+                   num_warps=4, num_stages=1)
     options = {k: v for k, v in options.items() if k in fn.arg_names or k.startswith("num_")}
     key = ("fwd", *meta.items())
     seed_at = fn.arg_names.index("seed")
