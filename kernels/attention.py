@@ -57,8 +57,8 @@ config. A new key's candidates (a backward's dq and dK/dV ones together) are com
 threads before the autotuner times them, and its choice is kept in Triton's cache directory.
 On sm_90 the lists also hold TMA twins of their 16-bit configs (FASTFORMER_ATTN_TMA=0: none):
 the loops read K and V (fwd, dq) or Q and dO (dkdv) through per-slice tensor descriptors
-(`tma_ok`). With FASTFORMER_ATTN_WS=1 the non-causal forwards without masks, padding or dropout
-also tune warp-specialized tiles (`ws_candidates`: a TMA producer warpgroup and two consumer
+(`tma_ok`). With FASTFORMER_ATTN_WS=1 the forwards without masks, padding or dropout (causal
+or not) also tune warp-specialized tiles (`ws_candidates`: a TMA producer warpgroup and two consumer
 warpgroups, Triton's automatic warp specialization).
 `compile_report(arch)` (or `python -m fastformer.kernels.attention 90 80`) compiles every
 config of an arch table without a GPU and reports the cubins' registers, spills (stack frame)
@@ -468,10 +468,10 @@ def attn_fwd(
 
     lo, hi, full_hi = _key_range(KvRange, off_b, row0, Lk, IS_CAUSAL, HAS_KPM, BLOCK_M, BLOCK_N)
     if WARP_SPEC:
-        # One loop, every tile with the key-bound mask: Triton 3.6 and 3.9 failed to compile a
-        # second loop after a warp-specialized one (and cannot specialize a loop of masks,
-        # padding or dropout: the "plain" class only, `ws_candidates`).
-        tl.static_assert(USE_TMA and not IS_CAUSAL and MASK_KIND == 0)
+        # One loop, every tile under the key-bound (and causal) mask: Triton 3.6 and 3.9 failed
+        # to compile a second loop after a warp-specialized one. No masks, padding or dropout
+        # (`ws_candidates`).
+        tl.static_assert(USE_TMA and MASK_KIND == 0)
         tl.static_assert(not HAS_KPM and not HAS_DROPOUT)
         full_hi = lo
     else:
@@ -1329,11 +1329,12 @@ _TMA_EXTRA = {
 # Warp-specialized forward tiles (Triton's automatic warp specialization on sm_90, the shape of
 # FlashAttention-3): a producer warpgroup issues the TMA loads, and the compiler splits the
 # 128 query rows between two consumer warpgroups. num_warps 4 becomes 12 warps at 168
-# registers (the file's cap for 384 threads), 0 spills (sm_90, Triton 3.6 and 3.9); with 8
-# warps the compiler leaves the loop alone. Non-causal calls without masks, padding or dropout
-# only (`ws_candidates`): a second loop after the specialized one, the causal or bound edge
-# tiles, failed to compile. Not timed on a GPU yet: FASTFORMER_ATTN_WS=1 (read at import)
-# lets them tune; the compile check builds them either way.
+# registers (the file's cap for 384 threads), 0 spills (sm_90, Triton 3.6, 3.8 and 3.9); with 8
+# warps the compiler leaves the loop alone. One key loop, every tile under the bound and causal
+# masks: a second loop for the edge tiles after the specialized one failed to compile. Calls
+# without masks, padding or dropout, causal or not (`ws_candidates`; the others not tried).
+# Not timed on a GPU yet: FASTFORMER_ATTN_WS=1 (read at import) lets them tune; the compile
+# check builds them either way.
 _WS_TILES = {
     64: [_C(128, 64, 4, 3, tma=True, ws=True), _C(128, 128, 4, 3, tma=True, ws=True)],
     128: [_C(128, 64, 4, 3, tma=True, ws=True), _C(128, 128, 4, 2, tma=True, ws=True)],
@@ -1359,9 +1360,12 @@ def tma_candidates(
 
 
 def ws_candidates(kernel: str, bucket: int, fclass: str) -> list[Config]:
-    """The warp-specialized forward tiles of a "plain" call (non-causal, no mask, padding or
-    dropout) at head-dim bucket 64 or 128, sm_90 and TMA loads (Q's too): `_WS_TILES`."""
-    return list(_WS_TILES.get(bucket, [])) if (kernel, fclass) == ("fwd", "plain") else []
+    """The warp-specialized forward tiles of a call without masks, padding or dropout (the
+    "plain" list, non-causal, and "base", causal), head-dim bucket 64 or 128, sm_90 and TMA
+    loads (Q's too): `_WS_TILES`."""
+    if kernel != "fwd" or fclass not in ("plain", "base"):
+        return []
+    return list(_WS_TILES.get(bucket, []))
 
 
 def tma_ok(kernel: str, *tensors: torch.Tensor) -> bool:
@@ -1500,12 +1504,12 @@ def _launch(
 
 
 def _check_ws(kernel: str, config: Config, meta: dict) -> None:
-    # A fixed config (tests): the warp-specialized loop has no edge loop and no masks.
-    plain = not (meta["IS_CAUSAL"] or meta["MASK_KIND"] or meta["HAS_KPM"] or meta["HAS_DROPOUT"])
+    # A fixed config (tests): the warp-specialized loop takes no masks, padding or dropout.
+    plain = not (meta["MASK_KIND"] or meta["HAS_KPM"] or meta["HAS_DROPOUT"])
     if config.ws and not (kernel == "fwd" and config.tma and plain):
         raise ValueError(
-            f"config {config}: warp specialization is for TMA forwards without causal, masks, "
-            "padding or dropout"
+            f"config {config}: warp specialization is for TMA forwards without masks, padding "
+            "or dropout"
         )
 
 
