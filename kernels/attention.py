@@ -58,8 +58,8 @@ threads before the autotuner times them, and its choice is kept in Triton's cach
 On sm_90 the lists also hold TMA twins of their 16-bit configs (FASTFORMER_ATTN_TMA=0: none):
 the loops read K and V (fwd, dq) or Q and dO (dkdv) through per-slice tensor descriptors
 (`tma_ok`). With FASTFORMER_ATTN_WS=1 the forwards without masks, padding or dropout (causal
-or not) also tune warp-specialized tiles (`ws_candidates`: a TMA producer warpgroup and two consumer
-warpgroups, Triton's automatic warp specialization).
+or not) also tune warp-specialized tiles (`ws_candidates`: a TMA producer warpgroup and two
+consumer warpgroups, Triton's automatic warp specialization).
 `compile_report(arch)` (or `python -m fastformer.kernels.attention 90 80`) compiles every
 config of an arch table without a GPU and reports the cubins' registers, spills (stack frame)
 and shared memory (`--heaviest-only`: one config per kernel specialization, its heaviest tile).
@@ -1110,9 +1110,6 @@ def _for_this_triton(key: tuple, configs: list[Config]) -> list[Config]:
 # against 12.4 for (64, 128, 8, 2) and 15.9 for (32, 128, 8, 3) (sm_90, Triton 3.6).
 _PLAIN_EXTRA = {
     (90, "dkdv", "16bit", 64): [_QK(128, 128, 8, 3), _QK(128, 128, 8, 2)],
-    # (none: a class of their own for the warp-specialized tiles, `ws_candidates`)
-    (90, "fwd", "16bit", 64): [],
-    (90, "fwd", "16bit", 128): [],
 }
 
 
@@ -1346,8 +1343,8 @@ def tma_candidates(
     kernel: str, arch: int, dclass: str, bucket: int, fclass: str, ws: bool = True
 ) -> list[Config]:
     """What TMA adds to one CONFIGS list (sm_90 table, 16-bit): the TMA twin of each config,
-    less the spilling, and the TMA-only tiles (a "plain" list takes its "base" list's), with
-    `ws` the warp-specialized ones (`ws_candidates`)."""
+    less the spilling, and the TMA-only tiles, with `ws` the warp-specialized ones
+    (`ws_candidates`)."""
     if arch != 90 or dclass != "16bit" or kernel not in KERNELS:
         return []
     if kernel == "dkdv" and bucket > 128:
@@ -1355,17 +1352,15 @@ def tma_candidates(
     configs = CONFIGS[(kernel, arch, dclass, bucket, fclass)]
     spills = _TMA_SPILLS | _TMA_VERSION_SPILLS.get(_triton_version(), set())
     twins = [c._replace(tma=True) for c in configs if (kernel, bucket, fclass, c) not in spills]
-    extra = _TMA_EXTRA.get((kernel, bucket, "base" if fclass == "plain" else fclass), [])
+    extra = _TMA_EXTRA.get((kernel, bucket, fclass), [])
     return twins + extra + (ws_candidates(kernel, bucket, fclass) if ws else [])
 
 
 def ws_candidates(kernel: str, bucket: int, fclass: str) -> list[Config]:
     """The warp-specialized forward tiles of a call without masks, padding or dropout (the
-    "plain" list, non-causal, and "base", causal), head-dim bucket 64 or 128, sm_90 and TMA
-    loads (Q's too): `_WS_TILES`."""
-    if kernel != "fwd" or fclass not in ("plain", "base"):
-        return []
-    return list(_WS_TILES.get(bucket, []))
+    "base" list, causal or not), head-dim bucket 64 or 128, sm_90 and TMA loads (Q's too):
+    `_WS_TILES`."""
+    return list(_WS_TILES.get(bucket, [])) if (kernel, fclass) == ("fwd", "base") else []
 
 
 def tma_ok(kernel: str, *tensors: torch.Tensor) -> bool:

@@ -948,7 +948,7 @@ def test_tuned_config_is_launched_directly_after_the_first_call(monkeypatch):
     # One log entry per tuned key: what it chose and each candidate's time (None: did not fit).
     assert len(kernels.TUNING_LOG) == 6
     entry = kernels.TUNING_LOG[0]
-    assert entry["kernel"] == "fwd" and entry["feature_class"] == "plain"  # non-causal
+    assert entry["kernel"] == "fwd" and entry["feature_class"] == "base"
     assert entry["seq_q_bucket"] == 512 and entry["dtype"] == "torch.float16"
     assert entry["IS_CAUSAL"] is False and entry["HEAD_D"] == 64
     assert entry["chosen"] == "64x32 w4 s3"
@@ -1027,7 +1027,7 @@ def test_plain_calls_also_tune_over_tiles_that_spill_only_with_the_causal_mask()
         extra = kernels._PLAIN_EXTRA[(arch, kernel, dclass, bucket)]
         assert kernels.listed_configs(*key, "plain") == base + extra
         assert not set(extra) & set(base)
-    assert kernels.config_class("dq", 90, "16bit", 64, plain) == "base"  # no plain list
+    assert kernels.config_class("fwd", 90, "16bit", 64, plain) == "base"  # no plain list
     assert kernels.CHECK_VARIANTS["plain"].is_causal is False  # what the compile check builds
 
 
@@ -2691,31 +2691,34 @@ def test_ws_config_refused_outside_unmasked_tma_forwards(features):
 
 
 def test_ws_tiles_join_only_unmasked_forwards_and_only_when_enabled(monkeypatch):
-    """The ws tiles tune for forwards without masks, padding or dropout (the plain and base
-    lists: causal or not), at head dims 64 and 128 on sm_90, and only with
-    FASTFORMER_ATTN_WS=1 (not timed on a GPU yet); the compile check builds them either way."""
+    """The ws tiles tune for forwards without masks, padding or dropout (the base lists:
+    causal or not), at head dims 64 and 128 on sm_90, and only with FASTFORMER_ATTN_WS=1 (not
+    timed on a GPU yet); the compile check builds them either way."""
     from fastformer.kernels import attention as kernels
 
     tiles = kernels._WS_TILES[128]
-    assert kernels.ws_candidates("fwd", 128, "plain") == tiles
     assert kernels.ws_candidates("fwd", 128, "base") == tiles
-    for args in [("fwd", 128, "padded"), ("dq", 128, "plain"), ("fwd", 256, "plain")]:
+    for args in [("fwd", 128, "padded"), ("fwd", 128, "dropout"), ("dq", 128, "base")]:
         assert kernels.ws_candidates(*args) == [], args
-    assert kernels.tma_candidates("fwd", 90, "16bit", 128, "plain")[-len(tiles) :] == tiles
-    assert not any(c.ws for c in kernels.tma_candidates("fwd", 90, "16bit", 128, "plain", False))
-    assert kernels.config_class("fwd", 90, "16bit", 128, _plain_meta()) == "plain"
-    assert kernels.config_class("fwd", 90, "16bit", 128, _plain_meta(IS_CAUSAL=True)) == "base"
+    assert kernels.ws_candidates("fwd", 256, "base") == []
+    assert kernels.tma_candidates("fwd", 90, "16bit", 128, "base")[-len(tiles) :] == tiles
+    assert not any(c.ws for c in kernels.tma_candidates("fwd", 90, "16bit", 128, "base", False))
+    for causal in (False, True):
+        assert (
+            kernels.config_class("fwd", 90, "16bit", 128, _unmasked_meta(IS_CAUSAL=causal))
+            == "base"
+        )
     jobs = [kernels.Config(*job[3]) for job in kernels.compile_jobs(90)]
     assert all(tile in jobs for tile in kernels._WS_TILES[64] + tiles)
     for enabled in (False, True):
         monkeypatch.setattr(kernels, "WS", enabled)
         kernels._autotuned.cache_clear()
-        tuner = kernels._autotuned("fwd", 90, "16bit", 128, "plain", True)
+        tuner = kernels._autotuned("fwd", 90, "16bit", 128, "base", True)
         assert sum(c.kwargs["WARP_SPEC"] for c in tuner.configs) == (len(tiles) if enabled else 0)
     kernels._autotuned.cache_clear()
 
 
-def _plain_meta(**changes) -> dict:
+def _unmasked_meta(**changes) -> dict:
     meta = dict(IS_CAUSAL=False, MASK_KIND=0, HAS_KPM=False, HAS_DROPOUT=False)
     return {**meta, **changes}
 
