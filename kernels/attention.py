@@ -468,20 +468,19 @@ def attn_fwd(
 
     lo, hi, full_hi = _key_range(KvRange, off_b, row0, Lk, IS_CAUSAL, HAS_KPM, BLOCK_M, BLOCK_N)
     if WARP_SPEC:
-        # One loop, every tile under the key-bound (and causal) mask: Triton 3.6 and 3.9 failed
-        # to compile a second loop after a warp-specialized one. No masks, padding or dropout
+        # Every tile in the edge loop, under the key-bound (and causal) mask: Triton 3.6 and 3.9
+        # failed to compile a loop after a warp-specialized one. No masks, padding or dropout
         # (`ws_candidates`).
         tl.static_assert(USE_TMA and MASK_KIND == 0)
         tl.static_assert(not HAS_KPM and not HAS_DROPOUT)
         full_hi = lo
-    else:
-        acc, l_i, m_i = _fwd_loop(
-            acc, l_i, m_i, q, k_base, v_base, mask_base, kpm_base, lo, full_hi, row0, rows_local,
-            offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
-            seed, drop_t, drop_base, qk_scale, Lq, Lk,
-            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
-            DOT_PREC, False, BLOCK_N, USE_TMA, False,
-        )
+    acc, l_i, m_i = _fwd_loop(
+        acc, l_i, m_i, q, k_base, v_base, mask_base, kpm_base, lo, full_hi, row0, rows_local,
+        offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
+        seed, drop_t, drop_base, qk_scale, Lq, Lk,
+        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, IS_CAUSAL, MASK_KIND, HAS_KPM, HAS_DROPOUT,
+        DOT_PREC, False, BLOCK_N, USE_TMA, False,
+    )
     acc, l_i, m_i = _fwd_loop(
         acc, l_i, m_i, q, k_base, v_base, mask_base, kpm_base, full_hi, hi, row0, rows_local,
         offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
@@ -1499,9 +1498,10 @@ def _launch(
 
 
 def _check_ws(kernel: str, config: Config, meta: dict) -> None:
-    # A fixed config (tests): the warp-specialized loop takes no masks, padding or dropout.
-    plain = not (meta["MASK_KIND"] or meta["HAS_KPM"] or meta["HAS_DROPOUT"])
-    if config.ws and not (kernel == "fwd" and config.tma and plain):
+    # A fixed config (tests): the warp-specialized loop takes no masks, padding or dropout (the
+    # "base" feature class, whose lists `ws_candidates` joins).
+    fclass = feature_class(meta["MASK_KIND"], meta["HAS_KPM"], meta["HAS_DROPOUT"])
+    if config.ws and not (kernel == "fwd" and config.tma and fclass == "base"):
         raise ValueError(
             f"config {config}: warp specialization is for TMA forwards without masks, padding "
             "or dropout"
@@ -2246,7 +2246,8 @@ def _heaviest(jobs: set[tuple]) -> list[tuple]:
     groups: dict[tuple, list[tuple]] = {}
     for job in jobs:
         kernel, dtype, bucket, config, fclass, _, part = job
-        key = (kernel, dtype, bucket, fclass, part, Config(*config).tma, Config(*config).ws)
+        c = Config(*config)
+        key = (kernel, dtype, bucket, fclass, part, c.tma, c.ws)
         groups.setdefault(key, []).append(job)
     return sorted(max(group, key=weight) for group in groups.values())
 
@@ -2291,7 +2292,7 @@ def check_compile_report(report: list[dict]) -> list[str]:
         needs_wgmma = needs_wgmma and r["kernel"] not in _HELPER_KERNELS
         if needs_wgmma and not r["wgmma"]:
             problems.append(f"{name}: no wgmma in the PTX")
-        if len(r["config"]) > 6 and r["config"][6] and not r.get("warp_specialized"):
+        if Config(*r["config"]).ws and not r.get("warp_specialized"):
             problems.append(f"{name}: ws config not warp-specialized by the compiler")
     return problems
 

@@ -2419,7 +2419,8 @@ def test_heaviest_only_compiles_each_specialization_once_at_its_heaviest_config(
     from fastformer.kernels import attention as kernels
 
     def specialization(job):
-        return job[:3] + job[4:] + (kernels.Config(*job[3]).tma, kernels.Config(*job[3]).ws)
+        c = kernels.Config(*job[3])
+        return job[:3] + job[4:] + (c.tma, c.ws)
 
     def per_warp(job):
         c = kernels.Config(*job[3])
