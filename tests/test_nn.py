@@ -326,6 +326,41 @@ def test_mismatched_mask_dtypes_give_torch_nn_s_deprecation_warning(kpm_dtype, m
         ours(x, x, x, need_weights=False, **same)
 
 
+@pytest.mark.parametrize(
+    "module_dtype, mask_dtype",
+    [("float32", "float16"), ("float32", "bfloat16"), ("bfloat16", "float16")],
+)
+def test_a_float_mask_of_another_dtype_with_bool_padding_runs_as_in_torch_nn(
+    module_dtype, mask_dtype
+):
+    # torch.nn adds the bool padding as a float mask of the query's dtype, which promotes the
+    # attn_mask; fastformer passed the float16 mask of a float32 module on and the op raised.
+    dtype = getattr(torch, module_dtype)
+    theirs, ours = _pair(nn.MultiheadAttention, fnn.MultiheadAttention, E, H, batch_first=True)
+    theirs, ours = theirs.to(dtype), ours.to(dtype)
+    x = _randn(B, S, E).to(dtype)
+    mask = (_randn(S, S) * 0.5).to(getattr(torch, mask_dtype))
+    kpm = _padding(B, S, seed=2)
+    call = dict(key_padding_mask=kpm, attn_mask=mask, need_weights=False)
+    expected, out = theirs(x, x, x, **call)[0], ours(x, x, x, **call)[0]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_a_swapped_reference_attention_takes_a_float16_mask_as_the_reference(padding):
+    # The reference adds the mask to float32 scores; the swapped module passed the float16 mask
+    # to the op, which raised.
+    theirs = reference.MultiheadAttention(E, H, dropout=0.0, batch_first=True)
+    holder = nn.Sequential(copy.deepcopy(theirs))
+    fastformer.swap(holder)
+    assert type(holder[0]).__name__ == "ReferenceMultiheadAttention"
+    x, mask = _randn(B, S, E), (_randn(S, S) * 0.5).half()
+    call = dict(attn_mask=mask, key_padding_mask=_padding(B, S, seed=2) if padding else None)
+    expected, out = theirs(x, x, x, **call)[0], holder[0](x, x, x, **call)[0]
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_encoder_layer_unbatched_input():
     theirs, ours = _pair(
         nn.TransformerEncoderLayer, fnn.TransformerEncoderLayer, E, H, FF, dropout=0.0

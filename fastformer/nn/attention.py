@@ -141,6 +141,13 @@ def sdpa_masks(
         attn_mask, is_causal = _causal_hint(attn_mask, key_padding_mask, is_causal)
     if attn_mask is not None:
         attn_mask = _sdpa_attn_mask(attn_mask, batch, heads, lq, lk)
+        # torch.nn adds a bool padding mask to a float attn_mask as a float mask of the query's
+        # dtype, and the reference adds the mask to the scores: the sums promote (a float16
+        # mask of a float32 module runs there; the op takes the query's dtype or float32).
+        bool_padding = key_padding_mask is not None and key_padding_mask.dtype == torch.bool
+        promotes = bool_padding or not causal_hint
+        if dtype is not None and promotes and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(torch.promote_types(attn_mask.dtype, dtype))
     if key_padding_mask is not None and key_padding_mask.is_floating_point():
         additive = key_padding_mask.view(batch, 1, 1, lk)
         attn_mask = additive if attn_mask is None else _add_masks(attn_mask, additive, dtype)
