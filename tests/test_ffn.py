@@ -625,6 +625,41 @@ def test_cuda_bias_grad_deterministic_and_many_rows():
     check_parity(make_inputs((530_000,), 8, 16, "swiglu", torch.float32, "cuda"), "swiglu", 0.1)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("activation", ["relu", "gelu", "silu"])
+def test_cuda_backward_peak_memory_at_most_eager(activation):
+    """The peak of forward + backward against eager Linear, activation, Linear on the same
+    inputs. A non-gated backward writes dh over linear2's dgrad, so it never holds more than
+    eager autograd does; relu, which saves only its output, holds one (tokens, d_ff) tensor less
+    (half of one is asked). Slack of 1/8 of one: the bias gradients' fp32 partials, the weight
+    gradients."""
+    tokens, d_model, d_ff = 32768, 256, 4096
+    inputs = make_inputs((tokens,), d_model, d_ff, activation, torch.bfloat16, "cuda")
+    grad = torch.ones(tokens, d_model, dtype=torch.bfloat16, device="cuda")
+    act = {"relu": torch.relu, "gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu}
+    linear = torch.nn.functional.linear
+
+    def eager(x, w1, b1, w2, b2):
+        return linear(act[activation](linear(x, w1, b1)), w2, b2)
+
+    def fast(*args):
+        return ffn(*args, activation)
+
+    def peak(fn) -> int:
+        for _ in range(2):  # the first call allocates cuBLAS(Lt) workspaces, kept afterwards
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            torch.autograd.grad(fn(*inputs), inputs, grad)
+            torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    activation_bytes = tokens * d_ff * 2
+    fast_peak, eager_peak = peak(fast), peak(eager)
+    allowed = eager_peak - activation_bytes // 2 if activation == "relu" else eager_peak
+    assert fast_peak <= allowed + activation_bytes // 8, (fast_peak, eager_peak)
+
+
 @pytest.mark.parametrize("backend", ["default", "torch"])
 @pytest.mark.parametrize("grad", [False, True])
 def test_zero_features_in_a_rank_3_input(backend, grad, monkeypatch):

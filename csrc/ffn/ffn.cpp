@@ -666,10 +666,12 @@ Backward ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, cons
   check_backward(pr, grad_out, x, saved_in);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor saved = saved_in.contiguous();
-  const bool relu = pr.act == FfnActivation::kRelu;
-  const at::Tensor dg = at::mm(grad_out, w2);
+  const bool relu = pr.act == FfnActivation::kRelu, gated = ffn_is_gated(pr.act);
+  at::Tensor dg = at::mm(grad_out, w2);
   at::Tensor g = relu ? saved : at::empty({pr.tokens, pr.d_ff}, x.options());
-  at::Tensor dh = at::empty({pr.tokens, pr.width}, x.options());
+  // A non-gated dh overwrites dg, as on CPU: one (tokens, d_ff) buffer fewer at the peak, which
+  // is then no higher than eager autograd's (lower for relu, which saves its output only).
+  at::Tensor dh = gated ? at::empty({pr.tokens, pr.width}, x.options()) : dg;
   at::Tensor db1 = at::empty({pr.width}, x.options());
   at::Tensor partials =
       at::empty({ffn_bias_grad_row_blocks(pr.tokens), pr.width}, x.options().dtype(at::kFloat));
@@ -692,8 +694,15 @@ Backward ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, cons
   TORCH_INTERNAL_ASSERT(pr.act != FfnActivation::kIdentity, "ffn backward without an activation");
   ffn_backward_cuda_launch(args, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {at::mm(dh, w1), at::mm(dh.t(), x), db1, at::mm(grad_out.t(), g),
-          column_sum_cuda(grad_out)};
+  // Free what the GEMMs no longer need before they allocate their outputs: dg (gated; a
+  // non-gated dh is dg), the partials, a recomputed g once dw2 is taken from it. The caching
+  // allocator hands a freed block out again on this stream only, after the queued kernels.
+  dg.reset();
+  partials.reset();
+  at::Tensor dw2 = at::mm(grad_out.t(), g);
+  g.reset();
+  at::Tensor dx = at::mm(dh, w1), dw1 = at::mm(dh.t(), x);
+  return {dx, dw1, db1, dw2, column_sum_cuda(grad_out)};
 }
 #endif
 

@@ -56,6 +56,7 @@ struct FfnForwardArgs {
 //   others: saved = h; the keep-mask is regenerated; dh = dg * keep / (1 - p) * act'(h) (gated:
 //           d gate = dg' * up * act'(gate), d up = dg' * act(gate)); g_out = dropout(act(h))
 //           recomputed for linear2's weight gradient.
+// dh may be dg itself when not gated (the CUDA glue writes it in place).
 // db1 (width, in dtype) is the column sum of dh in fp32: per-block partials in `partials`
 // (ffn_bias_grad_row_blocks(rows) * width floats) then a fixed-order finalize, no atomics.
 struct FfnBackwardArgs {

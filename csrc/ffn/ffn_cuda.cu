@@ -160,10 +160,12 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
 }
 
 // One row of the backward stage for the columns [col, col + VEC); adds dh to `acc` (fp32).
-// acc holds VEC sums (2 * VEC when gated: the gate columns, then the up columns).
+// acc holds VEC sums (2 * VEC when gated: the gate columns, then the up columns). A non-gated
+// dh may alias dg (in place; each thread reads its elements before writing them), hence no
+// __restrict__ on either.
 template <typename T, FfnActivation A, int VEC, int ACC>
-__device__ __forceinline__ void backward_row(const T* __restrict__ dg, const T* __restrict__ saved,
-                                             T* __restrict__ dh, T* __restrict__ g_out,
+__device__ __forceinline__ void backward_row(const T* dg, const T* __restrict__ saved, T* dh,
+                                             T* __restrict__ g_out,
                                              int64_t row, int64_t col, int64_t d_ff,
                                              uint64_t seed, const int64_t* seed_ptr, float p,
                                              float scale, float (&acc)[ACC]) {
@@ -244,8 +246,8 @@ __device__ __forceinline__ void write_partials(float (&lanes)[kThreadsY][kThread
 // dh, recomputed g and per-block column partial sums of dh (partials[blockIdx.y][column]).
 template <typename T, FfnActivation A, int VEC>
 __global__ void __launch_bounds__(kThreadsX* kThreadsY)
-    ffn_backward_kernel(const T* __restrict__ dg, const T* __restrict__ saved,
-                        T* __restrict__ dh, T* __restrict__ g_out, float* __restrict__ partials,
+    ffn_backward_kernel(const T* dg, const T* __restrict__ saved, T* dh,
+                        T* __restrict__ g_out, float* __restrict__ partials,
                         int64_t rows, int64_t d_ff, uint64_t seed,
                         const int64_t* __restrict__ seed_ptr, float p, float scale) {
   constexpr int kAcc = is_gated(A) ? 2 * VEC : VEC;

@@ -237,16 +237,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ffn_backward(const at::Tensor& dg
   const FfnActivation act = parse_activation(activation);
   TORCH_CHECK(act != FfnActivation::kIdentity, "the backward always knows the activation");
   TORCH_CHECK(dg_in.dim() == 2 && saved_in.dim() == 2, "cuda_emu ffn_backward: 2-D inputs");
-  const bool relu = act == FfnActivation::kRelu;
+  const bool relu = act == FfnActivation::kRelu, gated = fastformer::ffn_is_gated(act);
   const int64_t tokens = dg_in.size(0), d_ff = dg_in.size(1);
-  const int64_t width = fastformer::ffn_is_gated(act) ? 2 * d_ff : d_ff;
+  const int64_t width = gated ? 2 * d_ff : d_ff;
   TORCH_CHECK(saved_in.size(0) == tokens && saved_in.size(1) == width, "saved must be (tokens, ",
               width, ")");
   Arena arena;
-  const at::Tensor dg = arena.input(dg_in, "dg");
+  // A non-gated dh is written over dg, as ffn.cpp does.
+  const at::Tensor dg = arena.input(dg_in, "dg", /*writable=*/!gated);
   const at::Tensor saved = arena.input(saved_in, "saved");
   at::Tensor g = relu ? saved : arena.empty({tokens, d_ff}, dg.scalar_type(), "g");
-  at::Tensor dh = arena.empty({tokens, width}, dg.scalar_type(), "dh");
+  at::Tensor dh = gated ? arena.empty({tokens, width}, dg.scalar_type(), "dh") : dg;
   at::Tensor db1 = arena.empty({width}, dg.scalar_type(), "db1");
   at::Tensor partials = arena.empty({fastformer::ffn_bias_grad_row_blocks(tokens), width},
                                     at::kFloat, "partials");
