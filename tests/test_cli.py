@@ -859,7 +859,11 @@ def test_bench_writes_results_report_and_plots(bench_run):
                 assert row["impls"]["fastformer"]["ms"] > 0
                 assert row["speedup"]["reference"] > 0
     assert results["rooflines"]["copy_gbps"] > 0
+    for op, data in results["ops"].items():  # LayerNorm's rows have a same-size copy floor
+        for row in (r for r in data["cases"] if r["mode"] != "bwd" and _op_available(op)):
+            assert ("fraction_of_same_size_copy" in row) == (op == "layer_norm"), (op, row)
     report = (out / "report.md").read_text()
+    assert report.count("of same-size copy |") == int(_op_available("layer_norm"))
     assert "Reduced size" in report
     assert "## Model" in report and "## attention" in report and "## ffn" in report
     pngs = sorted(p.name for p in out.glob("*.png"))
@@ -2814,6 +2818,30 @@ def test_derive_rates_speedup_and_roofline_fraction():
     assert row["roofline_floor_ms"] == pytest.approx(floor_s * 1e3)
     assert row["fraction_of_roofline"] == pytest.approx(floor_s * 1e3 / 2.0)
     assert row["fraction_of_copy_bandwidth"] == pytest.approx(fast["gbps"] / roof["copy_gbps"])
+
+
+def test_same_size_copy_moves_a_bandwidth_bound_rows_bytes(monkeypatch):
+    # Guards: a copy of the wrong size (its bytes counted once, not read + written), an
+    # inverted fraction, a floor given to rows with FLOPs (GEMM-bound), or to an unmeasured row.
+    moved = []
+
+    def fake_time_op(fn, device, budget):
+        moved.append(2 * fn().numel() * fn().element_size())
+        return 0.5
+
+    monkeypatch.setattr(B.timing, "time_op", fake_time_op)
+    pacer, cpu = B.timing.Pacer(B.timing.QUICK), torch.device("cpu")
+    row = {"flops": None, "bytes": 8.0e6, "impls": {"fastformer": {"ms": 2.0}}}
+    B._same_size_copy(row, cpu, pacer)
+    assert moved == [8_000_000]
+    assert row["same_size_copy_ms"] == 0.5 and row["fraction_of_same_size_copy"] == 0.25
+    for other in (
+        {"flops": 1.0e9, "bytes": 8.0e6, "impls": {"fastformer": {"ms": 2.0}}},
+        {"flops": None, "bytes": 8.0e6, "impls": {"fastformer": {"error": "e"}}},
+    ):
+        B._same_size_copy(other, cpu, pacer)
+        assert "fraction_of_same_size_copy" not in other
+    assert len(moved) == 1
 
 
 def test_copy_roofline_counts_the_bytes_read_and_written(monkeypatch):

@@ -704,6 +704,24 @@ def _derive(row: dict[str, Any], bench, mode: str, roof: dict[str, float]) -> No
         row["fraction_of_copy_bandwidth"] = fast["gbps"] / roof["copy_gbps"]
 
 
+def _same_size_copy(row: dict[str, Any], device: torch.device, pacer) -> None:
+    """A bandwidth-bound row (bytes, no FLOPs: LayerNorm) against its floor at its own size:
+    one device copy moving the row's bytes, half read and half written, timed as the
+    implementations are. The rooflines' copy rate is a 2 GiB copy's; a row of a few MB pays a
+    launch and a ramp that it leaves out."""
+    fast = row["impls"].get(FAST, {})
+    if row.get("flops") or not row.get("bytes") or "ms" not in fast or pacer.expired():
+        return
+    try:
+        src = torch.empty(int(row["bytes"]) // 8, dtype=torch.float32, device=device)
+        dst = torch.empty_like(src)
+        copy_ms = timing.time_op(lambda: dst.copy_(src), device, pacer.current())
+    except torch.OutOfMemoryError:
+        return
+    row["same_size_copy_ms"] = copy_ms
+    row["fraction_of_same_size_copy"] = copy_ms / fast["ms"]
+
+
 def _backward_row(rows: list[dict[str, Any]], bench, roof: dict[str, float]) -> dict[str, Any]:
     """The backward alone, derived from a case's fwd and fwd+bwd rows (the last two): each
     implementation's fwd+bwd time less its fwd time, so peers are compared on the same terms."""
@@ -751,6 +769,7 @@ def bench_op(
             if bench.backend and "ms" in row["impls"].get(FAST, {}):
                 row["impls"][FAST]["backend"] = bench.backend
             _derive(row, bench, mode, roof)
+            _same_size_copy(row, device, pacer)
             rows.append(row)
             bar.step(f"{case.name} {mode}")
         if op in C.DERIVED_BWD_OPS:

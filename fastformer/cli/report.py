@@ -361,14 +361,19 @@ def op_lines(op: str, rows: list[dict[str, Any]]) -> list[str]:
     others = [p for p in peers if p != FAST]
     head = ["case", "mode"] + [f"{p} ms" for p in peers] + ["fastformer rate (backend)"]
     head += [f"x vs {p}" for p in others] + ["of roofline"]
+    fractions = ["fraction_of_roofline"]
+    if any("fraction_of_same_size_copy" in row for row in rows):
+        fractions.append("fraction_of_same_size_copy")
+        head.append("of same-size copy")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         cells = [row["case"], row["mode"]]
         cells += [_impl_cell(row["impls"].get(p, {"unsupported": ""})) for p in peers]
         cells.append(_rate(row["impls"].get(FAST, {})))
         cells += [_num(row["speedup"].get(p), 3) for p in others]
-        frac = row.get("fraction_of_roofline")
-        cells.append("-" if frac is None else f"{frac:.0%}")
+        for key in fractions:
+            frac = row.get(key)
+            cells.append("-" if frac is None else f"{frac:.0%}")
         lines.append("| " + " | ".join(cells) + " |")
     reasons = {
         f"{p}: {res['unsupported']}"
@@ -473,7 +478,8 @@ def markdown(results: dict[str, Any], images: list[str]) -> str:
     lines += [
         f"Measured in this run: device copy {roof['copy_gbps']:.0f} GB/s, "
         f"{roof['gemm_size']}^3 GEMM {_num(roof['gemm_tflops'])} TFLOP/s ({cfg['dtype']}). "
-        '"of roofline" = max(FLOPs / GEMM rate, bytes / copy rate) / fastformer\'s time.',
+        '"of roofline" = max(FLOPs / GEMM rate, bytes / copy rate) / fastformer\'s time; '
+        '"of same-size copy" = the time of one copy moving the same bytes / fastformer\'s.',
         "",
         "Timing: median after warm-up (CUDA: triton.testing.do_bench / CUDA events; CPU: "
         "time.perf_counter). Tokens = non-padding source + target tokens. Inference = one "
