@@ -165,10 +165,9 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
 // __restrict__ on either.
 template <typename T, FfnActivation A, int VEC, int ACC>
 __device__ __forceinline__ void backward_row(const T* dg, const T* __restrict__ saved, T* dh,
-                                             T* __restrict__ g_out,
-                                             int64_t row, int64_t col, int64_t d_ff,
-                                             uint64_t seed, const int64_t* seed_ptr, float p,
-                                             float scale, float (&acc)[ACC]) {
+                                             T* __restrict__ g_out, int64_t row, int64_t col,
+                                             int64_t d_ff, uint64_t seed, const int64_t* seed_ptr,
+                                             float p, float scale, float (&acc)[ACC]) {
   float d[VEC];
   load<T, VEC>(dg + row * d_ff + col, d);
   if constexpr (A == FfnActivation::kRelu) {
@@ -246,9 +245,8 @@ __device__ __forceinline__ void write_partials(float (&lanes)[kThreadsY][kThread
 // dh, recomputed g and per-block column partial sums of dh (partials[blockIdx.y][column]).
 template <typename T, FfnActivation A, int VEC>
 __global__ void __launch_bounds__(kThreadsX* kThreadsY)
-    ffn_backward_kernel(const T* dg, const T* __restrict__ saved, T* dh,
-                        T* __restrict__ g_out, float* __restrict__ partials,
-                        int64_t rows, int64_t d_ff, uint64_t seed,
+    ffn_backward_kernel(const T* dg, const T* __restrict__ saved, T* dh, T* __restrict__ g_out,
+                        float* __restrict__ partials, int64_t rows, int64_t d_ff, uint64_t seed,
                         const int64_t* __restrict__ seed_ptr, float p, float scale) {
   constexpr int kAcc = is_gated(A) ? 2 * VEC : VEC;
   __shared__ float lanes[kThreadsY][kThreadsX * kAcc];
