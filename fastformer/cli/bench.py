@@ -113,19 +113,24 @@ def budget_for(device: torch.device, quick: bool) -> timing.Budget:
 # --------------------------------------------------------------------------- rooflines
 
 
+def _copy_ms(numel: int, device: torch.device, budget: timing.Budget) -> float:
+    """Median ms of one device copy of `numel` float32 elements (each read and written once)."""
+    src = torch.empty(numel, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    return timing.time_op(lambda: dst.copy_(src), device, budget)
+
+
 def rooflines(device: torch.device, dtype: torch.dtype, budget: timing.Budget) -> dict[str, float]:
     """The two numbers of the performance method, measured in this run: device copy GB/s and
     dense GEMM TFLOP/s in the benchmark dtype (CUDA 8192^3, CPU 1024^3)."""
     numel = (256 if device.type == "cuda" else 16) * 2**20
-    src = torch.empty(numel, dtype=torch.float32, device=device).uniform_()
-    dst = torch.empty_like(src)
-    copy_ms = timing.time_op(lambda: dst.copy_(src), device, budget)
+    copy_ms = _copy_ms(numel, device, budget)
     n = 8192 if device.type == "cuda" else 1024
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     gemm_ms = timing.time_op(lambda: a @ b, device, budget)
     return {
-        "copy_gbps": 2 * src.numel() * 4 / copy_ms / 1e6,
+        "copy_gbps": 2 * numel * 4 / copy_ms / 1e6,
         "gemm_tflops": 2 * n**3 / gemm_ms / 1e9,
         "gemm_size": n,
     }
@@ -713,9 +718,7 @@ def _same_size_copy(row: dict[str, Any], device: torch.device, pacer) -> None:
     if row.get("flops") or not row.get("bytes") or "ms" not in fast or pacer.expired():
         return
     try:
-        src = torch.empty(int(row["bytes"]) // 8, dtype=torch.float32, device=device)
-        dst = torch.empty_like(src)
-        copy_ms = timing.time_op(lambda: dst.copy_(src), device, pacer.current())
+        copy_ms = _copy_ms(int(row["bytes"]) // 8, device, pacer.current())
     except torch.OutOfMemoryError:
         return
     row["same_size_copy_ms"] = copy_ms
