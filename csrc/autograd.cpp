@@ -17,12 +17,13 @@
 #include <utility>
 #include <vector>
 
+#include "common/dispatch.h"
+
 namespace fastformer {
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-using OptTensor = c10::optional<at::Tensor>;
 
 // Identity on a backward's results, tied to the tensors they depend on; a second backward
 // that reaches it raises (fastformer/ops/_autograd.py's first_order, for the C++ nodes).
@@ -71,24 +72,6 @@ variable_list first_order(const std::string& op, variable_list results,
   }
   return results;
 }
-
-// The registered op `Op::name` (looked up once), called through the dispatcher: its CPU or CUDA
-// kernel, and whatever dispatch modes are active.
-template <typename Op>
-const c10::TypedOperatorHandle<typename Op::Sig>& handle() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow(Op::name, "")
-                             .template typed<typename Op::Sig>();
-  return op;
-}
-
-using Tensors4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-
-struct LnFwd {
-  static constexpr const char* name = "fastformer::layer_norm_fwd";
-  using Sig = Tensors4(const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&,
-                       const at::Tensor&, double, double, bool, bool);
-};
 
 struct LnBwd {
   static constexpr const char* name = "fastformer::layer_norm_bwd";

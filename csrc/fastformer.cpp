@@ -1,5 +1,6 @@
-// The fastformer._C module: the torch.ops.fastformer library, and a Python module holding only
-// cuda_philox_advance (the dropout seed draw's atomic step, below).
+// The fastformer._C module: the torch.ops.fastformer library, and a Python module holding
+// cuda_philox_advance (the dropout seed draw's atomic step, below) and layer_norm_eager (the
+// plain eager LayerNorm call in one C call, layer_norm/layer_norm_eager.cpp).
 //
 // Ops are reached through torch.ops.fastformer.*; importing fastformer._C loads this library so
 // its static registrations run. Each op folder adds its schemas with
@@ -9,6 +10,8 @@
 
 #include <exception>
 #include <mutex>
+
+#include "layer_norm/layer_norm_eager.h"
 
 #ifdef FASTFORMER_WITH_CUDA
 #include <ATen/cuda/CUDAGeneratorImpl.h>
@@ -57,6 +60,11 @@ PyMethodDef methods[] = {
     {"cuda_philox_advance", cuda_philox_advance, METH_VARARGS,
      "cuda_philox_advance(device_index, increment) -> (seed, offset) of torch's CUDA generator, "
      "the offset advanced by increment atomically"},
+    {"layer_norm_eager", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(
+                             &fastformer::layer_norm_eager)),
+     METH_FASTCALL,
+     "layer_norm_eager(input, normalized_shape, weight, bias, eps, rms) -> Tensor | None: the "
+     "plain eager call of fastformer.ops.layer_norm / rms_norm, None when it is not one"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -9,6 +9,8 @@ keep-mask regenerated from the seed the op drew (`torch.manual_seed` predicts it
 import itertools
 import math
 import re
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -642,11 +644,23 @@ def test_bad_input_raises_before_any_kernel(case, monkeypatch):
     def launched(*args, **kwargs):
         raise Launched
 
-    # Every path to the compiled forward (eager, no-grad, custom op) goes through _forward.
+    # Every path to the compiled forward goes through _forward (eager, no-grad, custom op), or
+    # through the eager entry, which returns None without running anything for a call it does
+    # not take (a kernel it ran on a bad call would show as Launched).
     monkeypatch.setattr(ln, "_forward", launched)
-    if extension_error() is None:  # the patch does intercept a valid call
+    entry = ln._EAGER
+
+    def eager(*args):
+        if entry(*args) is not None:
+            launched()
+
+    if entry is not None:
+        monkeypatch.setattr(ln, "_EAGER", eager)
+    if extension_error() is None:  # the patches do intercept a valid call
         with pytest.raises(Launched):
             ln.dropout_add_layer_norm(torch.randn(3, 8), None, None, None, dropout_p=0.1)
+        with pytest.raises(Launched):
+            ln.layer_norm(torch.randn(3, 8), 8)
     with pytest.raises(error, match=match):
         fn()
 
@@ -920,6 +934,229 @@ def test_torch_compile_torch_backend(monkeypatch):
         seed=3,
     )
     torch._dynamo.reset()
+
+
+# --------------------------------------------------------------------------- the eager entry
+#
+# layer_norm and rms_norm first try fastformer._C.layer_norm_eager: the plain call in one C call,
+# None for any other (csrc/layer_norm/layer_norm_eager.cpp). Where it runs it must give the
+# checked Python path's bits, gradients included; everything it declines goes down that path.
+
+
+def _entry():
+    from fastformer import _C
+
+    return _C.layer_norm_eager
+
+
+def _checked_path(monkeypatch, fn):
+    """fn() with the eager entry switched off: the Python path (checks, gates, backend)."""
+    with monkeypatch.context() as m:
+        m.setattr(ln, "_EAGER", None)
+        return fn()
+
+
+# name: (input shape, dtype, parameter dtype, affine, rms, eps, input scale). RMSNorm's default
+# eps cases have a small scale: there the eps chosen changes the bits.
+_ENTRY_CASES = {
+    "fp32": ((3, 5, 64), torch.float32, torch.float32, "both", False, 1e-5, 2.0),
+    "fp32 weight only": ((7, 33), torch.float32, torch.float32, "weight", False, 1e-3, 2.0),
+    "fp32 bias only": ((7, 33), torch.float32, torch.float32, "bias", False, 1e-5, 2.0),
+    "fp32 no affine": ((2, 4099), torch.float32, None, "none", False, 1e-5, 2.0),
+    "bf16, fp32 params": ((9, 1024), torch.bfloat16, torch.float32, "both", False, 1e-5, 2.0),
+    "fp16, fp16 params": ((9, 1000), torch.float16, torch.float16, "both", False, 1e-5, 2.0),
+    "fp64": ((4, 17), torch.float64, torch.float64, "both", False, 1e-5, 2.0),
+    "rms fp32 default eps": ((5, 96), torch.float32, torch.float32, "weight", True, None, 1e-3),
+    "rms bf16 default eps": ((5, 96), torch.bfloat16, torch.float32, "weight", True, None, 1e-3),
+    "rms fp64 default eps": ((5, 96), torch.float64, torch.float64, "weight", True, None, 1e-7),
+    "rms fp16 eps": ((1, 7), torch.float16, None, "none", True, 1e-6, 2.0),
+}
+
+
+def _call(x, w, b, rms, eps, shape):
+    return ln.rms_norm(x, shape, w, eps) if rms else ln.layer_norm(x, shape, w, b, eps)
+
+
+# float64 on CUDA runs on the torch backend: the entry declines it.
+_ENTRY_DEVICES = [
+    *((case, "cpu") for case in _ENTRY_CASES),
+    *(
+        pytest.param(case, CUDA, marks=pytest.mark.cuda)
+        for case, spec in _ENTRY_CASES.items()
+        if spec[1] != torch.float64
+    ),
+]
+
+
+@needs_ext
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize(("case", "device"), _ENTRY_DEVICES)
+def test_eager_entry_gives_the_checked_paths_bits(case, device, grad, monkeypatch):
+    shape, dtype, pdtype, affine, rms, eps, scale = _ENTRY_CASES[case]
+    n = shape[-1]
+    x = _make(shape, dtype, scale=scale, shift=scale / 2, device=device, grad=grad)
+    w, b = _params(n, affine, pdtype or dtype, device=device)
+    b = None if rms else b
+    if grad:
+        for p in (w, b):
+            if p is not None:
+                p.requires_grad_(True)
+    dy = _make(shape, dtype, seed=5, device=device, grad=False)
+    assert _entry()(x, n, w, None if rms else b, eps, rms) is not None  # it does run these
+
+    def run(shape_arg):
+        xs = [t for t in (x, w, b) if t is not None]
+        out = _call(x, w, b, rms, eps, shape_arg)
+        if not grad:
+            return [out]
+        return [out, *torch.autograd.grad(out, xs, dy)]
+
+    want = _checked_path(monkeypatch, lambda: run(n))
+    for shape_arg in (n, (n,), [n], torch.Size([n])):
+        got = run(shape_arg)
+        assert len(got) == len(want)
+        for a, c in zip(got, want):
+            assert a.dtype == c.dtype and a.shape == c.shape
+            assert torch.equal(a, c), (case, shape_arg)
+
+
+@needs_ext
+def test_eager_entry_runs_non_contiguous_inputs_and_parameters(monkeypatch):
+    x = _make((64, 6), grad=False).t()  # (6, 64), column-major
+    w = _make((64, 2), seed=3, grad=False)[:, 0]  # stride 2
+    assert _entry()(x, 64, w, None, 1e-5, False) is not None
+    want = _checked_path(monkeypatch, lambda: ln.layer_norm(x, 64, w))
+    assert torch.equal(ln.layer_norm(x, 64, w), want)
+
+
+@needs_ext
+def test_plain_calls_take_the_eager_entry(monkeypatch):
+    # The checked path's dispatch raises: a plain call must not reach it (a gate of the entry that
+    # declined every call would leave it unused, and these tests blind to that).
+    def checked(*args):
+        raise AssertionError("the checked path ran")
+
+    monkeypatch.setattr(ln, "_run", checked)
+    x, (w, b) = _make((3, 16)), _params(16, "both")
+    ln.layer_norm(x, 16, w, b).sum().backward()
+    assert x.grad is not None and w.grad is not None and b.grad is not None
+    with torch.no_grad():
+        ln.rms_norm(x, (16,), w)
+    with torch.inference_mode():
+        ln.layer_norm(x, [16], None, None, 1e-6)
+    with pytest.raises(AssertionError, match="checked path"):
+        ln.layer_norm(x.detach().view(3, 1, 16), (1, 16))  # two normalized dims: the checked path's
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+class _PassThroughMode(torch.utils._python_dispatch.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _PassThroughFunctionMode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _declined_calls():
+    """name: (call of the entry, what the public function must then give, or an exception)."""
+    x, w, b = torch.randn(3, 8), torch.randn(8), torch.randn(8)
+    e = _entry()
+
+    def plain(**kw):
+        args = dict(input=x, normalized_shape=8, weight=w, bias=b, eps=1e-5, rms=False)
+        args.update(kw)
+        return lambda: e(*args.values())
+
+    return {
+        "subclass input": plain(input=x.as_subclass(_Subclass)),
+        "subclass weight": plain(weight=w.as_subclass(_Subclass)),
+        "int input": plain(input=x.int()),
+        "0-dim input": plain(input=torch.tensor(1.0), normalized_shape=1, weight=None, bias=None),
+        "empty input": plain(input=torch.randn(0, 8)),
+        "meta input": plain(input=x.to("meta"), weight=None, bias=None),
+        "sparse input": plain(input=x.to_sparse(), weight=None, bias=None),
+        "shape mismatch": plain(normalized_shape=7),
+        "two normalized dims": plain(normalized_shape=(3, 8), weight=None, bias=None),
+        "bool shape": plain(input=torch.randn(3, 1), normalized_shape=True, weight=None, bias=None),
+        "numpy shape": plain(normalized_shape=np.int64(8)),
+        "weight shape": plain(weight=torch.randn(7)),
+        "weight 2-dim": plain(weight=torch.randn(1, 8)),
+        "weight dtype": plain(weight=w.double()),
+        "16-bit weight of fp32 input": plain(weight=w.half()),
+        "weight and bias dtypes differ": plain(input=x.bfloat16(), bias=b.bfloat16()),
+        "weight device": plain(weight=w.to("meta")),
+        "weight a list": plain(weight=w.tolist()),
+        "eps int": plain(eps=1),
+        "eps zero": plain(eps=0.0),
+        "eps inf": plain(eps=math.inf),
+        "eps nan": plain(eps=math.nan),
+        "eps numpy": plain(eps=np.float64(1e-5)),
+        "eps None for layer_norm": plain(eps=None),
+        "rms with a bias": plain(rms=True),
+    }
+
+
+@needs_ext
+@pytest.mark.parametrize("case", list(_declined_calls()))
+def test_eager_entry_declines_unusual_arguments(case):
+    assert _declined_calls()[case]() is None
+
+
+@needs_ext
+def test_eager_entry_declines_in_contexts_the_checked_path_routes(monkeypatch):
+    x, w, b = torch.randn(3, 8), torch.randn(8), torch.randn(8)
+    e = _entry()
+
+    def plain(t=x):
+        return e(t, 8, w, b, 1e-5, False)
+
+    assert plain() is not None
+    with torch.autograd.forward_ad.dual_level():
+        assert plain() is None
+    seen = []
+    torch.vmap(lambda t: (seen.append(plain(t)), t)[1])(x)
+    torch.func.grad(lambda t: (seen.append(plain(t)), t.sum())[1])(x)
+    torch.func.jvp(lambda t: (seen.append(plain(t)), t)[1], (x,), (x,))
+    assert seen == [None, None, None]
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        assert e(torch.randn(3, 8), 8, None, None, 1e-5, False) is None
+    with _PassThroughMode():
+        assert plain() is None
+    with _PassThroughFunctionMode():
+        assert plain() is None
+    traced = []
+    torch.jit.trace(lambda t: (traced.append(plain(t)), t + 1)[1], x, check_trace=False)
+    assert traced == [None]
+    monkeypatch.setenv("FASTFORMER_BACKEND_LAYER_NORM", "torch")
+    assert plain() is None
+    monkeypatch.setenv("FASTFORMER_BACKEND_LAYER_NORM", "cpp")
+    assert plain() is not None
+    monkeypatch.setenv("FASTFORMER_BACKEND_LAYER_NORM", "")  # unset, as for the checked path
+    assert plain() is not None
+    with pytest.raises(TypeError, match="takes 6 arguments"):
+        e(x, 8, w, b, 1e-5)
+
+
+@needs_ext
+def test_eager_entry_after_a_first_call_in_inference_mode():
+    # The entry's shared seed tensor, made on the first call, must be a normal tensor even when
+    # that call ran in inference mode: the autograd node saves it. (A new process: the first call.)
+    code = (
+        "import torch\n"
+        "from fastformer.ops.layer_norm import layer_norm\n"
+        "x = torch.randn(3, 8)\n"
+        "with torch.inference_mode():\n"
+        "    layer_norm(x, 8)\n"
+        "w = torch.ones(8, requires_grad=True)\n"
+        "layer_norm(x, 8, w).sum().backward()\n"
+        "assert w.grad is not None\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -14,6 +14,10 @@ Public functions (semantics of ``torch.nn.functional`` where it has them):
 Backends (``fastformer.ops._dispatch``, op name ``"layer_norm"``): ``cpp`` runs the compiled
 kernels of ``csrc/layer_norm`` (CPU always, CUDA when built with nvcc), then ``torch`` runs the
 eager reference (``fastformer.reference``). ``FASTFORMER_BACKEND_LAYER_NORM`` forces one.
+An eager ``layer_norm`` or ``rms_norm`` call with plain arguments (exact tensors, one normalized
+dim, a float eps, no tracer, transform or mode) runs the cpp kernels from one C call,
+``fastformer._C.layer_norm_eager``; it returns None for any other call, which takes the checked
+Python path.
 
 Dtypes: inputs float32, float16 or bfloat16, and float64 (the C++ CPU kernels take it too, so
 ``gradcheck`` tests the real kernels; on CUDA float64 runs on the torch backend). Weight and
@@ -40,7 +44,7 @@ import torch
 from torch import Tensor
 
 from fastformer import reference
-from fastformer._ext import cuda_kernels_compiled, extension_error
+from fastformer._ext import cuda_kernels_compiled, extension_error, load_extension
 from fastformer.ops import rng
 from fastformer.ops._autograd import (
     DRAWS_A_SEED,
@@ -72,6 +76,11 @@ _CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Read once at import: torch.compile traces the backend choice, and these are cached loaders.
 _EXTENSION_ERROR = extension_error()
 _CUDA_KERNELS = cuda_kernels_compiled()
+# The plain eager call of layer_norm and rms_norm in one C call, or None for any other call
+# (csrc/layer_norm/layer_norm_eager.cpp): between ops that stream memory, the checked path's
+# Python ran with cold caches, ~45 us above the kernel on a CPU. Absent without the extension.
+_EAGER = getattr(load_extension(), "layer_norm_eager", None)
+_is_compiling = torch.compiler.is_compiling  # (dynamo folds it: the C call is never traced)
 
 
 def _cpp_reasons(x: Tensor | None) -> list[str]:
@@ -526,6 +535,10 @@ def layer_norm(
     Returns:
         Tensor of ``input``'s shape and dtype.
     """
+    if _EAGER is not None and not _is_compiling():
+        out = _EAGER(input, normalized_shape, weight, bias, eps, False)
+        if out is not None:
+            return out
     fn = "layer_norm"
     x = _check_input(fn, "input", input)
     shape = _normalized_shape(fn, x, normalized_shape)
@@ -551,6 +564,10 @@ def rms_norm(
     Returns:
         Tensor of ``input``'s shape and dtype.
     """
+    if _EAGER is not None and not _is_compiling():
+        out = _EAGER(input, normalized_shape, weight, None, eps, True)
+        if out is not None:
+            return out
     fn = "rms_norm"
     x = _check_input(fn, "input", input)
     shape = _normalized_shape(fn, x, normalized_shape)
