@@ -2562,6 +2562,52 @@ def test_time_cpu_calls_follow_the_budget():
     assert len(calls) == slow.warmup + slow.max_reps
 
 
+def test_time_cpu_in_turns_alternates_the_calls_and_follows_the_budget():
+    # Guards the turns (every round calls each once, the order rotated), the per-call medians
+    # in milliseconds, and min_reps / max_reps / warmup as time_cpu reads them.
+    import time
+
+    from fastformer.cli import timing
+
+    log = []
+    calls = {name: (lambda name=name: log.append(name)) for name in "abc"}
+    quick = timing.Budget(warmup=1, min_reps=4, max_reps=50, min_time_s=0.0)
+    timing.time_cpu_in_turns(calls, quick)
+    assert log[:3] == list("abc")  # the warm-up round
+    rounds = [log[i : i + 3] for i in range(3, len(log), 3)]
+    assert rounds == [list("abc"), list("bca"), list("cab"), list("abc")]
+    log.clear()
+    slow = timing.Budget(warmup=0, min_reps=2, max_reps=5, min_time_s=3600.0)
+    timing.time_cpu_in_turns(calls, slow)
+    assert len(log) == 3 * slow.max_reps
+    sleeps = {"short": lambda: time.sleep(0.002), "long": lambda: time.sleep(0.02)}
+    ms = timing.time_cpu_in_turns(sleeps, timing.Budget(0, 3, 3, 0.0))
+    assert 2.0 <= ms["short"] < 20.0 <= ms["long"] < 1000.0
+
+
+def test_cpu_rows_are_timed_in_turns(monkeypatch):
+    # Guards bench_op on a CPU: the timed implementations' medians are the in-turns ones, and
+    # one that failed is left out of the turns.
+    from fastformer.cli import bench as B
+
+    turns = []
+
+    def in_turns(calls, budget):
+        turns.append(sorted(calls))
+        return {name: 1000.0 + i for i, name in enumerate(calls)}
+
+    monkeypatch.setattr(B.timing, "time_cpu_in_turns", in_turns)
+    pacer = B.timing.Pacer(B.timing.QUICK)
+    roof = {"copy_gbps": 1.0, "gemm_tflops": 1.0, "gemm_size": 8}
+    out = B.bench_op(
+        "layer_norm", torch.device("cpu"), torch.float32, True, pacer, roof, lambda o: None
+    )
+    row = out["cases"][0]
+    timed = sorted(name for name, res in row["impls"].items() if "ms" in res)
+    assert turns and turns[0] == timed and len(timed) >= 2
+    assert all(row["impls"][name]["ms"] >= 1000.0 for name in timed)
+
+
 def test_pacer_cuts_to_one_repetition_only_past_its_deadline():
     # Guards Pacer.current/cut: the full budget before the deadline, one rep (and cut) after.
     import time

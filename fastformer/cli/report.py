@@ -482,7 +482,8 @@ def markdown(results: dict[str, Any], images: list[str]) -> str:
         '"of same-size copy" = the time of one copy moving the same bytes / fastformer\'s.',
         "",
         "Timing: median after warm-up (CUDA: triton.testing.do_bench / CUDA events; CPU: "
-        "time.perf_counter). Tokens = non-padding source + target tokens. Inference = one "
+        "time.perf_counter, a case's implementations timed in turns, one call each per round). "
+        "Tokens = non-padding source + target tokens. Inference = one "
         "teacher-forced forward pass. Reference dropout uses a precomputed keep-mask (its RNG "
         "is not timed). Attention FLOPs: 4*B*H*S*S*D forward, x0.5 causal, x2.5 backward; "
         "attention's bwd rows are derived, fwd+bwd time less fwd time, per implementation.",
