@@ -1,6 +1,6 @@
 // The fastformer._C module: the torch.ops.fastformer library, and a Python module holding
-// cuda_philox_advance (the dropout seed draw's atomic step, below) and layer_norm_eager (the
-// plain eager LayerNorm call in one C call, layer_norm/layer_norm_eager.cpp).
+// cuda_philox_advance (the dropout seed draw's atomic step, below) and the plain eager calls of
+// the LayerNorm ops in one C call (layer_norm/layer_norm_eager.cpp).
 //
 // Ops are reached through torch.ops.fastformer.*; importing fastformer._C loads this library so
 // its static registrations run. Each op folder adds its schemas with
@@ -65,6 +65,13 @@ PyMethodDef methods[] = {
      METH_FASTCALL,
      "layer_norm_eager(input, normalized_shape, weight, bias, eps, rms) -> Tensor | None: the "
      "plain eager call of fastformer.ops.layer_norm / rms_norm, None when it is not one"},
+    {"dropout_add_layer_norm_eager",
+     reinterpret_cast<PyCFunction>(
+         reinterpret_cast<void (*)(void)>(&fastformer::dropout_add_layer_norm_eager)),
+     METH_FASTCALL,
+     "dropout_add_layer_norm_eager(x, residual, weight, bias, eps, dropout_p, prenorm, seed_fn) "
+     "-> Tensor | (Tensor, Tensor) | None: the plain eager call of "
+     "fastformer.ops.dropout_add_layer_norm, None when it is not one"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -634,6 +634,14 @@ def _bad_cases():
     }
 
 
+def _launch_guard(entry, launched):
+    def guarded(*args):
+        if entry(*args) is not None:
+            launched()
+
+    return guarded
+
+
 @pytest.mark.parametrize("case", list(_bad_cases()))
 def test_bad_input_raises_before_any_kernel(case, monkeypatch):
     fn, error, match = _bad_cases()[case]
@@ -648,19 +656,17 @@ def test_bad_input_raises_before_any_kernel(case, monkeypatch):
     # through the eager entry, which returns None without running anything for a call it does
     # not take (a kernel it ran on a bad call would show as Launched).
     monkeypatch.setattr(ln, "_forward", launched)
-    entry = ln._EAGER
-
-    def eager(*args):
-        if entry(*args) is not None:
-            launched()
-
-    if entry is not None:
-        monkeypatch.setattr(ln, "_EAGER", eager)
+    for attr in ("_EAGER", "_EAGER_FUSED"):
+        entry = getattr(ln, attr)
+        if entry is not None:
+            monkeypatch.setattr(ln, attr, _launch_guard(entry, launched))
     if extension_error() is None:  # the patches do intercept a valid call
         with pytest.raises(Launched):
             ln.dropout_add_layer_norm(torch.randn(3, 8), None, None, None, dropout_p=0.1)
         with pytest.raises(Launched):
             ln.layer_norm(torch.randn(3, 8), 8)
+        with pytest.raises(Launched):
+            ln.dropout_add_layer_norm(torch.randn(3, 8), None, None, None)
     with pytest.raises(error, match=match):
         fn()
 
@@ -1044,6 +1050,10 @@ def test_plain_calls_take_the_eager_entry(monkeypatch):
         ln.rms_norm(x, (16,), w)
     with torch.inference_mode():
         ln.layer_norm(x, [16], None, None, 1e-6)
+    out, pre = ln.dropout_add_layer_norm(x, x.detach(), w, b, 1e-5, 0.1, True)
+    (out + pre).sum().backward()
+    with torch.no_grad():
+        ln.dropout_add_layer_norm(x, None, None, None, 1e-5, 0.0)
     with pytest.raises(AssertionError, match="checked path"):
         ln.layer_norm(x.detach().view(3, 1, 16), (1, 16))  # two normalized dims: the checked path's
 
@@ -1138,8 +1148,155 @@ def test_eager_entry_declines_in_contexts_the_checked_path_routes(monkeypatch):
     assert plain() is not None
     monkeypatch.setenv("FASTFORMER_BACKEND_LAYER_NORM", "")  # unset, as for the checked path
     assert plain() is not None
-    with pytest.raises(TypeError, match="takes 6 arguments"):
+    with pytest.raises(TypeError, match="wrong number of arguments"):
         e(x, 8, w, b, 1e-5)
+
+
+def _fused_entry():
+    from fastformer import _C
+
+    return _C.dropout_add_layer_norm_eager
+
+
+def _generator_state(device):
+    return torch.get_rng_state() if device == "cpu" else torch.cuda.get_rng_state(device)
+
+
+# name: (x shape, dtype, parameter dtype, residual, dropout_p, prenorm)
+_FUSED_ENTRY_CASES = {
+    "add": ((3, 5, 64), torch.float32, torch.float32, True, 0.0, False),
+    "add prenorm": ((6, 33), torch.float32, torch.float32, True, 0.0, True),
+    "drop": ((6, 1024), torch.float32, torch.float32, False, 0.25, False),
+    "drop prenorm": ((6, 33), torch.float32, torch.float32, False, 0.25, True),
+    "add drop": ((2, 7, 96), torch.float32, torch.float32, True, 0.1, False),
+    "add drop prenorm": ((9, 1000), torch.float32, torch.float32, True, 0.5, True),
+    "bf16 add drop": ((9, 1024), torch.bfloat16, torch.float32, True, 0.1, False),
+    "fp16 add drop prenorm": ((4, 256), torch.float16, torch.float16, True, 0.1, True),
+    "fp64 add drop prenorm": ((4, 17), torch.float64, torch.float64, True, 0.3, True),
+    "plain": ((4, 40), torch.float32, torch.float32, False, 0.0, False),
+}
+_FUSED_ENTRY_DEVICES = [
+    *((case, "cpu") for case in _FUSED_ENTRY_CASES),
+    *(
+        pytest.param(case, CUDA, marks=pytest.mark.cuda)
+        for case, spec in _FUSED_ENTRY_CASES.items()
+        if spec[1] != torch.float64
+    ),
+]
+
+
+@needs_ext
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize(("case", "device"), _FUSED_ENTRY_DEVICES)
+def test_fused_eager_entry_gives_the_checked_paths_bits(case, device, grad, monkeypatch):
+    # The same bits, gradients and generator state after: the seed is the checked path's draw.
+    shape, dtype, pdtype, with_residual, p, prenorm = _FUSED_ENTRY_CASES[case]
+    n = shape[-1]
+    x = _make(shape, dtype, scale=2.0, shift=1.0, device=device, grad=grad)
+    res = _make(shape, dtype, seed=2, device=device, grad=grad) if with_residual else None
+    w, b = _params(n, "both", pdtype, device=device)
+    w.requires_grad_(grad), b.requires_grad_(grad)
+    dy = [_make(shape, dtype, seed=s, device=device, grad=False) for s in (5, 6)]
+    leaves = [t for t in (x, res, w, b) if t is not None]
+    assert _fused_entry()(x, res, w, b, 1e-5, p, prenorm, ln._eager_seed) is not None
+
+    def run():
+        torch.manual_seed(11)
+        outs = ln.dropout_add_layer_norm(x, res, w, b, 1e-5, p, prenorm)
+        outs = list(outs) if prenorm else [outs]
+        state = _generator_state(device)
+        if grad:
+            outs += torch.autograd.grad(outs, leaves, dy[: len(outs)])
+        return [*outs, state]
+
+    want = _checked_path_fused(monkeypatch, run)
+    got = run()
+    assert len(got) == len(want)
+    for a, c in zip(got, want):
+        assert a.dtype == c.dtype and a.shape == c.shape
+        assert torch.equal(a, c), case
+
+
+def _checked_path_fused(monkeypatch, fn):
+    with monkeypatch.context() as m:
+        m.setattr(ln, "_EAGER_FUSED", None)
+        return fn()
+
+
+def _declined_fused_calls():
+    x, r, w, b = torch.randn(3, 8), torch.randn(3, 8), torch.randn(8), torch.randn(8)
+    e = _fused_entry()
+
+    def plain(**kw):
+        args = dict(x=x, residual=r, weight=w, bias=b, eps=1e-5, p=0.1, prenorm=False)
+        args.update(kw)
+        return lambda: e(*args.values(), ln._eager_seed)
+
+    return {
+        "subclass x": plain(x=x.as_subclass(_Subclass)),
+        "subclass residual": plain(residual=r.as_subclass(_Subclass)),
+        "0-dim x": plain(x=torch.tensor(1.0), residual=None, weight=None, bias=None),
+        "empty x": plain(x=torch.randn(0, 8), residual=None),
+        "int x": plain(x=x.int(), residual=None, weight=None, bias=None),
+        "residual broadcast": plain(residual=torch.randn(8)),
+        "residual shape": plain(residual=torch.randn(1, 3, 8)),
+        "residual dtype": plain(residual=r.double()),
+        "residual device": plain(residual=r.to("meta")),
+        "residual a list": plain(residual=r.tolist()),
+        "weight shape": plain(weight=torch.randn(7)),
+        "bias dtype": plain(bias=b.half()),
+        "eps int": plain(eps=1),
+        "eps None": plain(eps=None),
+        "p int": plain(p=0),
+        "p numpy": plain(p=np.float64(0.1)),
+        "p negative": plain(p=-0.1),
+        "p one": plain(p=1.0),
+        "p above 0.99": plain(p=0.995),
+        "p nan": plain(p=math.nan),
+        "prenorm int": plain(prenorm=1),
+        "prenorm None": plain(prenorm=None),
+    }
+
+
+@needs_ext
+@pytest.mark.parametrize("case", list(_declined_fused_calls()))
+def test_fused_eager_entry_declines_unusual_arguments(case):
+    call = _declined_fused_calls()[case]
+    state = torch.get_rng_state()
+    assert call() is None
+    assert torch.equal(torch.get_rng_state(), state)  # nothing drawn
+
+
+@needs_ext
+def test_fused_eager_entry_declines_in_contexts_and_passes_seed_errors_on(monkeypatch):
+    x, r, w, b = torch.randn(3, 8), torch.randn(3, 8), torch.randn(8), torch.randn(8)
+    e = _fused_entry()
+
+    def plain(t=x, p=0.1, seed_fn=ln._eager_seed):
+        return e(t, r, w, b, 1e-5, p, True, seed_fn)
+
+    assert isinstance(plain(), tuple) and len(plain()) == 2
+    seen = []
+    torch.vmap(lambda t: (seen.append(plain(t)), t)[1], randomness="same")(x)
+    with torch.autograd.forward_ad.dual_level():
+        seen.append(plain())
+    with _PassThroughMode():
+        seen.append(plain())
+    monkeypatch.setenv("FASTFORMER_BACKEND_LAYER_NORM", "torch")
+    seen.append(plain())
+    assert seen == [None] * 4
+    monkeypatch.delenv("FASTFORMER_BACKEND_LAYER_NORM")
+
+    def failing(*args):
+        raise KeyError("seed")
+
+    with pytest.raises(KeyError, match="seed"):
+        plain(seed_fn=failing)
+    with pytest.raises(RuntimeError, match="did not return a tensor"):
+        plain(seed_fn=lambda *args: 3)
+    assert plain(p=0.0, seed_fn=failing) is not None  # no dropout: no draw
+    with pytest.raises(TypeError, match="wrong number of arguments"):
+        e(x, r, w, b, 1e-5, 0.1, True)
 
 
 @needs_ext

@@ -1,14 +1,17 @@
-// fastformer._C.layer_norm_eager(input, normalized_shape, weight, bias, eps, rms) -> Tensor | None:
-// the plain eager call of layer_norm and rms_norm (fastformer/ops/layer_norm.py) in one C call.
+// fastformer._C.layer_norm_eager(input, normalized_shape, weight, bias, eps, rms) and
+// dropout_add_layer_norm_eager(x, residual, weight, bias, eps, dropout_p, prenorm, seed_fn): the
+// plain eager calls of layer_norm, rms_norm and dropout_add_layer_norm
+// (fastformer/ops/layer_norm.py) in one C call each.
 //
 // Between ops that stream memory, the Python of the checked path (argument checks, the tracing
 // and transform gates, the backend choice) runs with cold caches: ~45 us above the kernel on the
 // CI VM, which left layer_norm 3-7% slower than F.layer_norm at 4096 x 512-1024 float32 on the
-// CPU. This entry takes the common call only and returns None for anything else (a bad or
+// CPU. These entries take the common call only and return None for anything else (a bad or
 // unusual argument, a tensor subclass, a tracer, a transform, a dispatch or torch function mode,
-// a backend forced to another than cpp): the Python path then runs, with its messages. It never
-// raises for bad input, and where it runs it calls the ops the Python path calls (through the
-// dispatcher) with the same arguments, so both give the same bits.
+// a backend forced to another than cpp): the Python path then runs, with its messages. They
+// never raise for bad input, and where they run they call the ops the Python path calls
+// (through the dispatcher) with the same arguments, so both give the same bits. A call with
+// dropout draws its seed through seed_fn, the Python path's own draw.
 #include "layer_norm/layer_norm_eager.h"
 
 #include <ATen/ATen.h>
@@ -111,18 +114,89 @@ const at::Tensor& no_seed() {
   return *seed;
 }
 
-at::Tensor run(const at::Tensor& x, const OptTensor& weight, const OptTensor& bias, double eps,
-               bool rms) {
-  const bool grad = at::GradMode::is_enabled() &&
-                    (x.requires_grad() || (weight && weight->requires_grad()) ||
-                     (bias && bias->requires_grad()));
-  const pybind11::gil_scoped_release no_gil;
-  if (grad) {  // the C++ autograd node of csrc/autograd.cpp
-    return std::get<0>(handle<LnAutograd>().call(x, weight, bias, c10::nullopt, no_seed(), eps,
-                                                 0.0, rms, false));
+// The operands of one call, as the ops take them.
+struct Call {
+  const at::Tensor* x = nullptr;
+  OptTensor weight, bias, residual;
+  double eps = 0;
+  double dropout_p = 0;
+  bool rms = false;
+};
+
+// x, weight and bias of a plain call (the input checks of layer_norm.py's fast cases): false
+// for anything else. cols is the normalized dim as the call gave it.
+bool plain_operands(Call& call, PyObject* x, int64_t cols, PyObject* weight, PyObject* bias,
+                    PyObject* eps) {
+  call.x = plain_tensor(x);
+  if (call.x == nullptr || !dense(*call.x) || call.x->dim() == 0 || call.x->numel() == 0 ||
+      !kernel_input(*call.x) || cols != call.x->size(-1)) {
+    return false;
   }
-  return std::get<0>(
-      handle<LnFwd>().call(x, weight, bias, c10::nullopt, no_seed(), eps, 0.0, rms, false));
+  call.eps = plain_eps(eps, *call.x, call.rms);
+  return call.eps > 0 && plain_param(weight, *call.x, call.weight) &&
+         plain_param(bias, *call.x, call.bias) &&
+         !(call.weight && call.bias && call.weight->scalar_type() != call.bias->scalar_type());
+}
+
+bool needs_grad(const Call& call) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const OptTensor& t : {call.weight, call.bias, call.residual}) {
+    if (t && t->requires_grad()) return true;
+  }
+  return call.x->requires_grad();
+}
+
+// out and pre, through the ops layer_norm.py's _run_cpp calls: the C++ autograd node of
+// csrc/autograd.cpp when a gradient is needed, else the forward alone.
+std::tuple<at::Tensor, at::Tensor> run(const Call& call, const at::Tensor& seed, bool grad,
+                                       bool store_pre) {
+  const pybind11::gil_scoped_release no_gil;
+  if (grad) {
+    return handle<LnAutograd>().call(*call.x, call.weight, call.bias, call.residual, seed,
+                                     call.eps, call.dropout_p, call.rms, store_pre);
+  }
+  auto [out, pre, mean, rstd] = handle<LnFwd>().call(*call.x, call.weight, call.bias,
+                                                     call.residual, seed, call.eps,
+                                                     call.dropout_p, call.rms, store_pre);
+  return {out, pre};
+}
+
+// residual: None, or a dense tensor of x's shape, dtype and device.
+bool plain_residual(PyObject* obj, Call& call) {
+  if (obj == Py_None) return true;
+  const at::Tensor* r = plain_tensor(obj);
+  if (r == nullptr || !dense(*r) || r->sizes() != call.x->sizes()) return false;
+  if (r->scalar_type() != call.x->scalar_type() || r->device() != call.x->device()) return false;
+  call.residual = *r;
+  return true;
+}
+
+// dropout_p as a float in [0, 0.99] (rng.check_dropout_p's fast case: below every op's limit),
+// -1 for anything else.
+double plain_dropout_p(PyObject* p) {
+  if (!PyFloat_CheckExact(p)) return -1;
+  const double value = PyFloat_AS_DOUBLE(p);
+  return value >= 0 && value <= 0.99 ? value : -1;
+}
+
+// The seed tensor of a call with dropout, from layer_norm.py's _eager_seed(x, dropout_p, grad):
+// the draw of the checked path (the torch generator; on the device inside CUDA graph capture).
+at::Tensor draw_seed(PyObject* seed_fn, PyObject* x, PyObject* dropout_p, bool grad) {
+  PyObject* seed =
+      PyObject_CallFunctionObjArgs(seed_fn, x, dropout_p, grad ? Py_True : Py_False, nullptr);
+  if (seed == nullptr) throw python_error();
+  if (!THPVariable_Check(seed)) {
+    Py_DECREF(seed);
+    throw std::runtime_error("layer_norm.py's _eager_seed did not return a tensor");
+  }
+  at::Tensor value = THPVariable_Unpack(seed);
+  Py_DECREF(seed);
+  return value;
+}
+
+PyObject* arity_error(const char* signature) {
+  PyErr_Format(PyExc_TypeError, "%s: wrong number of arguments", signature);
+  return nullptr;
 }
 
 }  // namespace
@@ -130,24 +204,44 @@ at::Tensor run(const at::Tensor& x, const OptTensor& weight, const OptTensor& bi
 PyObject* layer_norm_eager(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (nargs != 6) {
-    PyErr_SetString(PyExc_TypeError,
-                    "layer_norm_eager(input, normalized_shape, weight, bias, eps, rms) takes 6 "
-                    "arguments");
-    return nullptr;
+    return arity_error("layer_norm_eager(input, normalized_shape, weight, bias, eps, rms)");
   }
-  const bool rms = args[5] == Py_True;
+  Call call;
+  call.rms = args[5] == Py_True;
+  if (!plain_operands(call, args[0], single_dim(args[1]), args[2], args[3], args[4]) ||
+      (call.rms && call.bias) || !plain_context()) {
+    Py_RETURN_NONE;
+  }
+  return THPVariable_Wrap(std::get<0>(run(call, no_seed(), needs_grad(call), false)));
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* dropout_add_layer_norm_eager(PyObject* /*self*/, PyObject* const* args,
+                                       Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 8) {
+    return arity_error(
+        "dropout_add_layer_norm_eager(x, residual, weight, bias, eps, dropout_p, prenorm, "
+        "seed_fn)");
+  }
+  Call call;
   const at::Tensor* x = plain_tensor(args[0]);
-  if (x == nullptr || !dense(*x) || x->dim() == 0 || x->numel() == 0 || !kernel_input(*x)) {
+  const int64_t cols = x != nullptr && x->dim() > 0 ? x->size(-1) : -1;
+  call.dropout_p = plain_dropout_p(args[5]);
+  if (!plain_operands(call, args[0], cols, args[2], args[3], args[4]) ||
+      !plain_residual(args[1], call) || call.dropout_p < 0 || !PyBool_Check(args[6]) ||
+      !plain_context()) {
     Py_RETURN_NONE;
   }
-  OptTensor weight, bias;
-  const double eps = plain_eps(args[4], *x, rms);
-  if (single_dim(args[1]) != x->size(-1) || eps < 0 || !plain_param(args[2], *x, weight) ||
-      !plain_param(args[3], *x, bias) || (rms && bias) ||
-      (weight && bias && weight->scalar_type() != bias->scalar_type()) || !plain_context()) {
-    Py_RETURN_NONE;
-  }
-  return THPVariable_Wrap(run(*x, weight, bias, eps, rms));
+  const bool prenorm = args[6] == Py_True;
+  const bool grad = needs_grad(call);
+  // As _run_cpp: pre is stored when returned, or for a backward that needs it.
+  const bool store_pre = prenorm || (grad && (call.residual || call.dropout_p > 0));
+  const at::Tensor seed =
+      call.dropout_p > 0 ? draw_seed(args[7], args[0], args[5], grad) : no_seed();
+  auto [out, pre] = run(call, seed, grad, store_pre);
+  if (!prenorm) return THPVariable_Wrap(std::move(out));
+  return Py_BuildValue("(NN)", THPVariable_Wrap(std::move(out)), THPVariable_Wrap(std::move(pre)));
   END_HANDLE_TH_ERRORS
 }
 

@@ -14,10 +14,10 @@ Public functions (semantics of ``torch.nn.functional`` where it has them):
 Backends (``fastformer.ops._dispatch``, op name ``"layer_norm"``): ``cpp`` runs the compiled
 kernels of ``csrc/layer_norm`` (CPU always, CUDA when built with nvcc), then ``torch`` runs the
 eager reference (``fastformer.reference``). ``FASTFORMER_BACKEND_LAYER_NORM`` forces one.
-An eager ``layer_norm`` or ``rms_norm`` call with plain arguments (exact tensors, one normalized
-dim, a float eps, no tracer, transform or mode) runs the cpp kernels from one C call,
-``fastformer._C.layer_norm_eager``; it returns None for any other call, which takes the checked
-Python path.
+An eager call with plain arguments (exact tensors, one normalized dim, a float eps and dropout_p,
+no tracer, transform or mode) runs the cpp kernels from one C call, ``fastformer._C``'s
+``layer_norm_eager`` (layer_norm, rms_norm) or ``dropout_add_layer_norm_eager``; they return None
+for any other call, which takes the checked Python path.
 
 Dtypes: inputs float32, float16 or bfloat16, and float64 (the C++ CPU kernels take it too, so
 ``gradcheck`` tests the real kernels; on CUDA float64 runs on the torch backend). Weight and
@@ -80,7 +80,8 @@ _CUDA_KERNELS = cuda_kernels_compiled()
 # (csrc/layer_norm/layer_norm_eager.cpp): between ops that stream memory, the checked path's
 # Python ran with cold caches, ~45 us above the kernel on a CPU. Absent without the extension.
 _EAGER = getattr(load_extension(), "layer_norm_eager", None)
-_is_compiling = torch.compiler.is_compiling  # (dynamo folds it: the C call is never traced)
+_EAGER_FUSED = getattr(load_extension(), "dropout_add_layer_norm_eager", None)
+_is_compiling = torch.compiler.is_compiling  # (dynamo folds it: the C calls are never traced)
 
 
 def _cpp_reasons(x: Tensor | None) -> list[str]:
@@ -416,6 +417,14 @@ def _as_rows(t: Tensor, cols: int) -> Tensor:
     return t if t.dim() >= 1 and t.shape[-1] == cols else t.reshape(-1, cols)
 
 
+def _eager_seed(x: Tensor, dropout_p: float, grad: bool) -> Tensor:
+    """The seed of an eager call: for the autograd node a CPU scalar (NO_SEED without dropout;
+    inside CUDA graph capture a draw on the device), else the forward's seed output. Also what
+    the C entry of dropout_add_layer_norm calls, once it has taken a call with dropout."""
+    seed = rng.call_seed(x.device, dropout_p)
+    return rng.seed_tensor(seed) if grad else rng.seed_output(seed, x.device)
+
+
 def _run_cpp(
     x: Tensor,
     cols: int,
@@ -443,7 +452,7 @@ def _run_cpp(
     if traced():
         out, pre = _layer_norm_op(*args)[:2]
     elif grad:  # eager autograd in C++ (csrc/autograd.cpp): no Python in the backward
-        seed = rng.seed_tensor(rng.call_seed(x.device, dropout_p))
+        seed = _eager_seed(x, dropout_p, grad=True)
         out, pre = torch.ops.fastformer.layer_norm_autograd(*args[:4], seed, *args[4:])
     else:
         out, pre = _forward(*args, seed=rng.NO_SEED)[:2]
@@ -600,6 +609,10 @@ def dropout_add_layer_norm(
     Returns:
         ``out`` (shape and dtype of ``x``), or ``(out, pre)`` when ``prenorm``.
     """
+    if _EAGER_FUSED is not None and not _is_compiling():
+        out = _EAGER_FUSED(x, residual, weight, bias, eps, dropout_p, prenorm, _eager_seed)
+        if out is not None:
+            return out
     fn = "dropout_add_layer_norm"
     x = _check_input(fn, "x", x)
     if x.dim() == 0:
