@@ -1072,6 +1072,10 @@ class _PassThroughFunctionMode(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _nested(layout=torch.strided):
+    return torch.nested.nested_tensor([torch.randn(2, 8), torch.randn(3, 8)], layout=layout)
+
+
 def _declined_calls():
     """name: (call of the entry, what the public function must then give, or an exception)."""
     x, w, b = torch.randn(3, 8), torch.randn(8), torch.randn(8)
@@ -1090,6 +1094,7 @@ def _declined_calls():
         "empty input": plain(input=torch.randn(0, 8)),
         "meta input": plain(input=x.to("meta"), weight=None, bias=None),
         "sparse input": plain(input=x.to_sparse(), weight=None, bias=None),
+        "nested input": plain(input=_nested(), weight=None, bias=None),
         "shape mismatch": plain(normalized_shape=7),
         "two normalized dims": plain(normalized_shape=(3, 8), weight=None, bias=None),
         "bool shape": plain(input=torch.randn(3, 1), normalized_shape=True, weight=None, bias=None),
@@ -1238,6 +1243,8 @@ def _declined_fused_calls():
         "0-dim x": plain(x=torch.tensor(1.0), residual=None, weight=None, bias=None),
         "empty x": plain(x=torch.randn(0, 8), residual=None),
         "int x": plain(x=x.int(), residual=None, weight=None, bias=None),
+        "nested x": plain(x=_nested(), residual=None, weight=None, bias=None),
+        "jagged x": plain(x=_nested(torch.jagged), residual=None, weight=None, bias=None),
         "residual broadcast": plain(residual=torch.randn(8)),
         "residual shape": plain(residual=torch.randn(1, 3, 8)),
         "residual dtype": plain(residual=r.double()),

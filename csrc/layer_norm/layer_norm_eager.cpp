@@ -226,7 +226,7 @@ PyObject* dropout_add_layer_norm_eager(PyObject* /*self*/, PyObject* const* args
   }
   Call call;
   const at::Tensor* x = plain_tensor(args[0]);
-  const int64_t cols = x != nullptr && x->dim() > 0 ? x->size(-1) : -1;
+  const int64_t cols = x != nullptr && dense(*x) && x->dim() > 0 ? x->size(-1) : -1;
   call.dropout_p = plain_dropout_p(args[5]);
   if (!plain_operands(call, args[0], cols, args[2], args[3], args[4]) ||
       !plain_residual(args[1], call) || call.dropout_p < 0 || !PyBool_Check(args[6]) ||
