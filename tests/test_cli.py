@@ -2608,6 +2608,52 @@ def test_cpu_rows_are_timed_in_turns(monkeypatch):
     assert all(row["impls"][name]["ms"] >= 1000.0 for name in timed)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt (Linux)")
+def test_keep_freed_pages_stops_the_page_faults_of_large_outputs():
+    # Guards timing.keep_freed_pages in a process of its own (it is process-wide): a 64 MB
+    # buffer freed and allocated again faults on every page with glibc's defaults, and on none
+    # once the setting is made.
+    code = (
+        "import resource, sys, torch\n"
+        "from fastformer.cli import timing\n"
+        "made = timing.keep_freed_pages() if sys.argv[1] == 'keep' else 'default'\n"
+        "counts = []\n"
+        "for _ in range(10):\n"
+        "    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+        "    torch.empty(2**24).fill_(1.0)\n"
+        "    counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n"
+        "print(made, min(counts[5:]))\n"  # the heap settles within a few allocations
+    )
+    faults = {}
+    for mode in ("default", "keep"):
+        out = subprocess.run(
+            [sys.executable, "-c", code, mode], capture_output=True, text=True, check=True
+        ).stdout.split("\n")[-2]
+        made, _, count = out.rpartition(" ")
+        faults[mode] = (made, int(count))
+    from fastformer.cli import timing
+
+    assert faults["keep"][0] == timing.KEEP_FREED_PAGES
+    assert faults["default"][1] >= 2**24 * 4 // 4096 // 2  # most of its 16384 pages, each time
+    assert faults["keep"][1] < 100
+
+
+def test_bench_sets_malloc_only_in_its_own_process(monkeypatch, tmp_path):
+    # Guards _results: an in-process call (argv given, as here) leaves the process's malloc
+    # alone and records none; the report prints the setting a run recorded.
+    def refuse():
+        raise AssertionError("keep_freed_pages called in-process")
+
+    monkeypatch.setattr(B.timing, "keep_freed_pages", refuse)
+    argv = ["bench", "--quick", "--no-model", "--ops", "layer_norm", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["config"]["malloc"] is None
+    assert "Memory:" not in (tmp_path / "report.md").read_text()
+    results["config"]["malloc"] = B.timing.KEEP_FREED_PAGES
+    assert f"Memory: {B.timing.KEEP_FREED_PAGES}" in R.markdown(results, [])
+
+
 def test_pacer_cuts_to_one_repetition_only_past_its_deadline():
     # Guards Pacer.current/cut: the full budget before the deadline, one rep (and cut) after.
     import time

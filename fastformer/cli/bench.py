@@ -847,9 +847,13 @@ def _pacer(budget, device, args, start: float) -> tuple[timing.Pacer, float | No
 
 
 def measure(
-    args: argparse.Namespace, out_dir: Path, argv: list[str] | None = None
+    args: argparse.Namespace,
+    out_dir: Path,
+    argv: list[str] | None = None,
+    malloc: str | None = None,
 ) -> dict[str, Any]:
-    """Run every stage, writing results.json after each one (a killed run keeps its data)."""
+    """Run every stage, writing results.json after each one (a killed run keeps its data).
+    `malloc`: how the CPU allocator was set for the run (`timing.keep_freed_pages`), recorded."""
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     ops = parse_ops(args.ops)
@@ -871,6 +875,7 @@ def measure(
             "reduced": bool(notes),
             "notes": notes,
             "argv": list(argv) if argv is not None else sys.argv[1:],
+            "malloc": malloc,
         },
         "backends": op_backends(),
         "ops": {},
@@ -988,10 +993,15 @@ def _results(args: argparse.Namespace, out_dir: Path, argv: list[str] | None) ->
     if args.results:
         return _load(args.results, "--results", complete=True)
     threads = torch.get_num_threads()
+    # Only in its own process (`python -m fastformer bench`: argv None): the setting is
+    # process-wide and cannot be undone, and in-process callers (the tests) keep their malloc.
+    malloc = None
+    if argv is None and resolve_device(args.device).type == "cpu":
+        malloc = timing.keep_freed_pages()
     try:
         if args.threads:
             torch.set_num_threads(args.threads)
-        return measure(args, out_dir, argv)
+        return measure(args, out_dir, argv, malloc=malloc)
     except KeyboardInterrupt as exc:
         _say_interrupted(out_dir, saved=isinstance(exc, Interrupted))
         return None

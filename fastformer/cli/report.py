@@ -489,6 +489,12 @@ def markdown(results: dict[str, Any], images: list[str]) -> str:
         "attention's bwd rows are derived, fwd+bwd time less fwd time, per implementation.",
         "",
     ]
+    if cfg.get("malloc"):
+        lines += [
+            f"Memory: {cfg['malloc']}, so that outputs reuse freed pages instead of faulting "
+            "in fresh ones on every call (as with jemalloc or tcmalloc preloaded).",
+            "",
+        ]
     if "model" in results:
         lines += ["## Model", ""] + model_lines(results["model"]) + [""]
     for op, data in results["ops"].items():
