@@ -955,10 +955,10 @@ def _entry():
     return _C.layer_norm_eager
 
 
-def _checked_path(monkeypatch, fn):
-    """fn() with the eager entry switched off: the Python path (checks, gates, backend)."""
+def _checked_path(monkeypatch, fn, entry="_EAGER"):
+    """fn() with the eager `entry` switched off: the Python path (checks, gates, backend)."""
     with monkeypatch.context() as m:
-        m.setattr(ln, "_EAGER", None)
+        m.setattr(ln, entry, None)
         return fn()
 
 
@@ -983,20 +983,22 @@ def _call(x, w, b, rms, eps, shape):
     return ln.rms_norm(x, shape, w, eps) if rms else ln.layer_norm(x, shape, w, b, eps)
 
 
-# float64 on CUDA runs on the torch backend: the entry declines it.
-_ENTRY_DEVICES = [
-    *((case, "cpu") for case in _ENTRY_CASES),
-    *(
-        pytest.param(case, CUDA, marks=pytest.mark.cuda)
-        for case, spec in _ENTRY_CASES.items()
-        if spec[1] != torch.float64
-    ),
-]
+def _on_devices(cases: dict) -> list:
+    """(case, device) for each case on the CPU, and as a `cuda` test on CUDA but for float64
+    (spec[1], the dtype), which runs on the torch backend there: the entries decline it."""
+    return [
+        *((case, "cpu") for case in cases),
+        *(
+            pytest.param(case, CUDA, marks=pytest.mark.cuda)
+            for case, spec in cases.items()
+            if spec[1] != torch.float64
+        ),
+    ]
 
 
 @needs_ext
 @pytest.mark.parametrize("grad", [True, False])
-@pytest.mark.parametrize(("case", "device"), _ENTRY_DEVICES)
+@pytest.mark.parametrize(("case", "device"), _on_devices(_ENTRY_CASES))
 def test_eager_entry_gives_the_checked_paths_bits(case, device, grad, monkeypatch):
     shape, dtype, pdtype, affine, rms, eps, scale = _ENTRY_CASES[case]
     n = shape[-1]
@@ -1180,19 +1182,11 @@ _FUSED_ENTRY_CASES = {
     "fp64 add drop prenorm": ((4, 17), torch.float64, torch.float64, True, 0.3, True),
     "plain": ((4, 40), torch.float32, torch.float32, False, 0.0, False),
 }
-_FUSED_ENTRY_DEVICES = [
-    *((case, "cpu") for case in _FUSED_ENTRY_CASES),
-    *(
-        pytest.param(case, CUDA, marks=pytest.mark.cuda)
-        for case, spec in _FUSED_ENTRY_CASES.items()
-        if spec[1] != torch.float64
-    ),
-]
 
 
 @needs_ext
 @pytest.mark.parametrize("grad", [True, False])
-@pytest.mark.parametrize(("case", "device"), _FUSED_ENTRY_DEVICES)
+@pytest.mark.parametrize(("case", "device"), _on_devices(_FUSED_ENTRY_CASES))
 def test_fused_eager_entry_gives_the_checked_paths_bits(case, device, grad, monkeypatch):
     # The same bits, gradients and generator state after: the seed is the checked path's draw.
     shape, dtype, pdtype, with_residual, p, prenorm = _FUSED_ENTRY_CASES[case]
@@ -1214,18 +1208,12 @@ def test_fused_eager_entry_gives_the_checked_paths_bits(case, device, grad, monk
             outs += torch.autograd.grad(outs, leaves, dy[: len(outs)])
         return [*outs, state]
 
-    want = _checked_path_fused(monkeypatch, run)
+    want = _checked_path(monkeypatch, run, "_EAGER_FUSED")
     got = run()
     assert len(got) == len(want)
     for a, c in zip(got, want):
         assert a.dtype == c.dtype and a.shape == c.shape
         assert torch.equal(a, c), case
-
-
-def _checked_path_fused(monkeypatch, fn):
-    with monkeypatch.context() as m:
-        m.setattr(ln, "_EAGER_FUSED", None)
-        return fn()
 
 
 def _declined_fused_calls():
