@@ -123,13 +123,12 @@ struct Call {
   bool rms = false;
 };
 
-// x, weight and bias of a plain call (the input checks of layer_norm.py's fast cases): false
-// for anything else. cols is the normalized dim as the call gave it.
-bool plain_operands(Call& call, PyObject* x, int64_t cols, PyObject* weight, PyObject* bias,
-                    PyObject* eps) {
+// x, weight and bias of a plain call (the input checks of layer_norm.py's fast cases), each
+// parameter of x's last dim: false for anything else.
+bool plain_operands(Call& call, PyObject* x, PyObject* weight, PyObject* bias, PyObject* eps) {
   call.x = plain_tensor(x);
   if (call.x == nullptr || !dense(*call.x) || call.x->dim() == 0 || call.x->numel() == 0 ||
-      !kernel_input(*call.x) || cols != call.x->size(-1)) {
+      !kernel_input(*call.x)) {
     return false;
   }
   call.eps = plain_eps(eps, *call.x, call.rms);
@@ -208,8 +207,8 @@ PyObject* layer_norm_eager(PyObject* /*self*/, PyObject* const* args, Py_ssize_t
   }
   Call call;
   call.rms = args[5] == Py_True;
-  if (!plain_operands(call, args[0], single_dim(args[1]), args[2], args[3], args[4]) ||
-      (call.rms && call.bias) || !plain_context()) {
+  if (!plain_operands(call, args[0], args[2], args[3], args[4]) ||
+      single_dim(args[1]) != call.x->size(-1) || (call.rms && call.bias) || !plain_context()) {
     Py_RETURN_NONE;
   }
   return THPVariable_Wrap(std::get<0>(run(call, no_seed(), needs_grad(call), false)));
@@ -225,10 +224,8 @@ PyObject* dropout_add_layer_norm_eager(PyObject* /*self*/, PyObject* const* args
         "seed_fn)");
   }
   Call call;
-  const at::Tensor* x = plain_tensor(args[0]);
-  const int64_t cols = x != nullptr && dense(*x) && x->dim() > 0 ? x->size(-1) : -1;
   call.dropout_p = plain_dropout_p(args[5]);
-  if (!plain_operands(call, args[0], cols, args[2], args[3], args[4]) ||
+  if (!plain_operands(call, args[0], args[2], args[3], args[4]) ||
       !plain_residual(args[1], call) || call.dropout_p < 0 || !PyBool_Check(args[6]) ||
       !plain_context()) {
     Py_RETURN_NONE;

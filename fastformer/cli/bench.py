@@ -652,7 +652,9 @@ def _measure_impl(name, fn, bench, mode, device, pacer) -> dict[str, Any]:
         peak = None
         if device.type == "cuda":
             peak = timing.peak_memory(call, device, above_start=True)[0]
-        ms = timing.time_op(call, device, pacer.current())
+        # CPU: one call for now; `_time_in_turns` times the row's implementations together.
+        budget = pacer.current() if device.type == "cuda" else timing.MINIMAL
+        ms = timing.time_op(call, device, budget)
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         return {"error": "out of memory"}
@@ -680,12 +682,13 @@ def _saved_bytes_per_token(fn, bench) -> float | None:
 
 
 def _time_in_turns(impls: dict[str, Any], bench, mode: str, pacer) -> None:
-    """CPU: the implementations that were timed, timed again in turns (`timing.time_cpu_in_turns`),
-    those medians replacing the ones each got alone. A CPU's state drifts between implementations
-    timed one after the other (other processes, the allocator's pages, frequency); in turns each
-    round sees the same. Where a call fails now, the first timing stays."""
+    """CPU: the implementations that ran, timed in turns (`timing.time_cpu_in_turns`), those
+    medians replacing the one call `_measure_impl` timed. A CPU's state drifts between
+    implementations timed one after the other (other processes, the allocator's pages,
+    frequency); in turns each round sees the same. Past the run's stop, or where a call fails
+    now, the one-call times stay."""
     names = [name for name, res in impls.items() if "ms" in res]
-    if len(names) < 2 or pacer.expired():
+    if not names or pacer.expired():
         return
     calls = {name: runner(bench.impls[name], bench.args, mode) for name in names}
     try:

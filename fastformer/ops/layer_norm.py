@@ -76,11 +76,13 @@ _CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Read once at import: torch.compile traces the backend choice, and these are cached loaders.
 _EXTENSION_ERROR = extension_error()
 _CUDA_KERNELS = cuda_kernels_compiled()
-# The plain eager call of layer_norm and rms_norm in one C call, or None for any other call
-# (csrc/layer_norm/layer_norm_eager.cpp): between ops that stream memory, the checked path's
-# Python ran with cold caches, ~45 us above the kernel on a CPU. Absent without the extension.
-_EAGER = getattr(load_extension(), "layer_norm_eager", None)
-_EAGER_FUSED = getattr(load_extension(), "dropout_add_layer_norm_eager", None)
+# The plain eager call of layer_norm / rms_norm (_EAGER) and of dropout_add_layer_norm
+# (_EAGER_FUSED) in one C call, None for any other call (csrc/layer_norm/layer_norm_eager.cpp):
+# between ops that stream memory, the checked path's Python ran with cold caches, ~45 us above
+# the kernel on a CPU. Absent without the extension.
+_C = load_extension()
+_EAGER = getattr(_C, "layer_norm_eager", None)
+_EAGER_FUSED = getattr(_C, "dropout_add_layer_norm_eager", None)
 _is_compiling = torch.compiler.is_compiling  # (dynamo folds it: the C calls are never traced)
 
 
