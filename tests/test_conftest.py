@@ -3,6 +3,7 @@ and Triton versions pass to run every test on a part of its grid."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -52,3 +53,29 @@ def test_sample_cases_below_one_is_an_error():
     out = _collect("--sample-cases=0", "tests/test_ffn.py")
     assert out.returncode != 0
     assert "--sample-cases must be >= 1, got 0" in out.stderr + out.stdout
+
+
+def test_each_test_draws_from_a_seed_of_its_own_id(tmp_path):
+    # Two tests print their first draw; run in either order, each prints the same numbers.
+    (tmp_path / "conftest.py").write_text((TESTS / "conftest.py").read_text())
+    (tmp_path / "test_draws.py").write_text(
+        "import torch\n"
+        "def test_a(): print('A', torch.rand(2).tolist())\n"
+        "def test_b(): print('B', torch.rand(2).tolist())\n"
+    )
+
+    def draws(*ids: str) -> dict[str, str]:
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "-s", "-q", "-p", "no:cacheprovider", *ids],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        return dict(re.findall(r"([AB]) (\[[^]]*\])", out.stdout))
+
+    both = draws("test_draws.py::test_a", "test_draws.py::test_b")
+    assert both == draws("test_draws.py::test_b", "test_draws.py::test_a")
+    assert both == {**draws("test_draws.py::test_b"), **draws("test_draws.py::test_a")}
+    assert len(both) == 2 and both["A"] != both["B"]
