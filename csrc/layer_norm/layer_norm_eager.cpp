@@ -6,51 +6,32 @@
 // Between ops that stream memory, the Python of the checked path (argument checks, the tracing
 // and transform gates, the backend choice) runs with cold caches: ~45 us above the kernel on a
 // 2-core Xeon VM (2026-12-05), which left layer_norm's forward at 0.85-1.00x F.layer_norm's speed
-// at 4096 x 512-1024 float32 on the CPU. These entries take the common call only and return None for anything else (a bad or
-// unusual argument, a tensor subclass, a tracer, a transform, a dispatch or torch function mode,
-// a backend forced to another than cpp): the Python path then runs, with its messages. They
-// never raise for bad input, and where they run they call the ops the Python path calls
-// (through the dispatcher) with the same arguments, so both give the same bits. A call with
-// dropout draws its seed through seed_fn, the Python path's own draw.
+// at 4096 x 512-1024 float32 on the CPU. These entries take the common call only and return None
+// for anything else (a bad or unusual argument, a tensor subclass, a tracer, a transform, a
+// dispatch or torch function mode, a backend forced to another than cpp: common/eager.h): the
+// Python path then runs, with its messages. They never raise for bad input, and where they run
+// they call the ops the Python path calls (through the dispatcher) with the same arguments, so
+// both give the same bits. A call with dropout draws its seed through seed_fn, the Python path's
+// own draw.
 #include "layer_norm/layer_norm_eager.h"
 
 #include <ATen/ATen.h>
-#include <ATen/PythonTorchFunctionTLS.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
-#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Exceptions.h>
-#include <torch/csrc/autograd/forward_grad.h>
-#include <torch/csrc/autograd/python_variable.h>
-#include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <cfloat>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 
 #include "common/dispatch.h"
+#include "common/eager.h"
 
 namespace fastformer {
 namespace {
 
-// An exact torch.Tensor or nn.Parameter (a subclass may override __torch_function__), or null.
-const at::Tensor* plain_tensor(PyObject* obj) {
-  return THPVariable_CheckExact(obj) ? &THPVariable_Unpack(obj) : nullptr;
-}
+using eager::dense;
+using eager::plain_tensor;
 
-bool dense(const at::Tensor& t) { return t.layout() == at::kStrided && !t.is_nested(); }
-
-// What the cpp backend runs: float32/16, bfloat16 on the CPU and (when built) CUDA; float64 on
-// the CPU only.
-bool kernel_input(const at::Tensor& x) {
-  const at::ScalarType t = x.scalar_type();
-  const bool half_or_float = t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
-#ifdef FASTFORMER_WITH_CUDA
-  if (x.is_cuda()) return half_or_float;
-#endif
-  return x.is_cpu() && (half_or_float || t == at::kDouble);
-}
+constexpr const char* kBackendEnv = "FASTFORMER_BACKEND_LAYER_NORM";
 
 // normalized_shape as the common call gives it: an int, or one int in a tuple (torch.Size too)
 // or list; -1 for anything else.
@@ -88,21 +69,6 @@ double plain_eps(PyObject* eps, const at::Tensor& x, bool rms) {
   return value > 0 && value < INFINITY ? value : -1;
 }
 
-// Nothing that the Python path routes elsewhere: torch.jit.trace, a dispatch mode (fake tensors
-// included) or torch function mode, a torch.func transform, a forward-mode AD level, a backend
-// forced to another than cpp. (torch.compile never gets here: layer_norm.py asks first.)
-bool plain_context() {
-  if (torch::jit::tracer::isTracing() || c10::impl::TorchDispatchModeTLS::any_modes_set() ||
-      at::impl::torch_function_mode_enabled() ||
-      // (functorch includes this key while its layer stack is not empty)
-      c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) ||
-      torch::autograd::ForwardADLevel::try_get_by_idx(0) != nullptr) {
-    return false;
-  }
-  const char* forced = std::getenv("FASTFORMER_BACKEND_LAYER_NORM");
-  return forced == nullptr || forced[0] == '\0' || std::strcmp(forced, "cpp") == 0;
-}
-
 // rng.NO_SEED's twin, the seed of a call that drops nothing: a normal tensor even when first
 // made under inference mode (the autograd node saves it). Never freed: no destructor runs after
 // the allocator's at exit.
@@ -128,7 +94,7 @@ struct Call {
 bool plain_operands(Call& call, PyObject* x, PyObject* weight, PyObject* bias, PyObject* eps) {
   call.x = plain_tensor(x);
   if (call.x == nullptr || !dense(*call.x) || call.x->dim() == 0 || call.x->numel() == 0 ||
-      !kernel_input(*call.x)) {
+      !eager::kernel_input(*call.x)) {
     return false;
   }
   call.eps = plain_eps(eps, *call.x, call.rms);
@@ -170,14 +136,6 @@ bool plain_residual(PyObject* obj, Call& call) {
   return true;
 }
 
-// dropout_p as a float in [0, 0.99] (rng.check_dropout_p's fast case: below every op's limit),
-// -1 for anything else.
-double plain_dropout_p(PyObject* p) {
-  if (!PyFloat_CheckExact(p)) return -1;
-  const double value = PyFloat_AS_DOUBLE(p);
-  return value >= 0 && value <= 0.99 ? value : -1;
-}
-
 // The seed tensor of a call with dropout, from layer_norm.py's _eager_seed(x, dropout_p, grad):
 // the draw of the checked path (the torch generator; on the device inside CUDA graph capture).
 at::Tensor draw_seed(PyObject* seed_fn, PyObject* x, PyObject* dropout_p, bool grad) {
@@ -193,22 +151,19 @@ at::Tensor draw_seed(PyObject* seed_fn, PyObject* x, PyObject* dropout_p, bool g
   return value;
 }
 
-PyObject* arity_error(const char* signature) {
-  PyErr_Format(PyExc_TypeError, "%s: wrong number of arguments", signature);
-  return nullptr;
-}
-
 }  // namespace
 
 PyObject* layer_norm_eager(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (nargs != 6) {
-    return arity_error("layer_norm_eager(input, normalized_shape, weight, bias, eps, rms)");
+    return eager::arity_error(
+        "layer_norm_eager(input, normalized_shape, weight, bias, eps, rms)");
   }
   Call call;
   call.rms = args[5] == Py_True;
   if (!plain_operands(call, args[0], args[2], args[3], args[4]) ||
-      single_dim(args[1]) != call.x->size(-1) || (call.rms && call.bias) || !plain_context()) {
+      single_dim(args[1]) != call.x->size(-1) || (call.rms && call.bias) ||
+      !eager::plain_context(kBackendEnv)) {
     Py_RETURN_NONE;
   }
   return THPVariable_Wrap(std::get<0>(run(call, no_seed(), needs_grad(call), false)));
@@ -219,15 +174,15 @@ PyObject* dropout_add_layer_norm_eager(PyObject* /*self*/, PyObject* const* args
                                        Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (nargs != 8) {
-    return arity_error(
+    return eager::arity_error(
         "dropout_add_layer_norm_eager(x, residual, weight, bias, eps, dropout_p, prenorm, "
         "seed_fn)");
   }
   Call call;
-  call.dropout_p = plain_dropout_p(args[5]);
+  call.dropout_p = eager::plain_dropout_p(args[5]);
   if (!plain_operands(call, args[0], args[2], args[3], args[4]) ||
       !plain_residual(args[1], call) || call.dropout_p < 0 || !PyBool_Check(args[6]) ||
-      !plain_context()) {
+      !eager::plain_context(kBackendEnv)) {
     Py_RETURN_NONE;
   }
   const bool prenorm = args[6] == Py_True;
