@@ -168,14 +168,6 @@ std::tuple<at::Tensor, at::Tensor> layer_norm_autograd(const at::Tensor& x,
   }
 }
 
-struct FfnFwd {
-  static constexpr const char* name = "fastformer::ffn_forward";
-  using Sig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                 const OptTensor&, const at::Tensor&,
-                                                 const OptTensor&, c10::string_view, double,
-                                                 int64_t, bool, const OptTensor&);
-};
-
 struct FfnBwd {
   static constexpr const char* name = "fastformer::ffn_backward";
   using Sig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(

@@ -1,6 +1,6 @@
 // The fastformer._C module: the torch.ops.fastformer library, and a Python module holding
 // cuda_philox_advance (the dropout seed draw's atomic step, below) and the plain eager calls of
-// the LayerNorm ops in one C call (layer_norm/layer_norm_eager.cpp).
+// the LayerNorm and FFN ops in one C call (layer_norm/layer_norm_eager.cpp, ffn/ffn_eager.cpp).
 //
 // Ops are reached through torch.ops.fastformer.*; importing fastformer._C loads this library so
 // its static registrations run. Each op folder adds its schemas with
@@ -11,6 +11,7 @@
 #include <exception>
 #include <mutex>
 
+#include "ffn/ffn_eager.h"
 #include "layer_norm/layer_norm_eager.h"
 
 #ifdef FASTFORMER_WITH_CUDA
@@ -72,6 +73,11 @@ PyMethodDef methods[] = {
      "dropout_add_layer_norm_eager(x, residual, weight, bias, eps, dropout_p, prenorm, seed_fn) "
      "-> Tensor | (Tensor, Tensor) | None: the plain eager call of "
      "fastformer.ops.dropout_add_layer_norm, None when it is not one"},
+    {"ffn_eager",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(&fastformer::ffn_eager)),
+     METH_FASTCALL,
+     "ffn_eager(x, w1, b1, w2, b2, activation, dropout_p, seed_fn) -> Tensor | None: the plain "
+     "eager call of fastformer.ops.ffn, None when it is not one"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

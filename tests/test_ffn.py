@@ -7,9 +7,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _contexts import (
+    PassThroughFunctionMode,
+    PassThroughMode,
+    Subclass,
+    assert_declined_drawing_nothing,
+)
 
 import fastformer
 from fastformer import reference
+from fastformer._ext import extension_error
 from fastformer.ops import _dispatch, rng
 from fastformer.ops import ffn as ffn_mod
 from fastformer.ops.ffn import ffn, ffn_keep_mask, use_fused_epilogue
@@ -340,7 +347,13 @@ def test_bad_inputs_raise_before_any_work(change, error, match, monkeypatch):
     def must_not_run(*args, **kwargs):
         raise AssertionError("the op ran on bad inputs")
 
+    # The checked path reaches the kernels through _forward or the C++ autograd op; the eager
+    # entry returns None without running anything for a call it does not take.
     monkeypatch.setattr(ffn_mod, "_ffn_op", must_not_run)
+    monkeypatch.setattr(ffn_mod, "_forward", must_not_run)
+    entry = ffn_mod._EAGER
+    if entry is not None:
+        monkeypatch.setattr(ffn_mod, "_EAGER", lambda *a: entry(*a) and must_not_run())
     args = {**OK_ARGS, **change}
     with pytest.raises(error, match=f"^ffn: .*{match}"):
         ffn(**args)
@@ -846,3 +859,226 @@ def test_gelu_tanh_derivative_keeps_its_digits_in_the_right_tail():
     x64 = x.detach().double().requires_grad_()
     (dx64,) = torch.autograd.grad(_exact_gelu_tanh(x64).sum(), x64)
     assert ((dx - dx64).abs() <= 8e-7 * dx64.abs()).all()
+
+
+# --------------------------------------------------------------------------- the eager entry
+#
+# ffn first tries fastformer._C.ffn_eager: the plain call in one C call, None for any other
+# (csrc/ffn/ffn_eager.cpp). Where it runs it must give the checked Python path's bits, gradients
+# and generator state included; everything it declines goes down that path.
+
+needs_ext = pytest.mark.skipif(extension_error() is not None, reason="fastformer._C not built")
+
+
+def _checked_path(monkeypatch, fn):
+    """fn() with the eager entry switched off: the Python path (checks, gates, backend)."""
+    with monkeypatch.context() as m:
+        m.setattr(ffn_mod, "_EAGER", None)
+        return fn()
+
+
+def _generator_state(device):
+    return torch.get_rng_state() if device == "cpu" else torch.cuda.get_rng_state(device)
+
+
+# name: (leading dims of x, d_model, d_ff, activation, dtype, biases, dropout_p)
+_ENTRY_CASES = {
+    "relu": ((4, 5), 32, 48, "relu", torch.float32, True, 0.0),
+    "relu dropout": ((7,), 16, 24, "relu", torch.float32, True, 0.2),
+    "gelu without biases": ((3, 2), 24, 40, "gelu", torch.float32, False, 0.0),
+    "gelu_tanh bf16 dropout": ((9,), 64, 80, "gelu_tanh", torch.bfloat16, True, 0.1),
+    "silu fp16": ((5,), 32, 16, "silu", torch.float16, True, 0.0),
+    "swiglu dropout": ((6,), 16, 24, "swiglu", torch.float32, True, 0.3),
+    "geglu fp64 dropout": ((4,), 8, 12, "geglu", torch.float64, True, 0.5),
+    "rank-1 x": ((), 8, 12, "relu", torch.float32, True, 0.0),
+}
+
+
+def _on_devices(cases: dict) -> list:
+    """(case, device) for each case on the CPU, and as a `cuda` test on CUDA but for float64,
+    which runs on the torch backend there: the entry declines it."""
+    cuda = [
+        pytest.param(case, "cuda", marks=pytest.mark.cuda)
+        for case, spec in cases.items()
+        if spec[4] != torch.float64
+    ]
+    return [*((case, "cpu") for case in cases), *cuda]
+
+
+@needs_ext
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize(("case", "device"), _on_devices(_ENTRY_CASES))
+def test_eager_entry_gives_the_checked_paths_bits(case, device, grad, monkeypatch):
+    lead, d_model, d_ff, activation, dtype, bias, p = _ENTRY_CASES[case]
+    inputs = make_inputs(lead, d_model, d_ff, activation, dtype, device, bias)
+    if not grad:
+        inputs = [None if t is None else t.detach() for t in inputs]
+    leaves = [t for t in inputs if t is not None]
+    dy = torch.randn(*lead, d_model, dtype=torch.float64).to(dtype=dtype, device=device)
+    # On CUDA gelu_tanh's epilogue choice without a gradient reads the GPU's capability: the
+    # checked path's to make.
+    taken = not (device == "cuda" and activation == "gelu_tanh" and not grad)
+    assert (ffn_mod._EAGER(*inputs, activation, p, ffn_mod._eager_seed) is not None) == taken
+
+    def run():
+        torch.manual_seed(11)
+        out = ffn(*inputs, activation, p)
+        state = _generator_state(device)
+        return [out, state, *(torch.autograd.grad(out, leaves, dy) if grad else ())]
+
+    want = _checked_path(monkeypatch, run)
+    got = run()
+    assert len(got) == len(want) == (2 + len(leaves) if grad else 2)
+    for a, c in zip(got, want):
+        assert a.dtype == c.dtype and a.shape == c.shape
+        assert torch.equal(a, c), case
+
+
+@needs_ext
+def test_eager_entry_runs_non_contiguous_inputs(monkeypatch):
+    x = torch.randn(16, 6).t()  # (6, 16), column-major
+    w1, w2 = torch.randn(12, 32)[:, ::2], torch.randn(16, 12)
+    assert ffn_mod._EAGER(x, w1, None, w2, None, "gelu", 0.0, ffn_mod._eager_seed) is not None
+    want = _checked_path(monkeypatch, lambda: ffn(x, w1, None, w2, None, "gelu"))
+    assert torch.equal(ffn(x, w1, None, w2, None, "gelu"), want)
+
+
+@needs_ext
+def test_plain_calls_take_the_eager_entry(monkeypatch):
+    # The checked path's checks raise: a plain call must not reach them (an entry that declined
+    # every call would leave these tests blind).
+    def checked(*args):
+        raise AssertionError("the checked path ran")
+
+    monkeypatch.setattr(ffn_mod, "_check_inputs", checked)
+    x, w1, b1, w2, b2 = make_inputs((3, 2), 8, 6, "relu")
+    ffn(x, w1, b1, w2, b2).sum().backward()
+    assert all(t.grad is not None for t in (x, w1, b1, w2, b2))
+    ffn(x, w1, None, w2, None, "silu", 0.1).sum().backward()
+    with torch.no_grad():
+        ffn(x, w1, b1, w2, b2, "gelu", 0.5)
+    with torch.inference_mode():
+        ffn(x, w1, b1, w2, b2)
+    with pytest.raises(AssertionError, match="checked path"):
+        ffn(x, w1, b1, w2, b2, "relu", 0)  # an int dropout_p: the checked path's
+
+
+class _Name(str):
+    pass
+
+
+def _declined_calls():
+    """name: a call of the entry it must decline (return None, drawing nothing)."""
+    x, w1, b1, w2, b2 = (t.detach() for t in make_inputs((3,), 8, 6, "relu"))
+    wg = torch.randn(12, 8)
+
+    def plain(**kw):
+        args = dict(x=x, w1=w1, b1=b1, w2=w2, b2=b2, activation="relu", p=0.1)
+        args.update(kw)
+        return lambda: ffn_mod._EAGER(*args.values(), ffn_mod._eager_seed)
+
+    return {
+        "subclass x": plain(x=x.as_subclass(Subclass)),
+        "subclass w1": plain(w1=w1.as_subclass(Subclass)),
+        "int x": plain(x=x.int(), w1=w1.int(), b1=None, w2=w2.int(), b2=None),
+        "0-dim x": plain(x=torch.tensor(1.0)),
+        "empty x": plain(x=torch.randn(0, 8)),
+        "meta x": plain(x=x.to("meta"), w1=w1.to("meta"), b1=None, w2=w2.to("meta"), b2=None),
+        "sparse x": plain(x=x.to_sparse()),
+        "nested x": plain(x=torch.nested.nested_tensor([x, x[:2]])),
+        "x d_model": plain(x=torch.randn(3, 9)),
+        "w1 3-dim": plain(w1=w1[..., None]),
+        "w1 a list": plain(w1=w1.tolist()),
+        "w1 empty": plain(w1=torch.randn(0, 8), b1=None, w2=torch.randn(8, 0)),
+        "gated w1 odd": plain(
+            w1=torch.randn(11, 8), b1=None, w2=torch.randn(8, 5), activation="swiglu"
+        ),
+        "gated w2 d_ff": plain(w1=wg, b1=None, w2=torch.randn(8, 12), activation="geglu"),
+        "w2 d_ff": plain(w2=torch.randn(8, 5)),
+        "w2 dtype": plain(w2=w2.double()),
+        "b1 size": plain(b1=torch.randn(7)),
+        "b1 2-dim": plain(b1=b1[None]),
+        "b2 size": plain(b2=torch.randn(9)),
+        "b2 device": plain(b2=b2.to("meta")),
+        "b2 dtype": plain(b2=b2.half()),
+        "activation unknown": plain(activation="tanh"),
+        "activation None": plain(activation=None),
+        "activation a str subclass": plain(activation=_Name("relu")),
+        "activation upper case": plain(activation="RELU"),
+        "p int": plain(p=0),
+        "p numpy": plain(p=np.float64(0.1)),
+        "p negative": plain(p=-0.1),
+        "p one": plain(p=1.0),
+        "p above 0.99": plain(p=0.995),
+        "p nan": plain(p=float("nan")),
+    }
+
+
+@needs_ext
+@pytest.mark.parametrize("case", list(_declined_calls()))
+def test_eager_entry_declines_unusual_arguments(case):
+    assert_declined_drawing_nothing(_declined_calls()[case])
+
+
+@needs_ext
+def test_eager_entry_declines_in_contexts_the_checked_path_routes(monkeypatch):
+    x, w1, b1, w2, b2 = (t.detach() for t in make_inputs((3,), 8, 6, "relu"))
+    e = ffn_mod._EAGER
+
+    def plain(t=x, p=0.1):
+        return e(t, w1, b1, w2, b2, "relu", p, ffn_mod._eager_seed)
+
+    assert plain() is not None
+    seen = []
+    with torch.autograd.forward_ad.dual_level():
+        seen.append(plain())
+    torch.vmap(lambda t: (seen.append(plain(t)), t)[1], randomness="same")(x)
+    torch.func.grad(lambda t: (seen.append(plain(t, 0.0)), t.sum())[1])(x)
+    torch.func.jvp(lambda t: (seen.append(plain(t, 0.0)), t)[1], (x,), (x,))
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        seen.append(e(torch.randn(3, 8), torch.randn(6, 8), None, torch.randn(8, 6), None,
+                      "relu", 0.0, ffn_mod._eager_seed))  # fmt: skip
+    with PassThroughMode():
+        seen.append(plain())
+    with PassThroughFunctionMode():
+        seen.append(plain())
+    torch.jit.trace(lambda t: (seen.append(plain(t, 0.0)), t + 1)[1], x, check_trace=False)
+    assert seen == [None] * 8
+    monkeypatch.setenv("FASTFORMER_BACKEND_FFN", "torch")
+    assert plain() is None
+    monkeypatch.setenv("FASTFORMER_BACKEND_FFN", "cpp")
+    assert plain() is not None
+    monkeypatch.setenv("FASTFORMER_BACKEND_FFN", "")  # unset, as for the checked path
+    assert plain() is not None
+    monkeypatch.setenv(ffn_mod.EPILOGUE_ENV, "fused")  # read for CUDA inputs only, as there
+    assert plain() is not None
+    with pytest.raises(TypeError, match="wrong number of arguments"):
+        e(x, w1, b1, w2, b2, "relu", 0.1)
+
+
+@needs_ext
+def test_eager_entry_passes_the_seed_draws_errors_on(monkeypatch):
+    x, w1, b1, w2, b2 = (t.detach() for t in make_inputs((3,), 8, 6, "relu"))
+
+    def entry(p=0.1, seed_fn=ffn_mod._eager_seed):
+        return ffn_mod._EAGER(x, w1, b1, w2, b2, "relu", p, seed_fn)
+
+    def failing(*args):
+        raise KeyError("seed")
+
+    with pytest.raises(KeyError, match="seed"):
+        entry(seed_fn=failing)
+    with pytest.raises(RuntimeError, match="neither an int nor a tensor"):
+        entry(seed_fn=lambda *args: "3")
+    with pytest.raises(OverflowError):
+        entry(seed_fn=lambda *args: 2**70)
+    assert entry(p=0.0, seed_fn=failing) is not None  # no dropout: no draw
+    # A seed drawn on the device (inside CUDA graph capture) goes to the op as device_seed, as
+    # from the checked path: on the CPU its kernels refuse it, with the same message.
+    monkeypatch.setattr(rng, "call_seed", lambda device, p: torch.tensor([7]))
+    errors = []
+    for run in (lambda: ffn(x, w1, b1, w2, b2, "relu", 0.1),) * 2:
+        with pytest.raises(RuntimeError) as raised:
+            run() if errors else _checked_path(monkeypatch, run)
+        errors.append(str(raised.value))
+    assert errors[0] == errors[1] and "seed" in errors[0]

@@ -16,6 +16,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from _contexts import (
+    PassThroughFunctionMode,
+    PassThroughMode,
+    Subclass,
+    assert_declined_drawing_nothing,
+)
 
 from fastformer import reference as ref
 from fastformer._ext import extension_error
@@ -1060,20 +1066,6 @@ def test_plain_calls_take_the_eager_entry(monkeypatch):
         ln.layer_norm(x.detach().view(3, 1, 16), (1, 16))  # two normalized dims: the checked path's
 
 
-class _Subclass(torch.Tensor):
-    pass
-
-
-class _PassThroughMode(torch.utils._python_dispatch.TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
-class _PassThroughFunctionMode(torch.overrides.TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
 def _nested(layout=torch.strided):
     return torch.nested.nested_tensor([torch.randn(2, 8), torch.randn(3, 8)], layout=layout)
 
@@ -1089,8 +1081,8 @@ def _declined_calls():
         return lambda: e(*args.values())
 
     return {
-        "subclass input": plain(input=x.as_subclass(_Subclass)),
-        "subclass weight": plain(weight=w.as_subclass(_Subclass)),
+        "subclass input": plain(input=x.as_subclass(Subclass)),
+        "subclass weight": plain(weight=w.as_subclass(Subclass)),
         "int input": plain(input=x.int()),
         "0-dim input": plain(input=torch.tensor(1.0), normalized_shape=1, weight=None, bias=None),
         "empty input": plain(input=torch.randn(0, 8)),
@@ -1142,9 +1134,9 @@ def test_eager_entry_declines_in_contexts_the_checked_path_routes(monkeypatch):
     assert seen == [None, None, None]
     with torch._subclasses.fake_tensor.FakeTensorMode():
         assert e(torch.randn(3, 8), 8, None, None, 1e-5, False) is None
-    with _PassThroughMode():
+    with PassThroughMode():
         assert plain() is None
-    with _PassThroughFunctionMode():
+    with PassThroughFunctionMode():
         assert plain() is None
     traced = []
     torch.jit.trace(lambda t: (traced.append(plain(t)), t + 1)[1], x, check_trace=False)
@@ -1226,8 +1218,8 @@ def _declined_fused_calls():
         return lambda: e(*args.values(), ln._eager_seed)
 
     return {
-        "subclass x": plain(x=x.as_subclass(_Subclass)),
-        "subclass residual": plain(residual=r.as_subclass(_Subclass)),
+        "subclass x": plain(x=x.as_subclass(Subclass)),
+        "subclass residual": plain(residual=r.as_subclass(Subclass)),
         "0-dim x": plain(x=torch.tensor(1.0), residual=None, weight=None, bias=None),
         "empty x": plain(x=torch.randn(0, 8), residual=None),
         "int x": plain(x=x.int(), residual=None, weight=None, bias=None),
@@ -1256,10 +1248,7 @@ def _declined_fused_calls():
 @needs_ext
 @pytest.mark.parametrize("case", list(_declined_fused_calls()))
 def test_fused_eager_entry_declines_unusual_arguments(case):
-    call = _declined_fused_calls()[case]
-    state = torch.get_rng_state()
-    assert call() is None
-    assert torch.equal(torch.get_rng_state(), state)  # nothing drawn
+    assert_declined_drawing_nothing(_declined_fused_calls()[case])
 
 
 @needs_ext
@@ -1275,7 +1264,7 @@ def test_fused_eager_entry_declines_in_contexts_and_passes_seed_errors_on(monkey
     torch.vmap(lambda t: (seen.append(plain(t)), t)[1], randomness="same")(x)
     with torch.autograd.forward_ad.dual_level():
         seen.append(plain())
-    with _PassThroughMode():
+    with PassThroughMode():
         seen.append(plain())
     monkeypatch.setenv("FASTFORMER_BACKEND_LAYER_NORM", "torch")
     seen.append(plain())

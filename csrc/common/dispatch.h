@@ -35,4 +35,19 @@ struct LnAutograd {
                                                  const at::Tensor&, double, double, bool, bool);
 };
 
+struct FfnFwd {
+  static constexpr const char* name = "fastformer::ffn_forward";
+  using Sig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                 const OptTensor&, const at::Tensor&,
+                                                 const OptTensor&, c10::string_view, double,
+                                                 int64_t, bool, const OptTensor&);
+};
+
+struct FfnAutograd {
+  static constexpr const char* name = "fastformer::ffn_autograd";
+  using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                         const at::Tensor&, const OptTensor&, c10::string_view, double, int64_t,
+                         bool, const OptTensor&);
+};
+
 }  // namespace fastformer

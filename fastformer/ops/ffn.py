@@ -32,6 +32,11 @@ input anyway and whose sign is relu's and dropout's mask together. No byte mask 
 
 On CUDA, relu and gelu_tanh can run inside cuBLASLt's GEMM epilogue (``use_fused_epilogue``;
 ``FASTFORMER_FFN_EPILOGUE=auto|fused|unfused``).
+
+The plain eager call (exact tensors of one dtype and device on the ``cpp`` backend, a str
+activation, a float ``dropout_p`` up to 0.99, no tracer, transform or mode) runs from one C call,
+``fastformer._C``'s ``ffn_eager``; every other call takes the checked Python path. Both run the
+same op on the same arguments.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastformer import reference
-from fastformer._ext import cuda_kernels_compiled, extension_error
+from fastformer._ext import cuda_kernels_compiled, extension_error, load_extension
 from fastformer.ops import rng
 from fastformer.ops._autograd import (
     DRAWS_A_SEED,
@@ -81,6 +86,13 @@ EPILOGUE_MODES = ("auto", "fused", "unfused")
 # Activations cuBLASLt can apply in the GEMM epilogue (torch._addmm_activation: RELU_BIAS and
 # GELU_BIAS, whose GELU is the tanh approximation).
 EPILOGUE_ACTIVATIONS = ("relu", "gelu_tanh")
+
+
+# The plain eager call in one C call, None for any other (csrc/ffn/ffn_eager.cpp): the checked
+# path's Python cost ~12 us a call above the op on a CPU, ~40 us between ops that stream memory.
+# Absent without the extension.
+_EAGER = getattr(load_extension(), "ffn_eager", None)
+_is_compiling = torch.compiler.is_compiling  # (dynamo folds it: the C call is never traced)
 
 
 # --------------------------------------------------------------------------- dropout mask
@@ -286,6 +298,10 @@ def ffn(
     Returns:
         ``(..., d_out)`` in the dtype of ``x``. Differentiable in x, w1, b1, w2, b2 (first order).
     """
+    if _EAGER is not None and not _is_compiling():
+        out = _EAGER(x, w1, b1, w2, b2, activation, dropout_p, _eager_seed)
+        if out is not None:
+            return out
     _check_inputs(x, w1, b1, w2, b2, activation, dropout_p)
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad
@@ -309,6 +325,12 @@ def ffn(
     if needs_grad:
         return _FfnFunction.apply(x, w1, b1, w2, b2, activation, dropout_p)
     return _forward(x, w1, b1, w2, b2, activation, dropout_p, needs_grad=False)[0]
+
+
+def _eager_seed(x: Tensor, dropout_p: float) -> int | Tensor:
+    """The seed of the C entry's call with dropout: the checked path's draw (an int; inside CUDA
+    graph capture a tensor drawn on the device)."""
+    return rng.call_seed(x.device, dropout_p)
 
 
 @autocast_off  # as the kernels, which ignore autocast
