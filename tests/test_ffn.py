@@ -12,11 +12,14 @@ from _contexts import (
     PassThroughMode,
     Subclass,
     assert_declined_drawing_nothing,
+    checked_path,
+    generator_state,
+    needs_ext,
+    on_devices,
 )
 
 import fastformer
 from fastformer import reference
-from fastformer._ext import extension_error
 from fastformer.ops import _dispatch, rng
 from fastformer.ops import ffn as ffn_mod
 from fastformer.ops.ffn import ffn, ffn_keep_mask, use_fused_epilogue
@@ -867,20 +870,6 @@ def test_gelu_tanh_derivative_keeps_its_digits_in_the_right_tail():
 # (csrc/ffn/ffn_eager.cpp). Where it runs it must give the checked Python path's bits, gradients
 # and generator state included; everything it declines goes down that path.
 
-needs_ext = pytest.mark.skipif(extension_error() is not None, reason="fastformer._C not built")
-
-
-def _checked_path(monkeypatch, fn):
-    """fn() with the eager entry switched off: the Python path (checks, gates, backend)."""
-    with monkeypatch.context() as m:
-        m.setattr(ffn_mod, "_EAGER", None)
-        return fn()
-
-
-def _generator_state(device):
-    return torch.get_rng_state() if device == "cpu" else torch.cuda.get_rng_state(device)
-
-
 # name: (leading dims of x, d_model, d_ff, activation, dtype, biases, dropout_p)
 _ENTRY_CASES = {
     "relu": ((4, 5), 32, 48, "relu", torch.float32, True, 0.0),
@@ -894,20 +883,9 @@ _ENTRY_CASES = {
 }
 
 
-def _on_devices(cases: dict) -> list:
-    """(case, device) for each case on the CPU, and as a `cuda` test on CUDA but for float64,
-    which runs on the torch backend there: the entry declines it."""
-    cuda = [
-        pytest.param(case, "cuda", marks=pytest.mark.cuda)
-        for case, spec in cases.items()
-        if spec[4] != torch.float64
-    ]
-    return [*((case, "cpu") for case in cases), *cuda]
-
-
 @needs_ext
 @pytest.mark.parametrize("grad", [True, False])
-@pytest.mark.parametrize(("case", "device"), _on_devices(_ENTRY_CASES))
+@pytest.mark.parametrize(("case", "device"), on_devices(_ENTRY_CASES, 4))
 def test_eager_entry_gives_the_checked_paths_bits(case, device, grad, monkeypatch):
     lead, d_model, d_ff, activation, dtype, bias, p = _ENTRY_CASES[case]
     inputs = make_inputs(lead, d_model, d_ff, activation, dtype, device, bias)
@@ -923,10 +901,10 @@ def test_eager_entry_gives_the_checked_paths_bits(case, device, grad, monkeypatc
     def run():
         torch.manual_seed(11)
         out = ffn(*inputs, activation, p)
-        state = _generator_state(device)
+        state = generator_state(device)
         return [out, state, *(torch.autograd.grad(out, leaves, dy) if grad else ())]
 
-    want = _checked_path(monkeypatch, run)
+    want = checked_path(monkeypatch, ffn_mod, run)
     got = run()
     assert len(got) == len(want) == (2 + len(leaves) if grad else 2)
     for a, c in zip(got, want):
@@ -939,7 +917,7 @@ def test_eager_entry_runs_non_contiguous_inputs(monkeypatch):
     x = torch.randn(16, 6).t()  # (6, 16), column-major
     w1, w2 = torch.randn(12, 32)[:, ::2], torch.randn(16, 12)
     assert ffn_mod._EAGER(x, w1, None, w2, None, "gelu", 0.0, ffn_mod._eager_seed) is not None
-    want = _checked_path(monkeypatch, lambda: ffn(x, w1, None, w2, None, "gelu"))
+    want = checked_path(monkeypatch, ffn_mod, lambda: ffn(x, w1, None, w2, None, "gelu"))
     assert torch.equal(ffn(x, w1, None, w2, None, "gelu"), want)
 
 
@@ -1079,6 +1057,6 @@ def test_eager_entry_passes_the_seed_draws_errors_on(monkeypatch):
     errors = []
     for run in (lambda: ffn(x, w1, b1, w2, b2, "relu", 0.1),) * 2:
         with pytest.raises(RuntimeError) as raised:
-            run() if errors else _checked_path(monkeypatch, run)
+            run() if errors else checked_path(monkeypatch, ffn_mod, run)
         errors.append(str(raised.value))
     assert errors[0] == errors[1] and "seed" in errors[0]

@@ -21,6 +21,10 @@ from _contexts import (
     PassThroughMode,
     Subclass,
     assert_declined_drawing_nothing,
+    checked_path,
+    generator_state,
+    needs_ext,
+    on_devices,
 )
 
 from fastformer import reference as ref
@@ -29,7 +33,6 @@ from fastformer.ops import _dispatch, rng
 from fastformer.ops import layer_norm as ln
 from fastformer.testing import ATOL_FLOOR, assert_parity, compare_with_reference, parity
 
-needs_ext = pytest.mark.skipif(extension_error() is not None, reason="fastformer._C not built")
 CUDA = "cuda"
 
 
@@ -961,13 +964,6 @@ def _entry():
     return _C.layer_norm_eager
 
 
-def _checked_path(monkeypatch, fn, entry="_EAGER"):
-    """fn() with the eager `entry` switched off: the Python path (checks, gates, backend)."""
-    with monkeypatch.context() as m:
-        m.setattr(ln, entry, None)
-        return fn()
-
-
 # name: (input shape, dtype, parameter dtype, affine, rms, eps, input scale). RMSNorm's default
 # eps cases have a small scale: there the eps chosen changes the bits.
 _ENTRY_CASES = {
@@ -989,22 +985,9 @@ def _call(x, w, b, rms, eps, shape):
     return ln.rms_norm(x, shape, w, eps) if rms else ln.layer_norm(x, shape, w, b, eps)
 
 
-def _on_devices(cases: dict) -> list:
-    """(case, device) for each case on the CPU, and as a `cuda` test on CUDA but for float64
-    (spec[1], the dtype), which runs on the torch backend there: the entries decline it."""
-    return [
-        *((case, "cpu") for case in cases),
-        *(
-            pytest.param(case, CUDA, marks=pytest.mark.cuda)
-            for case, spec in cases.items()
-            if spec[1] != torch.float64
-        ),
-    ]
-
-
 @needs_ext
 @pytest.mark.parametrize("grad", [True, False])
-@pytest.mark.parametrize(("case", "device"), _on_devices(_ENTRY_CASES))
+@pytest.mark.parametrize(("case", "device"), on_devices(_ENTRY_CASES, 1))
 def test_eager_entry_gives_the_checked_paths_bits(case, device, grad, monkeypatch):
     shape, dtype, pdtype, affine, rms, eps, scale = _ENTRY_CASES[case]
     n = shape[-1]
@@ -1025,7 +1008,7 @@ def test_eager_entry_gives_the_checked_paths_bits(case, device, grad, monkeypatc
             return [out]
         return [out, *torch.autograd.grad(out, xs, dy)]
 
-    want = _checked_path(monkeypatch, lambda: run(n))
+    want = checked_path(monkeypatch, ln, lambda: run(n))
     for shape_arg in (n, (n,), [n], torch.Size([n])):
         got = run(shape_arg)
         assert len(got) == len(want)
@@ -1039,7 +1022,7 @@ def test_eager_entry_runs_non_contiguous_inputs_and_parameters(monkeypatch):
     x = _make((64, 6), grad=False).t()  # (6, 64), column-major
     w = _make((64, 2), seed=3, grad=False)[:, 0]  # stride 2
     assert _entry()(x, 64, w, None, 1e-5, False) is not None
-    want = _checked_path(monkeypatch, lambda: ln.layer_norm(x, 64, w))
+    want = checked_path(monkeypatch, ln, lambda: ln.layer_norm(x, 64, w))
     assert torch.equal(ln.layer_norm(x, 64, w), want)
 
 
@@ -1157,10 +1140,6 @@ def _fused_entry():
     return _C.dropout_add_layer_norm_eager
 
 
-def _generator_state(device):
-    return torch.get_rng_state() if device == "cpu" else torch.cuda.get_rng_state(device)
-
-
 # name: (x shape, dtype, parameter dtype, residual, dropout_p, prenorm)
 _FUSED_ENTRY_CASES = {
     "add": ((3, 5, 64), torch.float32, torch.float32, True, 0.0, False),
@@ -1178,7 +1157,7 @@ _FUSED_ENTRY_CASES = {
 
 @needs_ext
 @pytest.mark.parametrize("grad", [True, False])
-@pytest.mark.parametrize(("case", "device"), _on_devices(_FUSED_ENTRY_CASES))
+@pytest.mark.parametrize(("case", "device"), on_devices(_FUSED_ENTRY_CASES, 1))
 def test_fused_eager_entry_gives_the_checked_paths_bits(case, device, grad, monkeypatch):
     # The same bits, gradients and generator state after: the seed is the checked path's draw.
     shape, dtype, pdtype, with_residual, p, prenorm = _FUSED_ENTRY_CASES[case]
@@ -1195,12 +1174,12 @@ def test_fused_eager_entry_gives_the_checked_paths_bits(case, device, grad, monk
         torch.manual_seed(11)
         outs = ln.dropout_add_layer_norm(x, res, w, b, 1e-5, p, prenorm)
         outs = list(outs) if prenorm else [outs]
-        state = _generator_state(device)
+        state = generator_state(device)
         if grad:
             outs += torch.autograd.grad(outs, leaves, dy[: len(outs)])
         return [*outs, state]
 
-    want = _checked_path(monkeypatch, run, "_EAGER_FUSED")
+    want = checked_path(monkeypatch, ln, run, "_EAGER_FUSED")
     got = run()
     assert len(got) == len(want)
     for a, c in zip(got, want):
