@@ -1007,6 +1007,59 @@ def test_ffn_dropout_mask_is_the_regenerated_one(emulator, dtype, d_ff):
     assert int(ce.launches()[0].params["VEC"]) == vec
 
 
+def _relu_mask_ref(saved: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """relu's bitmask in the layout ffn.h documents (FfnReluMaskArgs): element (t, j) is bit
+    j % 32 of int32 word t * words + j // 32, words = 4 per 128 columns begun; set where the
+    gradient passes (saved > 0, or NaN unless dropout dropped it), 0 past d_ff."""
+    rows, d_ff = saved.shape
+    words = (d_ff + 127) // 128 * 4
+    passes = (saved > 0) | (saved.isnan() & (True if keep is None else keep))
+    bits = torch.zeros(rows, words * 32, dtype=torch.int64)
+    bits[:, :d_ff] = passes.long()
+    value = (bits.view(rows, words, 32) << torch.arange(32)).sum(-1)
+    return (value - (value >= 2**31).long() * 2**32).to(torch.int32)  # as int32 bits
+
+
+@pytest.mark.parametrize("seed_in_memory", [False, True], ids=["seed", "seed_ptr"])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize(
+    "shape", [(1, 13), (70, 40), (5, 300), (9, 256), (3, 376)], ids=lambda s: f"{s[0]}x{s[1]}"
+)
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=["fp32", "fp16", "bf16"])
+def test_ffn_relu_mask_has_the_documented_layout(emulator, dtype, shape, p, seed_in_memory):
+    """The bitmask cuBLASLt's DRELU_BGRAD epilogue reads (FASTFORMER_FFN_DRELU=epilogue), made
+    from the saved relu output: every bit as the layout of ffn.h says, in both fiber orders, the
+    vector and scalar kernels, NaNs dropped or kept, zeros and negatives off, padding 0."""
+    rows, d_ff = shape
+    h = _make(shape, dtype, seed=5, grad=False)
+    h.view(-1)[::7] = float("nan")
+    h.view(-1)[3::11] = 0.0
+    with ce.device():
+        saved = emulator.ops.ffn_forward(h, "relu", p, SEED)
+    saved.view(-1)[5::13] = -1.0  # never written by the forward, but refused all the same
+    keep = _keep(SEED, shape, p) if p > 0 else None
+    masks = []
+    for order in ORDERS:
+        ce.clear_launches()
+        with ce.device(order=order):
+            masks.append(emulator.ops.ffn_relu_mask(saved, p, SEED, seed_in_memory))
+    vec = 16 // saved.element_size()
+    assert ce.launches()[0].params["VEC"] == str(vec if d_ff % vec == 0 else 1)
+    assert torch.equal(masks[0], masks[1]), "fiber orders disagree"
+    assert torch.equal(masks[0], _relu_mask_ref(saved, keep))
+
+
+def test_ffn_relu_mask_of_misaligned_rows_takes_the_scalar_kernel(emulator):
+    base = _make((6, 41), BF16, seed=2, grad=False).relu()
+    saved = base.view(-1)[1 : 1 + 6 * 40].view(6, 40)  # contiguous, one element off
+    assert saved.data_ptr() % 16 != 0
+    ce.clear_launches()
+    with ce.device():
+        mask = emulator.ops.ffn_relu_mask(saved, 0.0, SEED)
+    assert ce.launches()[0].params["VEC"] == "1"  # 40 columns would take 8-wide vectors
+    assert torch.equal(mask, _relu_mask_ref(saved, None))
+
+
 def test_ffn_misaligned_h_takes_the_scalar_kernels(emulator):
     base, dg = _ffn_inputs(70, 41, "gelu", BF16)
     h = base.view(-1)[1 : 1 + 70 * 40].view(70, 40)  # contiguous, one element off

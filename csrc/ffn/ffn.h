@@ -88,6 +88,26 @@ struct FfnColumnSumArgs {
   FfnDtype dtype;
 };
 
+// The relu bitmask cuBLASLt's DRELU_BGRAD epilogue reads, made from saved = dropout(relu(h))
+// by FfnBackwardArgs' relu rule: an element's bit is set where dh = dg / (1 - p) (0 elsewhere).
+// Element (t, j) is bit j % 32 of word t * ffn_relu_mask_words(d_ff) + j / 32 of `mask`: a
+// column-major bit matrix (d_ff, rows) whose leading dimension is d_ff rounded up to 128 bits,
+// as cuBLASLt asks; bits past d_ff are 0. (cuBLASLt does not document the bit order inside its
+// words: ffn_lt.cpp checks this one against its own RELU_AUX mask before using it on a device.)
+struct FfnReluMaskArgs {
+  const void* saved;
+  uint32_t* mask;
+  int64_t rows;
+  int64_t d_ff;
+  uint64_t seed;  // the keep decision of a NaN element, as the backward kernel draws it
+  float dropout_p;
+  FfnDtype dtype;
+  const int64_t* seed_ptr = nullptr;  // as in FfnForwardArgs
+};
+
+// 32-bit words of one token's row of the relu bitmask.
+inline int64_t ffn_relu_mask_words(int64_t d_ff) { return (d_ff + 127) / 128 * 4; }
+
 // Rows one backward block covers per pass, and the most row blocks (partials) per column.
 constexpr int64_t kFfnRowsPerBlock = 32;
 constexpr int64_t kFfnMaxRowBlocks = 256;
@@ -103,6 +123,7 @@ inline int64_t ffn_bias_grad_row_blocks(int64_t rows) {
 void ffn_forward_cuda_launch(const FfnForwardArgs& args, cudaStream_t stream);
 void ffn_backward_cuda_launch(const FfnBackwardArgs& args, cudaStream_t stream);
 void ffn_column_sum_cuda_launch(const FfnColumnSumArgs& args, cudaStream_t stream);
+void ffn_relu_mask_cuda_launch(const FfnReluMaskArgs& args, cudaStream_t stream);
 #endif
 
 }  // namespace fastformer

@@ -10,6 +10,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 
@@ -25,6 +26,8 @@ constexpr int kThreadsX = 32;  // column vectors per block: one warp along a row
 constexpr int kThreadsY = 8;   // rows per block step
 constexpr int64_t kMaxForwardRowBlocks = 65535;  // gridDim.y limit; larger inputs loop
 constexpr int kFinalizeRows = 8;  // row groups of the db1 finalize (column_sum)
+constexpr int kMaskThreads = 256;  // the relu bitmask kernel's blocks
+constexpr int64_t kMaxMaskBlocks = 65535;  // more work loops
 
 static_assert(kFfnRowsPerBlock % kThreadsY == 0, "a row block is whole block steps");
 
@@ -130,6 +133,18 @@ __device__ __forceinline__ void dropout_multipliers(float (&m)[VEC], uint64_t se
   }
 }
 
+// Whether relu's gradient passes element idx, given saved = dropout(relu(h)): where it is
+// positive (relu passed, dropout kept), and where it is NaN (torch's relu passes its gradient at
+// a NaN h) unless dropout dropped it (NaN * 0 is NaN: the keep decision is drawn again; rare,
+// behind a branch).
+__device__ __forceinline__ bool relu_passes(float saved, int64_t idx, uint64_t seed,
+                                            const int64_t* seed_ptr, float p) {
+  if (saved <= 0.f) return false;
+  if (!isnan(saved) || p <= 0.f) return true;
+  const uint64_t s = seed_ptr != nullptr ? static_cast<uint64_t>(__ldg(seed_ptr)) : seed;
+  return dropout_keep(s, static_cast<uint64_t>(idx), p);
+}
+
 // g = dropout(act(h)); h and g may alias (in-place), hence no __restrict__.
 template <typename T, FfnActivation A, int VEC>
 __global__ void __launch_bounds__(kThreadsX* kThreadsY)
@@ -171,18 +186,12 @@ __device__ __forceinline__ void backward_row(const T* dg, const T* __restrict__ 
   float d[VEC];
   load<T, VEC>(dg + row * d_ff + col, d);
   if constexpr (A == FfnActivation::kRelu) {
-    // saved = dropout(relu(h)): positive where relu passed and dropout kept; NaN where h was
-    // NaN (torch's relu passes its gradient), kept or not (NaN * 0): a NaN's keep decision is
-    // drawn again (rare: behind a branch).
     float gv[VEC];
     load<T, VEC>(saved + row * d_ff + col, gv);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
-      d[k] = gv[k] <= 0.f ? 0.f : d[k] * scale;
-      if (isnan(gv[k]) && p > 0.f) {
-        const uint64_t s = seed_ptr != nullptr ? static_cast<uint64_t>(__ldg(seed_ptr)) : seed;
-        if (!dropout_keep(s, static_cast<uint64_t>(row * d_ff + col + k), p)) d[k] = 0.f;
-      }
+      const bool pass = relu_passes(gv[k], row * d_ff + col + k, seed, seed_ptr, p);
+      d[k] = pass ? d[k] * scale : 0.f;
       acc[k] += d[k];
     }
     store<T, VEC>(dh + row * d_ff + col, d);
@@ -304,6 +313,42 @@ __global__ void __launch_bounds__(kColumnSumWidth* kFinalizeRows)
   column_sum<kFinalizeRows>(partials, blocks, width, db, buf);
 }
 
+// The relu bitmask (FfnReluMaskArgs) of `saved`. A warp covers kWarp * VEC columns of one row a
+// step, VEC consecutive ones a lane (one 16-byte load for 16-bit rows of whole vectors), so its
+// loads are coalesced; the lanes of one 32-bit word gather their bits by shuffles and its first
+// lane stores it. Every word of the row is written, the padding past d_ff with 0 bits.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kMaskThreads)
+    ffn_relu_mask_kernel(const T* __restrict__ saved, uint32_t* __restrict__ mask, int64_t rows,
+                         int64_t d_ff, int64_t words, uint64_t seed,
+                         const int64_t* __restrict__ seed_ptr, float p) {
+  constexpr int kLanesPerWord = 32 / VEC;
+  constexpr int64_t kStepCols = int64_t{kThreadsX} * VEC;
+  const int lane = threadIdx.x % kThreadsX;
+  const int64_t steps = (words * 32 + kStepCols - 1) / kStepCols;  // a row's steps
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kThreadsX;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / kThreadsX;
+  // The bound is the same for every lane of a warp: the shuffles below see the whole warp.
+  for (int64_t unit = first; unit < rows * steps; unit += warps) {
+    const int64_t row = unit / steps, step = unit % steps;
+    const int64_t col = step * kStepCols + lane * VEC;
+    uint32_t bits = 0;
+    if (col < d_ff) {  // (VEC divides d_ff)
+      float g[VEC];
+      load<T, VEC>(saved + row * d_ff + col, g);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        if (relu_passes(g[k], row * d_ff + col + k, seed, seed_ptr, p)) bits |= 1u << k;
+      }
+    }
+    uint32_t word = bits << ((lane % kLanesPerWord) * VEC);
+#pragma unroll
+    for (int m = 1; m < kLanesPerWord; m *= 2) word |= __shfl_xor_sync(0xffffffffu, word, m);
+    const int64_t w = step * (kStepCols / 32) + lane / kLanesPerWord;
+    if (lane % kLanesPerWord == 0 && w < words) mask[row * words + w] = word;
+  }
+}
+
 // ------------------------------------------------------------------ host-side dispatch
 
 template <typename T>
@@ -383,6 +428,16 @@ void launch_column_partials(const FfnColumnSumArgs& a, cudaStream_t stream) {
       static_cast<const T*>(a.src), a.partials, a.rows, a.cols);
 }
 
+template <typename T, int VEC>
+void launch_relu_mask(const FfnReluMaskArgs& a, cudaStream_t stream) {
+  const int64_t words = ffn_relu_mask_words(a.d_ff);
+  const int64_t units = a.rows * ceil_div(words * 32, int64_t{kThreadsX} * VEC);  // warp steps
+  const int64_t blocks = std::min(ceil_div(units, kMaskThreads / kThreadsX), kMaxMaskBlocks);
+  ffn_relu_mask_kernel<T, VEC><<<static_cast<unsigned>(blocks), kMaskThreads, 0, stream>>>(
+      static_cast<const T*>(a.saved), a.mask, a.rows, a.d_ff, words, a.seed, a.seed_ptr,
+      a.dropout_p);
+}
+
 }  // namespace
 
 void ffn_forward_cuda_launch(const FfnForwardArgs& args, cudaStream_t stream) {
@@ -425,6 +480,19 @@ void ffn_backward_cuda_launch(const FfnBackwardArgs& args, cudaStream_t stream) 
     const bool any = args.rows > 0 && args.d_ff > 0;
     launch_finalize<T>(args.partials, args.db1, any ? ffn_bias_grad_row_blocks(args.rows) : 0,
                        width, stream);
+  });
+}
+
+void ffn_relu_mask_cuda_launch(const FfnReluMaskArgs& args, cudaStream_t stream) {
+  if (args.rows == 0 || args.d_ff == 0) return;
+  dispatch_dtype(args.dtype, [&](auto type_tag) {
+    using T = typename decltype(type_tag)::type;
+    constexpr int kVec = 16 / sizeof(T);
+    if (args.d_ff % kVec == 0 && aligned16(args.saved)) {
+      launch_relu_mask<T, kVec>(args, stream);
+    } else {
+      launch_relu_mask<T, 1>(args, stream);
+    }
   });
 }
 

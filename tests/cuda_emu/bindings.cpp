@@ -288,6 +288,29 @@ at::Tensor ffn_column_sum(const at::Tensor& src_in) {
   return out;
 }
 
+// The relu bitmask of cuBLASLt's DRELU_BGRAD epilogue from saved (tokens, d_ff), as ffn.cpp's
+// relu backward makes it: int32 words (tokens, ffn_relu_mask_words(d_ff)).
+at::Tensor ffn_relu_mask(const at::Tensor& saved_in, double dropout_p, int64_t seed,
+                         bool seed_in_memory) {
+  TORCH_CHECK(saved_in.dim() == 2, "cuda_emu ffn_relu_mask: saved must be (tokens, d_ff)");
+  Arena arena;
+  const at::Tensor saved = arena.input(saved_in, "saved");
+  const int64_t tokens = saved.size(0), d_ff = saved.size(1);
+  at::Tensor mask =
+      arena.empty({tokens, fastformer::ffn_relu_mask_words(d_ff)}, at::kInt, "mask");
+  fastformer::FfnReluMaskArgs args{saved.const_data_ptr(),
+                                   reinterpret_cast<uint32_t*>(mask.data_ptr<int32_t>()),
+                                   tokens,
+                                   d_ff,
+                                   static_cast<uint64_t>(seed),
+                                   static_cast<float>(dropout_p),
+                                   ffn_dtype(saved)};
+  const at::Tensor cell = seed_in_memory ? put_seed_in_memory(args, arena, seed) : at::Tensor();
+  fastformer::ffn_relu_mask_cuda_launch(args, nullptr);
+  arena.check();
+  return mask;
+}
+
 // rng.cpp's uniform_cuda: philox_uniform (element false) or element_uniform of int64 offsets.
 at::Tensor uniform(int64_t seed, const at::Tensor& offsets, bool element) {
   TORCH_CHECK(offsets.scalar_type() == at::kLong, "offsets must be int64");
@@ -349,6 +372,9 @@ TORCH_LIBRARY(fastformer_emu, m) {
       "ffn_backward(Tensor dg, Tensor saved, str activation, float dropout_p, int seed, "
       "bool seed_in_memory=False) -> (Tensor, Tensor, Tensor)");
   m.def("ffn_column_sum(Tensor src) -> Tensor");
+  m.def(
+      "ffn_relu_mask(Tensor saved, float dropout_p, int seed, bool seed_in_memory=False) "
+      "-> Tensor");
   m.def("uniform(int seed, Tensor offsets, bool element) -> Tensor");
   m.def("selftest(str name, Tensor x, int blocks, int threads, int smem) -> Tensor");
   // No tensor arguments: catch-all kernels.
@@ -366,6 +392,7 @@ TORCH_LIBRARY_IMPL(fastformer_emu, CPU, m) {
   m.impl("ffn_forward", &ffn_forward);
   m.impl("ffn_backward", &ffn_backward);
   m.impl("ffn_column_sum", &ffn_column_sum);
+  m.impl("ffn_relu_mask", &ffn_relu_mask);
   m.impl("uniform", &uniform);
   m.impl("selftest", &selftest);
 }
