@@ -72,6 +72,24 @@ def _wheel_cuda_includes() -> list[str]:
     return sorted(set(found))
 
 
+def _cublaslt_link() -> tuple[list[str], list[str]]:
+    """(library_dirs, link args) for the cuBLASLt torch loads (csrc/ffn/ffn_lt.cpp calls it;
+    torch's extension builder links cudart only): libcublasLt.so.<torch's CUDA major> in a pip
+    wheel's nvidia/*/lib, torch/lib or CUDA_HOME/lib64, linked by its file name (the wheels ship
+    no unversioned libcublasLt.so) with its folder on the rpath; else plain -lcublasLt, from the
+    linker's own paths (a system CUDA)."""
+    torch_dir = Path(torch.__file__).parent
+    sites = [str(torch_dir.parent)] + sys.path
+    folders = [os.path.join(site, "nvidia", "*", "lib") for site in sites]
+    folders += [str(torch_dir / "lib")] + ([os.path.join(CUDA_HOME, "lib64")] if CUDA_HOME else [])
+    name = f"libcublasLt.so.{(torch.version.cuda or '').split('.')[0]}"
+    for folder in folders:
+        for lib in sorted(glob.glob(os.path.join(folder, name))):
+            where = os.path.dirname(lib)
+            return [where], [f"-l:{name}", f"-Wl,-rpath,{where}"]
+    return [], ["-lcublasLt"]
+
+
 def _sources(with_cuda: bool) -> list[str]:
     cpp = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
     cu = sorted(glob.glob("csrc/**/*.cu", recursive=True)) if with_cuda else []
@@ -119,6 +137,9 @@ def _extension():
         py_limited_api=False,
     )
     if with_cuda:
+        library_dirs, link = _cublaslt_link()
+        kwargs["library_dirs"] = library_dirs
+        kwargs["extra_link_args"] += link
         return CUDAExtension(**kwargs), with_cuda
     return CppExtension(**kwargs), with_cuda
 

@@ -12,6 +12,7 @@
 #include <mutex>
 
 #include "ffn/ffn_eager.h"
+#include "ffn/ffn_lt.h"
 #include "layer_norm/layer_norm_eager.h"
 
 #ifdef FASTFORMER_WITH_CUDA
@@ -57,10 +58,24 @@ PyObject* cuda_philox_advance(PyObject* /*self*/, PyObject* args) {
 #endif
 }
 
+// ffn_drelu_mode() -> str: FASTFORMER_FFN_DRELU as the CUDA relu backward reads it (ValueError
+// for a value it refuses), so Python can check it without a GPU.
+PyObject* ffn_drelu_mode(PyObject* /*self*/, PyObject* /*args*/) {
+  try {
+    return PyUnicode_FromString(fastformer::ffn_drelu_mode_name().c_str());
+  } catch (const c10::ValueError& e) {
+    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    return nullptr;
+  }
+}
+
 PyMethodDef methods[] = {
     {"cuda_philox_advance", cuda_philox_advance, METH_VARARGS,
      "cuda_philox_advance(device_index, increment) -> (seed, offset) of torch's CUDA generator, "
      "the offset advanced by increment atomically"},
+    {"ffn_drelu_mode", ffn_drelu_mode, METH_NOARGS,
+     "ffn_drelu_mode() -> str: FASTFORMER_FFN_DRELU as the CUDA relu backward reads it ('kernel' "
+     "or 'epilogue'); ValueError for any other value"},
     {"layer_norm_eager", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(
                              &fastformer::layer_norm_eager)),
      METH_FASTCALL,

@@ -453,17 +453,24 @@ def test_import_warns_of_a_backend_variable_that_names_no_op():
     assert done.returncode == 0 and "FASTFORMER_BACKEND_RMS_NORM names no op" in done.stderr
 
 
-def test_check_and_bench_refuse_a_bad_ffn_epilogue(monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "variable, good",
+    [
+        ("FASTFORMER_FFN_EPILOGUE", ("fused", "unfused", "")),
+        ("FASTFORMER_FFN_DRELU", ("epilogue", "kernel", "")),
+    ],
+)
+def test_check_and_bench_refuse_a_bad_ffn_setting(monkeypatch, capsys, variable, good):
     # Read by every CUDA ffn call: a GPU run's ffn rows all raised (exit 1) after measuring.
     monkeypatch.setattr(B, "measure", lambda *a: pytest.fail("measured before checking"))
-    monkeypatch.setenv("FASTFORMER_FFN_EPILOGUE", "bogus")
+    monkeypatch.setenv(variable, "bogus")
     for argv in (["check", "--quick", "--ops", "ffn"], ["bench", "--quick", "--no-model"]):
         assert main(argv) == 2
-        assert "FASTFORMER_FFN_EPILOGUE must be one of" in capsys.readouterr().err
+        assert f"{variable} must be one of" in capsys.readouterr().err
     from fastformer.cli.errors import check_settings
 
-    for good in ("fused", "unfused", ""):
-        monkeypatch.setenv("FASTFORMER_FFN_EPILOGUE", good)
+    for value in good:
+        monkeypatch.setenv(variable, value)
         check_settings()  # no UsageError
 
 

@@ -34,6 +34,7 @@
 #include "common/philox_cpu.h"
 #include "common/prefault.h"
 #include "ffn/ffn.h"
+#include "ffn/ffn_lt.h"
 
 #ifdef FASTFORMER_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -658,6 +659,24 @@ Forward ffn_forward_cuda(const at::Tensor& x, const at::Tensor& w1, const OptTen
   return {affine(g, w2, b2), saved};
 }
 
+// The relu backward with dh and db1 from cuBLASLt's DRELU_BGRAD epilogue (ffn_lt.cpp), when
+// FASTFORMER_FFN_DRELU=epilogue asks for it and it runs here; nullopt: take the kernel path.
+std::optional<Backward> relu_backward_lt(const Problem& pr, const at::Tensor& grad_out,
+                                         const at::Tensor& x, const at::Tensor& w1,
+                                         const at::Tensor& w2, const at::Tensor& saved,
+                                         const OptTensor& device_seed) {
+  if (ffn_drelu_mode() != FfnDreluMode::kEpilogue) return std::nullopt;
+  if (!w2.is_contiguous() || !grad_out.is_contiguous()) return std::nullopt;
+  const float alpha = pr.p > 0.f ? static_cast<float>(pr.scale) : 1.f;
+  auto dh_db1 = ffn_drelu_bgrad_lt(grad_out, w2, saved, alpha, pr.p, pr.seed,
+                                   device_seed_ptr(device_seed, x));
+  if (!dh_db1) return std::nullopt;
+  auto& [dh, db1] = *dh_db1;
+  at::Tensor dw2 = at::mm(grad_out.t(), saved);
+  at::Tensor dx = at::mm(dh, w1), dw1 = at::mm(dh.t(), x);
+  return Backward{dx, dw1, db1, dw2, column_sum_cuda(grad_out)};
+}
+
 Backward ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w1,
                            const at::Tensor& w2, const at::Tensor& saved_in,
                            c10::string_view activation, double dropout_p, int64_t seed,
@@ -667,6 +686,9 @@ Backward ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, cons
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor saved = saved_in.contiguous();
   const bool relu = pr.act == FfnActivation::kRelu, gated = ffn_is_gated(pr.act);
+  if (relu) {
+    if (auto done = relu_backward_lt(pr, grad_out, x, w1, w2, saved, device_seed)) return *done;
+  }
   at::Tensor dg = at::mm(grad_out, w2);
   at::Tensor g = relu ? saved : at::empty({pr.tokens, pr.d_ff}, x.options());
   // A non-gated dh overwrites dg, as on CPU: one (tokens, d_ff) buffer fewer at the peak, which

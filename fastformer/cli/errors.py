@@ -16,7 +16,7 @@ def check_settings(forces_backends: bool = False) -> None:
     (`check`): the command forces each backend itself, so a forced backend that cannot run
     here only gets a warning."""
     check_forced_backends(forces_backends)
-    check_ffn_epilogue()
+    check_ffn_settings()
 
 
 def check_forced_backends(forces_backends: bool = False) -> None:
@@ -56,13 +56,14 @@ def _unavailable_forced_backends() -> list[str]:
     return bad
 
 
-def check_ffn_epilogue() -> None:
-    """UsageError for a FASTFORMER_FFN_EPILOGUE that is not a mode: ffn reads it in every CUDA
-    call, so a GPU run's ffn rows all raised (exit 1, after measuring) instead of a usage
-    error before it."""
+def check_ffn_settings() -> None:
+    """UsageError for a FASTFORMER_FFN_EPILOGUE or FASTFORMER_FFN_DRELU that is not a mode: ffn
+    reads them in every CUDA call, so a GPU run's ffn rows all raised (exit 1, after measuring)
+    instead of a usage error before it."""
     from fastformer.ops import ffn
 
     try:
         ffn.epilogue_mode()
+        ffn.drelu_mode()
     except ValueError as exc:
         raise UsageError(str(exc)) from exc

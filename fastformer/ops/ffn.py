@@ -31,7 +31,10 @@ calls) and the pre-activation ``h`` -- for relu only ``dropout(relu(h))``, which
 input anyway and whose sign is relu's and dropout's mask together. No byte mask is ever stored.
 
 On CUDA, relu and gelu_tanh can run inside cuBLASLt's GEMM epilogue (``use_fused_epilogue``;
-``FASTFORMER_FFN_EPILOGUE=auto|fused|unfused``).
+``FASTFORMER_FFN_EPILOGUE=auto|fused|unfused``). relu's backward can too
+(``FASTFORMER_FFN_DRELU=epilogue``, opt-in until timed on a GPU; default ``kernel``): cuBLASLt's
+DRELU_BGRAD epilogue then gives dh and db1 in linear2's dgrad GEMM, from a bitmask of the saved
+output, in place of our elementwise pass (csrc/ffn/ffn_lt.cpp); same math, other rounding.
 
 The plain eager call (exact tensors of one dtype and device on the ``cpp`` backend, a str
 activation, a float ``dropout_p`` up to 0.99, no tracer, transform or mode) runs from one C call,
@@ -67,10 +70,12 @@ from fastformer.ops._dispatch import Backend, explain, register, select_by_key
 
 __all__ = [
     "ACTIVATIONS",
+    "DRELU_ENV",
     "EPILOGUE_ENV",
     "EPILOGUE_MODES",
     "GATED_ACTIVATIONS",
     "FfnInputs",
+    "drelu_mode",
     "epilogue_mode",
     "ffn",
     "ffn_keep_mask",
@@ -81,6 +86,7 @@ ACTIVATIONS: tuple[str, ...] = reference.ACTIVATIONS
 GATED_ACTIVATIONS: tuple[str, ...] = reference.GATED_ACTIVATIONS
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DRELU_ENV = "FASTFORMER_FFN_DRELU"
 EPILOGUE_ENV = "FASTFORMER_FFN_EPILOGUE"
 EPILOGUE_MODES = ("auto", "fused", "unfused")
 # Activations cuBLASLt can apply in the GEMM epilogue (torch._addmm_activation: RELU_BIAS and
@@ -166,6 +172,14 @@ def epilogue_mode() -> str:
     if mode not in EPILOGUE_MODES:
         raise ValueError(f"{EPILOGUE_ENV} must be one of {EPILOGUE_MODES}, got {mode!r}")
     return mode
+
+
+def drelu_mode() -> str:
+    """``FASTFORMER_FFN_DRELU`` (kernel or epilogue; default kernel) as the CUDA relu backward
+    reads it: validated by the extension's own parser, so both say the same (ValueError for any
+    other value). Without the extension there is no CUDA backward to read it: "kernel"."""
+    parse = getattr(load_extension(), "ffn_drelu_mode", None)
+    return parse() if parse is not None else "kernel"
 
 
 def use_fused_epilogue(
