@@ -2,7 +2,8 @@
 
 A lent GPU session has one try at this script, so its stages, the parallel split of the tests
 and of the parity grid, the benchmark stages (the default `bench`; the full grid only with
-SUITE_FULL=1; the warp-specialized attention bench, the LayerNorm sweep and the profile only
+SUITE_FULL=1; the warp-specialized attention bench, the FFN's DRELU epilogue bench, the LayerNorm
+sweep and the profile only
 when time is left; nothing a stage started left running; a stage past its box interrupted with SIGINT first), the exit status and the
 in-place build fallback are checked here.
 """
@@ -20,9 +21,10 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "run_gpu_suite.sh"
 # Logs each call; pip fails when STUB_PIP_RC=1; the prebuilt check fails unless
 # STUB_PREBUILT_RC=0; check shard 3 fails; check shards take 1 s; pytest and bench leave a
 # process running (its pid in $STUB_LOG.left), as a cut pytest leaves its xdist workers; a
-# call with FASTFORMER_ATTN_WS set is logged with "[WS=value]" after its arguments.
+# call with FASTFORMER_ATTN_WS or FASTFORMER_FFN_DRELU set is logged with "[WS=value]" or
+# "[DRELU=value]" after its arguments.
 STUB = """#!/usr/bin/env bash
-echo "OMP_NUM_THREADS=${OMP_NUM_THREADS:-} PYTHONPATH=${PYTHONPATH:-} $*${FASTFORMER_ATTN_WS:+ [WS=$FASTFORMER_ATTN_WS]}" >> "$STUB_LOG"
+echo "OMP_NUM_THREADS=${OMP_NUM_THREADS:-} PYTHONPATH=${PYTHONPATH:-} $*${FASTFORMER_ATTN_WS:+ [WS=$FASTFORMER_ATTN_WS]}${FASTFORMER_FFN_DRELU:+ [DRELU=$FASTFORMER_FFN_DRELU]}" >> "$STUB_LOG"
 case "$*" in
   "-m pytest"*|"-m fastformer bench"*) sleep 300 & echo $! >> "$STUB_LOG.left" ;;
   "-m fastformer info") if [ -n "${STUB_HANG_INFO:-}" ]; then
@@ -101,15 +103,16 @@ def test_suite_runs_every_stage_and_counts_failures(tmp_path):
     threads = [c.split()[0] for c in calls if "-m pytest" in c or "fastformer check" in c]
     assert threads and all(t == "OMP_NUM_THREADS=2" for t in threads), calls
     # The benchmark last and alone: the default run exactly as a user starts it (no full grid
-    # without SUITE_FULL=1), then the ws bench (FASTFORMER_ATTN_WS=1), the LayerNorm sweep and
-    # the profile (the stub suite is well under 400 s).
+    # without SUITE_FULL=1), then the ws bench (FASTFORMER_ATTN_WS=1), the DRELU bench
+    # (FASTFORMER_FFN_DRELU=epilogue), the LayerNorm sweep and the profile (the stub suite is
+    # well under 400 s).
     out = tmp_path / "out"
     after = _after_bench(out)
     assert commands[-len(after) - 1 :] == [
         f"-m fastformer bench --max-seconds 170 --out {out}/bench",
         *after,
     ]
-    assert [c for c in commands if "fastformer bench" in c] == commands[-4:-2]
+    assert [c for c in commands if "fastformer bench" in c] == commands[-5:-2]
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert "skipped" not in summary
     assert "verify-check3" in summary and "rc=1" in summary
@@ -118,7 +121,7 @@ def test_suite_runs_every_stage_and_counts_failures(tmp_path):
     assert max(int(line.split()[-1].rstrip("s")) for line in verify) < 4
     # Nothing a stage started runs on after it: not beside the next stage, not after the suite.
     left = [int(pid) for pid in (tmp_path / "calls.log.left").read_text().split()]
-    assert len(left) == 4 and not any(_running(pid) for pid in left)
+    assert len(left) == 5 and not any(_running(pid) for pid in left)
 
 
 def _running(pid: int) -> bool:
@@ -167,6 +170,8 @@ def _after_bench(out) -> list[str]:  # the stages after the default bench
     return [
         "-m fastformer bench --no-model --ops attention --cases s8192d64,h16s2048d128 "
         f"--max-seconds 45 --out {out}/bench-ws [WS=1]",
+        f"-m fastformer bench --no-model --ops ffn --max-seconds 30 --out {out}/bench-drelu "
+        "[DRELU=epilogue]",
         f"benchmarks/sweep_layer_norm.py --out {out}/sweep_layer_norm.json",
         "benchmarks/profile_kernels.py --iters 3",
     ]
@@ -210,8 +215,8 @@ def test_suite_optional_stages_run_after_the_default_bench(tmp_path, flag):
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
 def test_suite_skips_the_profile_past_its_time(tmp_path):
     """Past SUITE_PROFILE_BEFORE_S (400 s unless set; 0 here: always past) the ws bench, the
-    LayerNorm sweep and the profile are skipped, said so in summary.txt, and not counted as
-    failures."""
+    DRELU bench, the LayerNorm sweep and the profile are skipped, said so in summary.txt, and
+    not counted as failures."""
     done, calls = _run_suite(tmp_path, pip_rc=0, SUITE_PROFILE_BEFORE_S="0")
     assert done.returncode == 1, done.stdout + done.stderr  # only the failing shard counts
     commands = [c.split(" ", 2)[2] for c in calls]
@@ -219,8 +224,8 @@ def test_suite_skips_the_profile_past_its_time(tmp_path):
     assert not any("profile_kernels" in c or "sweep_layer_norm" in c for c in commands)
     summary = (tmp_path / "out" / "summary.txt").read_text()
     skipped = [line for line in summary.splitlines() if "skipped" in line]
-    assert len(skipped) == 3
-    for stage, line in zip(("bench_ws", "sweep_layer_norm", "profile"), skipped):
+    assert len(skipped) == 4
+    for stage, line in zip(("bench_ws", "bench_drelu", "sweep_layer_norm", "profile"), skipped):
         assert re.fullmatch(stage + r": skipped \(elapsed \d+s\)", line)
     assert "suite: 1 failed stage(s)" in summary
 
