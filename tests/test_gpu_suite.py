@@ -103,8 +103,8 @@ def test_suite_runs_every_stage_and_counts_failures(tmp_path):
     threads = [c.split()[0] for c in calls if "-m pytest" in c or "fastformer check" in c]
     assert threads and all(t == "OMP_NUM_THREADS=2" for t in threads), calls
     # The benchmark last and alone: the default run exactly as a user starts it (no full grid
-    # without SUITE_FULL=1), then the ws bench (FASTFORMER_ATTN_WS=1), the DRELU bench
-    # (FASTFORMER_FFN_DRELU=epilogue), the LayerNorm sweep and the profile (the stub suite is
+    # without SUITE_FULL=1), then the DRELU bench (FASTFORMER_FFN_DRELU=epilogue), the ws bench
+    # (FASTFORMER_ATTN_WS=1), the LayerNorm sweep and the profile (the stub suite is
     # well under 400 s).
     out = tmp_path / "out"
     after = _after_bench(out)
@@ -168,10 +168,10 @@ def test_suite_copies_a_carried_build_in_before_the_check(tmp_path):
 
 def _after_bench(out) -> list[str]:  # the stages after the default bench
     return [
-        "-m fastformer bench --no-model --ops attention --cases s8192d64,h16s2048d128 "
-        f"--max-seconds 45 --out {out}/bench-ws [WS=1]",
         f"-m fastformer bench --no-model --ops ffn --max-seconds 30 --out {out}/bench-drelu "
         "[DRELU=epilogue]",
+        "-m fastformer bench --no-model --ops attention --cases s8192d64,h16s2048d128 "
+        f"--max-seconds 45 --out {out}/bench-ws [WS=1]",
         f"benchmarks/sweep_layer_norm.py --out {out}/sweep_layer_norm.json",
         "benchmarks/profile_kernels.py --iters 3",
     ]
@@ -214,8 +214,8 @@ def test_suite_optional_stages_run_after_the_default_bench(tmp_path, flag):
 
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
 def test_suite_skips_the_profile_past_its_time(tmp_path):
-    """Past SUITE_PROFILE_BEFORE_S (400 s unless set; 0 here: always past) the ws bench, the
-    DRELU bench, the LayerNorm sweep and the profile are skipped, said so in summary.txt, and
+    """Past SUITE_PROFILE_BEFORE_S (400 s unless set; 0 here: always past) the DRELU bench,
+    the ws bench, the LayerNorm sweep and the profile are skipped, said so in summary.txt, and
     not counted as failures."""
     done, calls = _run_suite(tmp_path, pip_rc=0, SUITE_PROFILE_BEFORE_S="0")
     assert done.returncode == 1, done.stdout + done.stderr  # only the failing shard counts
@@ -225,7 +225,7 @@ def test_suite_skips_the_profile_past_its_time(tmp_path):
     summary = (tmp_path / "out" / "summary.txt").read_text()
     skipped = [line for line in summary.splitlines() if "skipped" in line]
     assert len(skipped) == 4
-    for stage, line in zip(("bench_ws", "bench_drelu", "sweep_layer_norm", "profile"), skipped):
+    for stage, line in zip(("bench_drelu", "bench_ws", "sweep_layer_norm", "profile"), skipped):
         assert re.fullmatch(stage + r": skipped \(elapsed \d+s\)", line)
     assert "suite: 1 failed stage(s)" in summary
 
