@@ -17,6 +17,7 @@
 
 #ifdef FASTFORMER_WITH_CUDA
 #include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <torch/csrc/autograd/python_variable.h>
 #endif
 
 namespace {
@@ -69,6 +70,24 @@ PyObject* ffn_drelu_mode(PyObject* /*self*/, PyObject* /*args*/) {
   }
 }
 
+// ffn_relu_mask_layout_sample() -> (theirs, ours, d_ff) | None: ffn_lt.h's sample, for a test.
+PyObject* ffn_relu_mask_layout_sample(PyObject* /*self*/, PyObject* /*args*/) {
+#ifdef FASTFORMER_WITH_CUDA
+  try {
+    const auto sample = fastformer::ffn_relu_mask_layout_sample();
+    if (!sample) Py_RETURN_NONE;
+    return Py_BuildValue("(NNL)", THPVariable_Wrap(sample->theirs),
+                         THPVariable_Wrap(sample->ours), static_cast<long long>(sample->d_ff));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+#else
+  PyErr_SetString(PyExc_RuntimeError, "fastformer._C was built without CUDA");
+  return nullptr;
+#endif
+}
+
 PyMethodDef methods[] = {
     {"cuda_philox_advance", cuda_philox_advance, METH_VARARGS,
      "cuda_philox_advance(device_index, increment) -> (seed, offset) of torch's CUDA generator, "
@@ -76,6 +95,9 @@ PyMethodDef methods[] = {
     {"ffn_drelu_mode", ffn_drelu_mode, METH_NOARGS,
      "ffn_drelu_mode() -> str: FASTFORMER_FFN_DRELU as the CUDA relu backward reads it ('kernel' "
      "or 'epilogue'); ValueError for any other value"},
+    {"ffn_relu_mask_layout_sample", ffn_relu_mask_layout_sample, METH_NOARGS,
+     "ffn_relu_mask_layout_sample() -> (theirs, ours, d_ff) | None: cuBLASLt's RELU_AUX bitmask "
+     "of a small GEMM and the relu bitmask kernel's of its output (int32 words, CPU), for a test"},
     {"layer_norm_eager", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(
                              &fastformer::layer_norm_eager)),
      METH_FASTCALL,

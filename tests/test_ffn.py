@@ -20,6 +20,7 @@ from _contexts import (
 
 import fastformer
 from fastformer import reference
+from fastformer._ext import load_extension
 from fastformer.ops import _dispatch, rng
 from fastformer.ops import ffn as ffn_mod
 from fastformer.ops.ffn import ffn, ffn_keep_mask, use_fused_epilogue
@@ -723,6 +724,25 @@ def test_cuda_drelu_epilogue_parity(dtype, monkeypatch):
         )
         assert any("ffn_relu_mask_kernel" in n for n in names), names
         assert not any("ffn_backward_kernel" in n for n in names), names
+
+
+@pytest.mark.cuda
+def test_cuda_relu_mask_layout_is_cublaslt_s():
+    """The bitmask kernel's layout (ffn.h) against cuBLASLt's own RELU_AUX bitmask of a small
+    GEMM, every bit below d_ff: what the DRELU path checks before it runs on a device. On a
+    mismatch both are printed as hex words, what a fix of the layout needs."""
+    sample = load_extension().ffn_relu_mask_layout_sample()
+    assert sample is not None, "cuBLASLt has no RELU_AUX algorithm for the sample GEMM"
+    theirs, ours, d_ff = sample
+
+    def bits(words: torch.Tensor) -> torch.Tensor:
+        return ((words.long().unsqueeze(-1) >> torch.arange(32)) & 1).flatten(1)[:, :d_ff]
+
+    def hexes(words: torch.Tensor) -> list[list[str]]:
+        return [[f"{v & 0xFFFFFFFF:08x}" for v in row] for row in words.tolist()]
+
+    assert torch.equal(bits(theirs), bits(ours)), f"cuBLASLt {hexes(theirs)}\nours {hexes(ours)}"
+    assert 0 < int(bits(ours).sum()) < bits(ours).numel()  # mixed signs
 
 
 @pytest.mark.cuda

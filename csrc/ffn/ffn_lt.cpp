@@ -225,37 +225,45 @@ std::vector<float> signs(int64_t count, uint32_t state) {
   return out;
 }
 
-bool bit(const int32_t* words, int64_t per_row, int64_t row, int64_t col) {
-  return ((static_cast<uint32_t>(words[row * per_row + col / 32]) >> (col % 32)) & 1u) != 0;
+bool bit(const at::Tensor& words, int64_t row, int64_t col) {
+  const int32_t word = words.const_data_ptr<int32_t>()[row * words.size(1) + col / 32];
+  return ((static_cast<uint32_t>(word) >> (col % 32)) & 1u) != 0;
 }
 
-// One RELU_AUX GEMM, D = relu(a b^T) for sign vectors a (d_ff) and b (tokens): no zeros, an
-// irregular pattern along both dimensions, d_ff not a multiple of 32 (376: 11 words and 24
-// bits, in a row of 12); cuBLASLt's bitmask against ours of D, bit for bit below d_ff.
-bool mask_layout_matches() {
+}  // namespace
+
+std::optional<FfnReluMaskSample> ffn_relu_mask_layout_sample() {
   constexpr int64_t kDff = 376, kTokens = 8, kK = 8;  // 16-byte aligned columns everywhere
   const auto device = at::TensorOptions().device(at::kCUDA, at::cuda::current_device());
   const auto host = at::TensorOptions().dtype(at::kFloat);
   at::Tensor a = at::zeros({kK, kDff}, host), b = at::zeros({kTokens, kK}, host);
-  a[0].copy_(at::tensor(signs(kDff, 12345u), host));
-  b.select(1, 0).copy_(at::tensor(signs(kTokens, 777u), host));
+  a[0].copy_(at::tensor(signs(kDff, 12345u), host));  // a's column 0, column-major
+  b.select(1, 0).copy_(at::tensor(signs(kTokens, 777u), host));  // b's row 0
   a = a.to(device.dtype(at::kBFloat16));
   b = b.to(device.dtype(at::kBFloat16));
   const int64_t words = ffn_relu_mask_words(kDff);
   at::Tensor d = at::empty({kTokens, kDff}, device.dtype(at::kBFloat16));
   at::Tensor theirs = at::zeros({kTokens, words}, device.dtype(at::kInt));
   at::Tensor ours = at::empty({kTokens, words}, device.dtype(at::kInt));
-  LtGemm g{kDff, kTokens, kK, a.const_data_ptr(), b.const_data_ptr(), d.data_ptr(),
-           CUDA_R_16BF, CUBLASLT_EPILOGUE_RELU_AUX, nullptr, theirs.data_ptr(), words * 32};
+  const LtGemm g{kDff, kTokens, kK, a.const_data_ptr(), b.const_data_ptr(), d.data_ptr(),
+                 CUDA_R_16BF, CUBLASLT_EPILOGUE_RELU_AUX, nullptr, theirs.data_ptr(), words * 32};
   const std::optional<Prepared> gemm = prepare(g);
-  if (!gemm || !gemm->run(device)) return false;
+  if (!gemm || !gemm->run(device)) return std::nullopt;
   launch_relu_mask(d, ours, FfnDtype::kBFloat16, 0.f, 0, nullptr);
-  const at::Tensor t = theirs.cpu(), o = ours.cpu();
+  return FfnReluMaskSample{theirs.cpu(), ours.cpu(), kDff};
+}
+
+namespace {
+
+// The sample's bits agree below d_ff, and are not all alike (the signs are mixed).
+bool mask_layout_matches() {
+  const std::optional<FfnReluMaskSample> sample = ffn_relu_mask_layout_sample();
+  if (!sample) return false;
   bool any_set = false, any_clear = false;
-  for (int64_t row = 0; row < kTokens; ++row) {
-    for (int64_t col = 0; col < kDff; ++col) {
-      const bool mine = bit(o.const_data_ptr<int32_t>(), words, row, col);
-      if (mine != bit(t.const_data_ptr<int32_t>(), words, row, col)) return false;
+  for (int64_t row = 0; row < sample->ours.size(0); ++row) {
+    for (int64_t col = 0; col < sample->d_ff; ++col) {
+      const bool mine = bit(sample->ours, row, col);
+      if (mine != bit(sample->theirs, row, col)) return false;
       (mine ? any_set : any_clear) = true;
     }
   }

@@ -32,9 +32,19 @@ std::optional<std::pair<at::Tensor, at::Tensor>> ffn_drelu_bgrad_lt(
     float dropout_p, uint64_t seed, const int64_t* seed_ptr);
 
 // Whether this device's cuBLASLt reads relu bitmasks as ffn_relu_mask_cuda_launch writes them:
-// a small RELU_AUX GEMM's own bitmask compared with ours of its output, once per device and
-// process (it synchronizes; inside CUDA graph capture it is not run and reports false).
+// the bits of ffn_relu_mask_layout_sample below agree below d_ff, once per device and process
+// (it synchronizes; inside CUDA graph capture it is not run and reports false).
 bool ffn_relu_mask_layout_ok();
+
+// One RELU_AUX GEMM, D = relu(a b^T) (d_ff = 376, 8 tokens) for two irregular sign vectors:
+// (cuBLASLt's bitmask of it, ffn_relu_mask_cuda_launch's of D, d_ff), both int32 (tokens,
+// ffn_relu_mask_words(d_ff)) on the CPU; nullopt when cuBLASLt has no algorithm for it. Also
+// for a test that prints both when they differ: what a fix of the layout needs.
+struct FfnReluMaskSample {
+  at::Tensor theirs, ours;
+  int64_t d_ff;
+};
+std::optional<FfnReluMaskSample> ffn_relu_mask_layout_sample();
 #endif
 
 }  // namespace fastformer
