@@ -225,6 +225,7 @@ std::vector<float> signs(int64_t count, uint32_t state) {
   return out;
 }
 
+// Element (row, col) of a bitmask in ffn.h's layout (int32 words, CPU).
 bool bit(const at::Tensor& words, int64_t row, int64_t col) {
   const int32_t word = words.const_data_ptr<int32_t>()[row * words.size(1) + col / 32];
   return ((static_cast<uint32_t>(word) >> (col % 32)) & 1u) != 0;
