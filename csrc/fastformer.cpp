@@ -88,6 +88,21 @@ PyObject* ffn_relu_mask_layout_sample(PyObject* /*self*/, PyObject* /*args*/) {
 #endif
 }
 
+// ffn_relu_mask_layout_ok() -> bool: whether the DRELU path may run on the current device.
+PyObject* ffn_relu_mask_layout_ok(PyObject* /*self*/, PyObject* /*args*/) {
+#ifdef FASTFORMER_WITH_CUDA
+  try {
+    return PyBool_FromLong(fastformer::ffn_relu_mask_layout_ok() ? 1 : 0);
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+#else
+  PyErr_SetString(PyExc_RuntimeError, "fastformer._C was built without CUDA");
+  return nullptr;
+#endif
+}
+
 PyMethodDef methods[] = {
     {"cuda_philox_advance", cuda_philox_advance, METH_VARARGS,
      "cuda_philox_advance(device_index, increment) -> (seed, offset) of torch's CUDA generator, "
@@ -98,6 +113,9 @@ PyMethodDef methods[] = {
     {"ffn_relu_mask_layout_sample", ffn_relu_mask_layout_sample, METH_NOARGS,
      "ffn_relu_mask_layout_sample() -> (theirs, ours, d_ff) | None: cuBLASLt's RELU_AUX bitmask "
      "of a small GEMM and the relu bitmask kernel's of its output (int32 words, CPU), for a test"},
+    {"ffn_relu_mask_layout_ok", ffn_relu_mask_layout_ok, METH_NOARGS,
+     "ffn_relu_mask_layout_ok() -> bool: whether FASTFORMER_FFN_DRELU=epilogue may run on the "
+     "current CUDA device (its bitmask layout check, run once per device outside capture)"},
     {"layer_norm_eager", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(
                              &fastformer::layer_norm_eager)),
      METH_FASTCALL,

@@ -7,6 +7,7 @@ one subprocess call proving `python -m fastformer` itself works.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib
 import importlib.util
@@ -215,12 +216,35 @@ def test_info_json_has_the_required_fields(capsys):
     if os.environ.get("TRITON_INTERPRET") == "1":  # which path attention's launches take
         assert env["triton_launches"] == "the Triton interpreter's (TRITON_INTERPRET=1)"
     assert set(info["ops"]["modules"]) == {"attention", "layer_norm", "ffn"}
+    assert info["ffn_drelu"]["mode"] == "kernel"  # (the default; conftest sets none)
+    if not torch.cuda.is_available():
+        assert info["ffn_drelu"]["layout_ok"] == {}
     for mod in info["ops"]["modules"].values():
         assert mod["available"] == (mod["error"] is None)
     for name, reg in info["ops"]["registered"].items():
         assert reg["backends"], name
         for backend in reg["backends"]:
             assert backend["available"] == (not backend["reasons"]), (name, backend)
+
+
+def test_info_reports_a_bad_drelu_setting_and_a_failing_check(monkeypatch):
+    from fastformer.cli import info
+
+    monkeypatch.setenv("FASTFORMER_FFN_DRELU", "bogus")
+    assert info.ffn_drelu()["mode"].startswith("invalid: FASTFORMER_FFN_DRELU must be one of")
+    monkeypatch.delenv("FASTFORMER_FFN_DRELU")
+
+    class Ext:
+        @staticmethod
+        def ffn_relu_mask_layout_ok():
+            raise RuntimeError("no algorithm")
+
+    monkeypatch.setattr("fastformer._ext.load_extension", lambda: Ext)
+    monkeypatch.setattr("fastformer._ext.cuda_kernels_compiled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    assert info.ffn_drelu() == {"mode": "kernel", "layout_ok": {"0": "RuntimeError: no algorithm"}}
 
 
 def test_info_backends_name_the_first_able_default_and_survive_a_broken_op(monkeypatch):
@@ -269,8 +293,12 @@ def test_info_text_says_everything_the_json_holds():
             "ffn": {"error": "RuntimeError: broke", "backends": []},
         },
     }  # fmt: skip
-    text = info._format({"environment": environment, "ops": ops}).splitlines()
+    drelu = {"mode": "epilogue", "layout_ok": {"0": True, "1": False, "2": "RuntimeError: x"}}
+    text = info._format({"environment": environment, "ops": ops, "ffn_drelu": drelu})
+    text = text.splitlines()
     for line in [
+        "ffn relu backward (FASTFORMER_FFN_DRELU): epilogue; DRELU epilogue usable: cuda:0 yes, "
+        "cuda:1 NO (the kernel path runs), cuda:2 RuntimeError: x",
         "fastformer 0.1.0 (git unknown)",
         "gpu 0: NVIDIA H200 (sm 9.0, 139.8 GiB)",
         "driver 570.86.15  cudnn 92400",
@@ -292,7 +320,8 @@ def test_info_text_says_everything_the_json_holds():
     assert "gpu: none visible" in text and "fastformer 0.1.0 (git abc123)" in text
     assert "built from the csrc/ of this checkout: yes" in text
     assert not any(
-        line.startswith(("settings:", "extension error", "attention's")) for line in text
+        line.startswith(("settings:", "extension error", "attention's", "ffn relu"))
+        for line in text
     )
 
 

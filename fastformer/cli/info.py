@@ -6,6 +6,8 @@ import argparse
 import json
 from typing import Any
 
+import torch
+
 from fastformer.cli import env
 from fastformer.cli.cases import OPS
 from fastformer.cli.impls import load_op
@@ -34,9 +36,33 @@ def op_backends() -> dict[str, Any]:
     return {"modules": modules, "registered": registered}
 
 
+def ffn_drelu() -> dict[str, Any]:
+    """FASTFORMER_FFN_DRELU's mode, and for each visible GPU whether its DRELU epilogue path may
+    run there (the bitmask layout check it runs once per device): what a GPU run's info says
+    before any test. An error is reported in place of the value it stopped."""
+    from fastformer._ext import cuda_kernels_compiled, load_extension
+    from fastformer.ops import ffn
+
+    out: dict[str, Any] = {"mode": None, "layout_ok": {}}
+    try:
+        out["mode"] = ffn.drelu_mode()
+    except ValueError as exc:
+        out["mode"] = f"invalid: {exc}"
+    check = getattr(load_extension(), "ffn_relu_mask_layout_ok", None)
+    if check is None or not cuda_kernels_compiled() or not torch.cuda.is_available():
+        return out
+    for index in range(torch.cuda.device_count()):
+        try:
+            with torch.cuda.device(index):
+                out["layout_ok"][str(index)] = check()
+        except Exception as exc:  # a failing check must not hide the rest of info
+            out["layout_ok"][str(index)] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
 def collect() -> dict[str, Any]:
     """Everything `info` prints, as a JSON-serialisable dict."""
-    return {"environment": env.manifest(), "ops": op_backends()}
+    return {"environment": env.manifest(), "ops": op_backends(), "ffn_drelu": ffn_drelu()}
 
 
 def _format(info: dict[str, Any]) -> str:
@@ -65,6 +91,14 @@ def _format(info: dict[str, Any]) -> str:
         lines.append("settings: " + " ".join(f"{k}={v}" for k, v in e["fastformer_env"].items()))
     if e["extension_error"]:
         lines.append(f"extension error: {e['extension_error']}")
+    if "ffn_drelu" in info:
+        drelu = info["ffn_drelu"]
+        usable = {True: "yes", False: "NO (the kernel path runs)"}
+        where = ", ".join(f"cuda:{i} {usable.get(v, v)}" for i, v in drelu["layout_ok"].items())
+        lines.append(
+            f"ffn relu backward (FASTFORMER_FFN_DRELU): {drelu['mode']}; DRELU epilogue usable: "
+            + (where or "no GPU checked")
+        )
     lines.append("ops:")
     for op, mod in info["ops"]["modules"].items():
         if not mod["available"]:
