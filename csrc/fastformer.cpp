@@ -22,6 +22,23 @@
 
 namespace {
 
+// f() (a new reference), with a C++ exception raised as a RuntimeError; in a build without CUDA
+// that RuntimeError and nothing run.
+template <typename F>
+PyObject* on_cuda(F&& f) {
+#ifdef FASTFORMER_WITH_CUDA
+  try {
+    return f();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+#else
+  PyErr_SetString(PyExc_RuntimeError, "fastformer._C was built without CUDA");
+  return nullptr;
+#endif
+}
+
 // cuda_philox_advance(device_index, increment) -> (seed, offset): the seed and Philox offset of
 // torch's default CUDA generator of that device, the offset advanced by `increment` in the same
 // step, under the generator's mutex as torch's own ops take it. (In Python, get_offset and
@@ -35,8 +52,8 @@ PyObject* cuda_philox_advance(PyObject* /*self*/, PyObject* args) {
                     "cuda_philox_advance: device_index must be in [0, 127] and increment >= 0");
     return nullptr;
   }
+  return on_cuda([&]() -> PyObject* {
 #ifdef FASTFORMER_WITH_CUDA
-  try {
     at::Generator gen =
         at::cuda::detail::getDefaultCUDAGenerator(static_cast<c10::DeviceIndex>(index));
     uint64_t seed = 0, offset = 0;
@@ -49,14 +66,10 @@ PyObject* cuda_philox_advance(PyObject* /*self*/, PyObject* args) {
     }
     return Py_BuildValue("(KK)", static_cast<unsigned long long>(seed),
                          static_cast<unsigned long long>(offset));
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
 #else
-  PyErr_SetString(PyExc_RuntimeError, "fastformer._C was built without CUDA");
-  return nullptr;
+    return nullptr;
 #endif
+  });
 }
 
 // ffn_drelu_mode() -> str: FASTFORMER_FFN_DRELU as the CUDA relu backward reads it (ValueError
@@ -72,35 +85,27 @@ PyObject* ffn_drelu_mode(PyObject* /*self*/, PyObject* /*args*/) {
 
 // ffn_relu_mask_layout_sample() -> (theirs, ours, d_ff) | None: ffn_lt.h's sample, for a test.
 PyObject* ffn_relu_mask_layout_sample(PyObject* /*self*/, PyObject* /*args*/) {
+  return on_cuda([]() -> PyObject* {
 #ifdef FASTFORMER_WITH_CUDA
-  try {
     const auto sample = fastformer::ffn_relu_mask_layout_sample();
     if (!sample) Py_RETURN_NONE;
     return Py_BuildValue("(NNL)", THPVariable_Wrap(sample->theirs),
                          THPVariable_Wrap(sample->ours), static_cast<long long>(sample->d_ff));
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
 #else
-  PyErr_SetString(PyExc_RuntimeError, "fastformer._C was built without CUDA");
-  return nullptr;
+    return nullptr;
 #endif
+  });
 }
 
 // ffn_relu_mask_layout_ok() -> bool: whether the DRELU path may run on the current device.
 PyObject* ffn_relu_mask_layout_ok(PyObject* /*self*/, PyObject* /*args*/) {
+  return on_cuda([]() -> PyObject* {
 #ifdef FASTFORMER_WITH_CUDA
-  try {
     return PyBool_FromLong(fastformer::ffn_relu_mask_layout_ok() ? 1 : 0);
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
 #else
-  PyErr_SetString(PyExc_RuntimeError, "fastformer._C was built without CUDA");
-  return nullptr;
+    return nullptr;
 #endif
+  });
 }
 
 PyMethodDef methods[] = {
