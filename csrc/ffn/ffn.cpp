@@ -668,7 +668,7 @@ std::optional<Backward> relu_backward_lt(const Problem& pr, const at::Tensor& gr
   if (ffn_drelu_mode() != FfnDreluMode::kEpilogue) return std::nullopt;
   if (!w2.is_contiguous() || !grad_out.is_contiguous()) return std::nullopt;
   const float alpha = pr.p > 0.f ? static_cast<float>(pr.scale) : 1.f;
-  auto dh_db1 = ffn_drelu_bgrad_lt(grad_out, w2, saved, alpha, pr.p, pr.seed,
+  auto dh_db1 = ffn_drelu_bgrad_lt(grad_out, w2, saved, cuda_dtype(x), alpha, pr.p, pr.seed,
                                    device_seed_ptr(device_seed, x));
   if (!dh_db1) return std::nullopt;
   auto& [dh, db1] = *dh_db1;

@@ -198,9 +198,9 @@ std::optional<Prepared> prepare(const LtGemm& g) {
   return Prepared{g, std::move(*ds), *plan, handle};
 }
 
-std::optional<std::pair<cudaDataType_t, FfnDtype>> lt_type(at::ScalarType t) {
-  if (t == at::kBFloat16) return std::make_pair(CUDA_R_16BF, FfnDtype::kBFloat16);
-  if (t == at::kHalf) return std::make_pair(CUDA_R_16F, FfnDtype::kFloat16);
+std::optional<cudaDataType_t> lt_type(FfnDtype t) {
+  if (t == FfnDtype::kBFloat16) return CUDA_R_16BF;
+  if (t == FfnDtype::kFloat16) return CUDA_R_16F;
   return std::nullopt;  // float32 stays on at::mm, which follows torch's TF32 setting
 }
 
@@ -294,9 +294,9 @@ bool ffn_relu_mask_layout_ok() {
 }
 
 std::optional<std::pair<at::Tensor, at::Tensor>> ffn_drelu_bgrad_lt(
-    const at::Tensor& grad_out, const at::Tensor& w2, const at::Tensor& saved, float alpha,
-    float dropout_p, uint64_t seed, const int64_t* seed_ptr) {
-  const auto type = lt_type(saved.scalar_type());
+    const at::Tensor& grad_out, const at::Tensor& w2, const at::Tensor& saved, FfnDtype dtype,
+    float alpha, float dropout_p, uint64_t seed, const int64_t* seed_ptr) {
+  const auto type = lt_type(dtype);
   const int64_t tokens = saved.size(0), d_ff = saved.size(1), d_out = grad_out.size(1);
   if (!type || tokens == 0 || d_ff == 0 || d_out == 0 || !ffn_relu_mask_layout_ok()) {
     return std::nullopt;
@@ -308,12 +308,12 @@ std::optional<std::pair<at::Tensor, at::Tensor>> ffn_drelu_bgrad_lt(
   const LtGemm g{d_ff,        tokens,
                  d_out,       w2.const_data_ptr(),
                  grad_out.const_data_ptr(), dh.data_ptr(),
-                 type->first, CUBLASLT_EPILOGUE_DRELU_BGRAD,
+                 *type,       CUBLASLT_EPILOGUE_DRELU_BGRAD,
                  db1.data_ptr(), mask.data_ptr(),
                  words * 32,  alpha};
   const std::optional<Prepared> gemm = prepare(g);
   if (!gemm) return std::nullopt;
-  launch_relu_mask(saved, mask, type->second, dropout_p, seed, seed_ptr);
+  launch_relu_mask(saved, mask, dtype, dropout_p, seed, seed_ptr);
   if (!gemm->run(saved.options())) return std::nullopt;
   return std::make_pair(dh, db1);
 }

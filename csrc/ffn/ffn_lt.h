@@ -9,6 +9,8 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+
+#include "ffn/ffn.h"
 #endif
 
 namespace fastformer {
@@ -24,12 +26,12 @@ std::string ffn_drelu_mode_name();  // the validated value, for Python (fastform
 // dh and db1 of the relu FFN's backward: dh = alpha * grad_out @ w2 where the relu bitmask of
 // `saved` (ffn_relu_mask_cuda_launch) lets the gradient pass, 0 elsewhere; db1 = dh summed over
 // the tokens. alpha is 1 / (1 - p) with dropout, else 1. grad_out (tokens, d_out), w2 (d_out,
-// d_ff) and saved (tokens, d_ff) are contiguous, 16-bit, on the current device. nullopt when
-// this path does not run here (its dtype, a device whose bitmask layout did not check out, or
-// no cuBLASLt algorithm for the shape): the caller takes the kernel path, nothing was written.
+// d_ff) and saved (tokens, d_ff) are contiguous, of `dtype`, on the current device. nullopt when
+// this path does not run here (float32, a device whose bitmask layout did not check out, or no
+// cuBLASLt algorithm for the shape): the caller takes the kernel path, nothing was written.
 std::optional<std::pair<at::Tensor, at::Tensor>> ffn_drelu_bgrad_lt(
-    const at::Tensor& grad_out, const at::Tensor& w2, const at::Tensor& saved, float alpha,
-    float dropout_p, uint64_t seed, const int64_t* seed_ptr);
+    const at::Tensor& grad_out, const at::Tensor& w2, const at::Tensor& saved, FfnDtype dtype,
+    float alpha, float dropout_p, uint64_t seed, const int64_t* seed_ptr);
 
 // Whether this device's cuBLASLt reads relu bitmasks as ffn_relu_mask_cuda_launch writes them:
 // the bits of ffn_relu_mask_layout_sample below agree below d_ff, once per device and process
