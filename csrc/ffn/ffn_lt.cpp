@@ -3,9 +3,10 @@
 //
 // Why: on an H200 (2026-12-04) the bf16 16384 x 512 -> 2048 relu FFN took 0.386 ms forward +
 // backward against 0.333 ms for its bare GEMMs; the backward's elementwise pass (read dg and the
-// saved g, write dh, sum db1: 192 MB) took ~54 us of the 53 us difference. Here the dgrad GEMM
-// applies relu's derivative and sums db1 in its epilogue and writes dh itself; what it needs is
-// relu's bitmask, 1/16 of g, made from g by ffn_relu_mask_kernel (one read of g).
+// saved g, write dh, sum db1: 192 MB) took 54 us in the 2026-11-29 H200 profile: about the
+// whole difference. Here the dgrad GEMM applies relu's derivative and sums db1 in its epilogue
+// and writes dh itself; what it needs is relu's bitmask, 1/16 of g, made from g by
+// ffn_relu_mask_kernel (one read of g).
 //
 // The GEMMs are column-major to cuBLASLt: a row-major (rows, cols) matrix is a column-major
 // (cols, rows) one with the same leading dimension, so dh^T (d_ff, tokens) = w2^T (d_ff, d_out)
