@@ -182,7 +182,8 @@ fi
 # The relu FFN's backward through cuBLASLt's DRELU_BGRAD epilogue (FASTFORMER_FFN_DRELU=epilogue,
 # opt-in, not yet timed on a GPU): the default FFN rows again, to compare with the default
 # bench's (same grid, same run; each has its gemm-only floor). Only with time left; before the
-# ws bench: ~25 s on the H200 (12-04: the FFN rows took 10 s) for an issue's target.
+# ws bench: an estimated ~25 s (not timed; on the 12-04 H200 the FFN rows took 10 s of a bench
+# run) for an issue's target.
 ELAPSED=$(( $(date +%s) - SUITE_START ))
 if [ "$ELAPSED" -lt "${SUITE_PROFILE_BEFORE_S:-400}" ]; then
     stage bench_drelu 45 env FASTFORMER_FFN_DRELU=epilogue "$PY" -m fastformer bench --no-model \
