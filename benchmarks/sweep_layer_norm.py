@@ -5,7 +5,10 @@ rows) were missed on the H200 (forward 79-80%, backward 64-71%) with the built-i
 vectors a thread and threads a block. For each hidden size this times the forward and the
 backward kernels with every override of that choice (torch.ops.fastformer.layer_norm_tuning:
 the most 16-byte vectors a thread holds, the threads a block), next to the built-in one, as
-GB/s and the fraction of the copy bandwidth measured in the same run. Which configuration runs
+GB/s and the fraction of the copy bandwidth measured in the same run. The forward kinds are
+also timed staged (fwd_stage 2: each row copied to shared memory with cp.async while the row
+before it is worked on, on a persistent grid; not yet the built-in choice), with the built-in
+vectors and block and with each override of 4 vectors. Which configuration runs
 is the C++ choice given the override (rows too long for the vectors asked for take the long-row
 kernels). The backward is timed as its op alone (kernel and finalize, no autograd). "fused" is
 the forward of dropout_add_layer_norm (dropout 0.1, the residual added, pre stored as for
@@ -28,6 +31,7 @@ import torch
 
 FWD = [(v, b) for v in (1, 2, 4) for b in (64, 128, 256, 512)]
 BWD = [(v, b) for v in (1, 2, 4) for b in (128, 256, 512)]
+REGISTERS, STAGED = 1, 2  # layer_norm_tuning's fwd_stage (0: the built-in choice)
 COLS = (512, 1024, 2048, 4096, 8192, 16384)
 FUSED_COLS = (1024, 4096)  # the bench's fused case, and a size with a block a row
 KINDS = ("fwd", "bwd", "fused", "prenorm_bwd")
@@ -78,12 +82,21 @@ def _calls(cols: int, dtype: torch.dtype):
     return dict(zip(KINDS, (forward, backward, fused, prenorm_bwd), strict=True))
 
 
-def _configs(kind: str, elem: int) -> list[tuple[int, int]]:
-    """The built-in choice (0, 0), then the overrides worth timing for `kind`."""
+def _configs(kind: str, elem: int) -> list[tuple[int, int, int]]:
+    """The built-in choice (0, 0, 0), then the overrides worth timing for `kind`, as (vecs,
+    block, fwd_stage)."""
     if kind in ("fwd", "fused"):
-        return [(0, 0), *FWD]
+        staged = [(0, 0, STAGED), *((v, b, STAGED) for v, b in FWD if v == 4)]
+        return [(0, 0, 0), *((v, b, 0) for v, b in FWD), *staged]
     # 16-bit rows: at most 2 vectors a backward thread (the C++ choice caps it).
-    return [(0, 0), *(c for c in BWD if not (elem == 2 and c[0] == 4))]
+    return [(0, 0, 0), *((v, b, 0) for v, b in BWD if not (elem == 2 and v == 4))]
+
+
+def _tuning(kind: str, vecs: int, block: int, stage: int) -> list[int]:
+    """layer_norm_tuning's [fwd_vecs, fwd_block, bwd_vecs, bwd_block, fwd_stage] of a config."""
+    if kind in ("fwd", "fused"):
+        return [vecs, block, 0, 0, stage]
+    return [0, 0, vecs, block, 0]
 
 
 def _measure(kind: str, fn, cols: int, elem: int, copy_gbps: float) -> list[dict]:
@@ -91,8 +104,8 @@ def _measure(kind: str, fn, cols: int, elem: int, copy_gbps: float) -> list[dict
     # x, y; x, dy, dx; x, residual, y, pre; pre, dy, dpre, dx, dresidual
     tensors = {"fwd": 2, "bwd": 3, "fused": 4, "prenorm_bwd": 5}[kind]
     rows = []
-    for vecs, block in _configs(kind, elem):
-        tuning([vecs, block, 0, 0] if kind in ("fwd", "fused") else [0, 0, vecs, block])
+    for vecs, block, stage in _configs(kind, elem):
+        tuning(_tuning(kind, vecs, block, stage))
         ms = _time_ms(fn)
         gbps = tensors * ROWS * cols * elem / ms / 1e6
         rows.append(
@@ -101,6 +114,7 @@ def _measure(kind: str, fn, cols: int, elem: int, copy_gbps: float) -> list[dict
                 cols=cols,
                 vecs=vecs,
                 block=block,
+                staged=stage == STAGED,
                 ms=ms,
                 gbps=gbps,
                 of_copy=gbps / copy_gbps,
@@ -133,27 +147,32 @@ def sweep(cols_list: list[int], dtype: torch.dtype, done=lambda result: None) ->
             torch.cuda.empty_cache()
             done(result)
     finally:
-        torch.ops.fastformer.layer_norm_tuning([0, 0, 0, 0])
+        torch.ops.fastformer.layer_norm_tuning([0, 0, 0, 0, 0])
     return result
 
 
+def _name(r: dict) -> str:
+    return f"{r['vecs']}/{r['block']}" + ("/staged" if r.get("staged") else "")
+
+
 def table(result: dict) -> str:
-    """One line a (kind, hidden size): the built-in configuration's fraction of copy, then the
-    best override's."""
+    """One line a (kind, hidden size): the built-in configuration's fraction of copy, the
+    staged built-in's (forward kinds), then the best override's."""
     lines = [
         f"{result['device']}, {result['dtype']}, {result['rows']} rows, copy "
-        f"{result['copy_gbps']:.0f} GB/s; vecs/block (0/0: built-in), fraction of copy"
+        f"{result['copy_gbps']:.0f} GB/s; vecs/block[/staged] (0/0: built-in), fraction of copy"
     ]
     groups: dict[tuple[str, int], list[dict]] = {}
     for r in result["results"]:
         groups.setdefault((r["kind"], r["cols"]), []).append(r)
     for (kind, cols), rs in groups.items():
-        built_in = next(r for r in rs if r["vecs"] == 0)
+        built_in = next(r for r in rs if r["vecs"] == 0 and not r.get("staged"))
+        staged = [r for r in rs if r["vecs"] == 0 and r.get("staged")]
         best = max(rs, key=lambda r: r["gbps"])
-        lines.append(
-            f"{kind} {cols:>6}: built-in {built_in['of_copy']:.1%} ({built_in['ms']:.3f} ms); "
-            f"best {best['vecs']}/{best['block']} {best['of_copy']:.1%} ({best['ms']:.3f} ms)"
-        )
+        line = f"{kind} {cols:>6}: built-in {built_in['of_copy']:.1%} ({built_in['ms']:.3f} ms); "
+        if staged:
+            line += f"staged {staged[0]['of_copy']:.1%} ({staged[0]['ms']:.3f} ms); "
+        lines.append(line + f"best {_name(best)} {best['of_copy']:.1%} ({best['ms']:.3f} ms)")
     return "\n".join(lines)
 
 

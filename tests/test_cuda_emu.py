@@ -13,6 +13,7 @@ schedule, register and occupancy limits, the GPU's approximate math (rsqrtf is e
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import cuda_emu as ce
 import pytest
@@ -276,16 +277,17 @@ def test_layer_norm_kernel_paths(dtype, rows, cols, fwd, bwd):
 
 
 # Launch overrides (torch.ops.fastformer.layer_norm_tuning, for measuring alternatives on a GPU):
-# [fwd_vecs, fwd_block, bwd_vecs, bwd_block] -> the forward's and backward's (kind, vectors a
-# thread, block). A 16-bit backward holds at most 2 vectors with the next row; rows too long for
-# the vectors asked for take the built-in long-row choice.
+# [fwd_vecs, fwd_block, bwd_vecs, bwd_block, fwd_stage] -> the forward's and backward's (kind,
+# vectors a thread, block). A 16-bit backward holds at most 2 vectors with the next row; rows
+# too long for the vectors asked for take the built-in long-row choice.
 LN_TUNED = [
-    (BF16, 9, 1024, [2, 256, 1, 512], (VEC, 2, (64, 4, 1)), (VEC, 1, (128, 4, 1))),
-    (BF16, 5, 2048, [1, 512, 1, 128], (VEC, 1, (256, 2, 1)), (VEC, 1, (256, 1, 1))),
-    (F32, 7, 512, [1, 64, 4, 64], (VEC, 1, (128, 1, 1)), (VEC, 4, (32, 2, 1))),
-    (F16, 3, 8192, [4, 512, 4, 0], (VEC, 4, (256, 2, 1)), (VEC, 2, (512, 1, 1))),
-    (BF16, 2, 16384, [1, 0, 1, 0], (ANY, 0, (512, 1, 1)), (VEC, 4, (512, 1, 1))),
+    (BF16, 9, 1024, [2, 256, 1, 512, 0], (VEC, 2, (64, 4, 1)), (VEC, 1, (128, 4, 1))),
+    (BF16, 5, 2048, [1, 512, 1, 128, 0], (VEC, 1, (256, 2, 1)), (VEC, 1, (256, 1, 1))),
+    (F32, 7, 512, [1, 64, 4, 64, 1], (VEC, 1, (128, 1, 1)), (VEC, 4, (32, 2, 1))),
+    (F16, 3, 8192, [4, 512, 4, 0, 2], (VEC, 4, (256, 2, 1)), (VEC, 2, (512, 1, 1))),
+    (BF16, 2, 16384, [1, 0, 1, 0, 2], (ANY, 0, (512, 1, 1)), (VEC, 4, (512, 1, 1))),
 ]
+NO_TUNING = [0, 0, 0, 0, 0]
 
 
 @pytest.mark.parametrize(
@@ -303,15 +305,116 @@ def test_layer_norm_launch_overrides(dtype, rows, cols, tuning, fwd, bwd):
         )
     finally:
         assert torch.ops.fastformer_emu.layer_norm_tuning(built_in) == tuning
-    assert built_in == [0, 0, 0, 0]
+    assert built_in == NO_TUNING
     assert _path(launches[0]) == fwd and _path(launches[1]) == bwd
+    staged = fwd[0] == VEC and tuning[4] == 2  # the generic kernel has no staged variant
+    assert launches[0].params.get("kStaged", "false") == ("true" if staged else "false")
 
 
 def test_layer_norm_launch_overrides_are_checked():
-    for bad in ([3, 0, 0, 0], [0, 100, 0, 0], [0, 0, 0, 1024], [1, 2, 3]):
+    bad_ones = ([3, 0, 0, 0, 0], [0, 100, 0, 0, 0], [0, 0, 0, 1024, 0], [0, 0, 0, 0, 3])
+    for bad in (*bad_ones, [1, 2, 3], [0, 0, 0, 0]):
         with pytest.raises(RuntimeError, match="layer_norm.tuning"):
             torch.ops.fastformer_emu.layer_norm_tuning(bad)
-    assert torch.ops.fastformer_emu.layer_norm_tuning([0, 0, 0, 0]) == [0, 0, 0, 0]
+    assert torch.ops.fastformer_emu.layer_norm_tuning(NO_TUNING) == NO_TUNING
+
+
+@contextmanager
+def _tuned(config: list[int]):
+    """layer_norm_tuning(config) for the enclosed ops, then the built-in choice again."""
+    assert torch.ops.fastformer_emu.layer_norm_tuning(config) == NO_TUNING
+    try:
+        yield
+    finally:
+        torch.ops.fastformer_emu.layer_norm_tuning(NO_TUNING)
+
+
+REGISTERS, STAGED = [0, 0, 0, 0, 1], [0, 0, 0, 0, 2]
+# The staged forward (fwd_stage 2: each row copied to shared memory with cp.async while the row
+# before it is worked on) on a persistent grid of `sms` one-block SMs, so that every block carries
+# staged rows from one iteration to the next: dtype, rows, cols, mode, sms; rows past a block's
+# last one and partial blocks of rows included.
+STAGED_CASES = [
+    (BF16, 37, 1024, "plain", 3),  # a warp a row, 4 rows a block: a partial last block
+    (F32, 9, 200, "plain", 2),  # 50 chunks: lanes past the row in the second vector
+    (F16, 5, 8192, "rms", 2),
+    (BF16, 7, 2048, "fused", 2),  # dropout, residual, pre stored
+    (BF16, 3, 16384, "fused", 1),  # 64 KB of slots (x and the residual): opted in
+    (F32, 6, 4096, "dropout", 4),  # dropout without a residual: x's slots only
+    (BF16, 1, 512, "plain", 7),  # more SMs than rows
+]
+
+
+def _staged_op(mode: str, x: torch.Tensor):
+    """(fast, reference, extra inputs, their names) of a LayerNorm `mode` of x."""
+    cols = x.shape[-1]
+    if mode == "plain":
+        return _ln_fast, _ln_ref, [], []
+    if mode == "rms":
+
+        def fast_rms(x, w, b, *, record):
+            return ce.layer_norm(x, w, None, rms=True, record=record)
+
+        return fast_rms, lambda x, w, b: ref.rms_norm(x, cols, w, 1e-5).to(x.dtype), [], []
+    p = 0.2 if mode == "fused" else 0.3
+    keep = _keep(SEED, tuple(x.shape), p)
+
+    def fast(x, w, b, *residual, record):
+        r = residual[0] if residual else None
+        return ce.layer_norm(x, w, b, r, dropout_p=p, prenorm=True, seed=SEED, record=record)
+
+    def reference(x, w, b, *residual):
+        r = residual[0] if residual else None
+        out, pre = ref.dropout_add_layer_norm(x, r, w, b, 1e-5, p, True, keep_mask=keep)
+        return out.to(x.dtype), pre
+
+    if mode == "dropout":
+        return fast, reference, [], []
+    return fast, reference, [_make(tuple(x.shape), x.dtype, seed=9)], ["residual"]
+
+
+@pytest.mark.parametrize(("dtype", "rows", "cols", "mode", "sms"), STAGED_CASES)
+def test_staged_forward_equals_the_register_forward(dtype, rows, cols, mode, sms):
+    x = _make((rows, cols), dtype, scale=1.5, shift=0.5)
+    w, b = _make((cols,), seed=1), _make((cols,), seed=2)
+    fast, reference, extra, extra_names = _staged_op(mode, x)
+    inputs, names = [x, w, b, *extra], ["x", "weight", "bias", *extra_names]
+    device = {"sms": sms, "blocks_per_sm": 1}
+    outputs = {}
+    for config in (REGISTERS, STAGED):
+        with _tuned(config):
+            launches = _parity_in_orders(
+                fast, reference, inputs, names, ATOL_FLOOR[dtype], **device
+            )
+            with ce.device(**device), torch.no_grad():
+                out = fast(*inputs, record=[])
+        outputs[config[4]] = out if isinstance(out, tuple) else (out,)
+        fwd = launches[0]
+        assert fwd.kernel == "ln_fwd_vec_kernel"
+        assert fwd.params["kStaged"] == ("true" if config is STAGED else "false")
+    rpb = fwd.block[1]
+    assert fwd.grid == (min(math.ceil(rows / rpb), sms), 1, 1)  # persistent: one wave
+    slots = 2 if extra else 1  # x's chunks, and the residual's
+    assert fwd.smem == fwd.block[0] * rpb * int(fwd.params["kVecs"]) * slots * 16
+    for registers, staged in zip(outputs[1], outputs[2], strict=True):
+        assert _same_bits(registers, staged)
+
+
+def test_staged_forward_takes_the_register_kernel_where_its_slots_do_not_fit():
+    # bf16 16384 columns, fused with a residual: 512 threads x 4 chunks x 2 slots = 64 KB, over
+    # what a GPU with 48 KB to opt in to grants: the register forward runs, one block a row.
+    x, r = _make((3, 16384), BF16), _make((3, 16384), BF16, seed=9)
+    w, b = _make((16384,), seed=1), _make((16384,), seed=2)
+    for optin_kb, staged, grid in ((48, "false", 3), (227, "true", 2)):
+        ce.clear_launches()
+        with ce.device(sms=2, blocks_per_sm=1, smem_optin_kb=optin_kb), _tuned(STAGED):
+            out, _ = ce.layer_norm(x, w, b, r, dropout_p=0.1, prenorm=True, seed=SEED)
+        fwd = ce.launches()[0]
+        assert (fwd.params["kStaged"], fwd.grid[0]) == (staged, grid)
+        if optin_kb == 48:
+            expected = out
+        else:
+            assert _same_bits(out, expected)
 
 
 def _bwd_kernel(dtype: torch.dtype, cols: int) -> str:

@@ -1345,6 +1345,39 @@ def test_cuda_rms_norm_and_fused_parity(hidden):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [256, 1024, 4096, 16384])
+def test_cuda_staged_forward_equals_the_register_forward(dtype, hidden):
+    # layer_norm_tuning's fwd_stage 2 (cp.async rows on a persistent grid; the sweep's
+    # candidate): the same bits as the register forward, plain and fused with a residual and
+    # dropout, on enough rows (2**24 elements) that every block of the one-wave grid loops
+    # (~4 times at hidden 1024 and 16384, more below), with a partial last wave.
+    rows = 2**24 // hidden + 5
+    x = _make((rows, hidden), dtype, device=CUDA, grad=False)
+    r = _make((rows, hidden), dtype, seed=2, device=CUDA, grad=False)
+    w, b = _params(hidden, "both", device=CUDA)
+    seed = torch.tensor(1234, dtype=torch.int64)
+    ops = torch.ops.fastformer
+
+    def forward():
+        plain = ops.layer_norm_fwd(x, w, b, None, seed, 1e-5, 0.0, False, False)
+        fused = ops.layer_norm_fwd(x, w, b, r, seed, 1e-5, 0.1, True, True)
+        return [t for t in (*plain, *fused) if t is not None]
+
+    outputs = []
+    for stage in (1, 2):
+        assert ops.layer_norm_tuning([0, 0, 0, 0, stage]) == [0, 0, 0, 0, 0]
+        try:
+            outputs.append(forward())
+            if stage == 2:  # and the parity rule, gradients included (the backward's own)
+                _cuda_parity(rows, hidden, dtype, torch.float32)
+        finally:
+            ops.layer_norm_tuning([0, 0, 0, 0, 0])
+    for registers, staged in zip(*outputs, strict=True):
+        assert torch.equal(registers, staged)
+
+
+@pytest.mark.cuda
 def test_cuda_matches_cpu_kernels_and_is_deterministic():
     x = _make((4096, 1024), torch.bfloat16, grad=False)
     w, b = _params(1024, "both")
@@ -1426,13 +1459,14 @@ def test_launch_overrides_are_set_checked_and_reset():
     if not cuda_kernels_compiled():
         pytest.skip("fastformer._C was built without its CUDA kernels")
     tuning = torch.ops.fastformer.layer_norm_tuning
-    assert tuning([2, 256, 1, 128]) == [0, 0, 0, 0]
+    assert tuning([2, 256, 1, 128, 2]) == [0, 0, 0, 0, 0]
     try:
-        for bad in ([3, 0, 0, 0], [0, 96 + 1, 0, 0], [0, 0, 0, 544], [1, 2, 3]):
+        bad_ones = ([3, 0, 0, 0, 0], [0, 96 + 1, 0, 0, 0], [0, 0, 0, 544, 0], [0, 0, 0, 0, 3])
+        for bad in (*bad_ones, [1, 2, 3], [0, 0, 0, 0]):
             with pytest.raises(RuntimeError, match="layer_norm.tuning"):
                 tuning(bad)
     finally:
-        assert tuning([0, 0, 0, 0]) == [2, 256, 1, 128]  # a refused call changed nothing
+        assert tuning([0, 0, 0, 0, 0]) == [2, 256, 1, 128, 2]  # a refused call changed nothing
 
 
 def _sweep_module():
@@ -1453,12 +1487,23 @@ def test_sweep_script_needs_a_gpu_and_prints_a_table():
     with pytest.raises(SystemExit):
         sweep.main(["--cols", "x"])
     rows = [
-        dict(kind="fwd", cols=1024, vecs=v, block=b, ms=ms, gbps=g, of_copy=g / 4000)
-        for v, b, ms, g in ((0, 0, 0.02, 3200.0), (2, 256, 0.018, 3500.0), (1, 64, 0.03, 2000.0))
+        dict(kind="fwd", cols=1024, vecs=v, block=b, staged=st, ms=ms, gbps=g, of_copy=g / 4000)
+        for v, b, st, ms, g in (
+            (0, 0, False, 0.02, 3200.0),
+            (2, 256, False, 0.018, 3500.0),
+            (1, 64, False, 0.03, 2000.0),
+            (0, 0, True, 0.019, 3400.0),
+            (4, 128, True, 0.017, 3600.0),
+        )
     ]
+    bwd = [dict(r, kind="bwd") for r in rows[:2]]  # no staged rows: no staged column
     result = {"device": "GPU", "dtype": "torch.bfloat16", "rows": 16384, "copy_gbps": 4000.0}
-    lines = sweep.table({**result, "results": rows}).splitlines()
-    assert lines[1] == "fwd   1024: built-in 80.0% (0.020 ms); best 2/256 87.5% (0.018 ms)"
+    lines = sweep.table({**result, "results": [*rows, *bwd]}).splitlines()
+    assert lines[1] == (
+        "fwd   1024: built-in 80.0% (0.020 ms); staged 85.0% (0.019 ms); "
+        "best 4/128/staged 90.0% (0.017 ms)"
+    )
+    assert lines[2] == "bwd   1024: built-in 80.0% (0.020 ms); best 2/256 87.5% (0.018 ms)"
 
 
 def test_sweep_times_each_override_once(monkeypatch):
@@ -1467,20 +1512,26 @@ def test_sweep_times_each_override_once(monkeypatch):
     calls, timed = [], []
     monkeypatch.setattr(torch.ops.fastformer, "layer_norm_tuning", calls.append, raising=False)
     monkeypatch.setattr(sweep, "_time_ms", lambda fn: timed.append(calls[-1]) or 0.5)
+    bwd_knobs = [[0, 0, v, b, 0] for v, b in [(0, 0), *sweep.BWD] if v != 4]
     rows = sweep._measure("bwd", None, 1024, 2, 4000.0)
-    assert timed == calls == [[0, 0, v, b] for v, b in [(0, 0), *sweep.BWD] if v != 4]
+    assert timed == calls == bwd_knobs
     assert rows[0]["gbps"] == 3 * 16384 * 1024 * 2 / 0.5 / 1e6  # x, dy, dx of 2 bytes
     calls.clear(), timed.clear()
-    rows = sweep._measure("fused", None, 1024, 2, 4000.0)  # the forward's knobs
-    assert timed == calls == [[v, b, 0, 0] for v, b in [(0, 0), *sweep.FWD]]
+    # The forward's knobs: each override in registers, then staged with the built-in vectors
+    # and block and with each 4-vector override.
+    fwd_knobs = [[v, b, 0, 0, 0] for v, b in [(0, 0), *sweep.FWD]]
+    fwd_knobs += [[v, b, 0, 0, 2] for v, b in [(0, 0), *sweep.FWD] if v in (0, 4)]
+    rows = sweep._measure("fused", None, 1024, 2, 4000.0)
+    assert timed == calls == fwd_knobs
     assert rows[0]["gbps"] == 4 * 16384 * 1024 * 2 / 0.5 / 1e6  # x, residual, y, pre
+    assert [r["staged"] for r in rows] == [k[4] == 2 for k in fwd_knobs]
     calls.clear(), timed.clear()
     rows = sweep._measure("prenorm_bwd", None, 1024, 2, 4000.0)  # the backward's knobs
-    assert timed == calls == [[0, 0, v, b] for v, b in [(0, 0), *sweep.BWD] if v != 4]
+    assert timed == calls == bwd_knobs
     assert rows[0]["gbps"] == 5 * 16384 * 1024 * 2 / 0.5 / 1e6  # pre, dy, dpre, dx, dres
     calls.clear()
-    assert len(sweep._measure("fwd", None, 1024, 4, 4000.0)) == 1 + len(sweep.FWD)
-    assert calls[0] == [0, 0, 0, 0] and calls[1:] == [[v, b, 0, 0] for v, b in sweep.FWD]
+    assert len(sweep._measure("fwd", None, 1024, 4, 4000.0)) == len(fwd_knobs)
+    assert calls == fwd_knobs
 
 
 def test_sweep_measures_the_fused_kinds_at_their_sizes_and_saves_each_size(monkeypatch):
@@ -1499,7 +1550,7 @@ def test_sweep_measures_the_fused_kinds_at_their_sizes_and_saves_each_size(monke
     pairs = sorted({(r["kind"], r["cols"]) for r in result["results"]})
     fused = [(k, 1024) for k in ("fused", "prenorm_bwd")]
     assert pairs == sorted([(k, c) for k in ("fwd", "bwd") for c in (512, 1024)] + fused)
-    assert saved == [20, 60]  # 13 + 7 timings at 512; 13 + 7 + 13 + 7 more at 1024
+    assert saved == [25, 75]  # 18 + 7 timings at 512; 18 + 7 + 18 + 7 more at 1024
 
 
 @pytest.mark.parametrize("backend", ["cpp", "torch"])

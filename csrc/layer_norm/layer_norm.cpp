@@ -1039,7 +1039,8 @@ Tensors4 layer_norm_fwd_cuda(const at::Tensor& x_in, const c10::optional<at::Ten
   LnFwdArgs a = ln_glue::fwd_args(x, weight, bias, residual, out, pre, mean, rstd, 0, eps,
                                   dropout_p, rms, fused);
   set_cuda_seed(a, seed, x);
-  layer_norm_fwd_cuda_launch(a, at::cuda::getCurrentCUDAStream());
+  layer_norm_fwd_cuda_launch(a, at::cuda::getCurrentDeviceProperties()->multiProcessorCount,
+                             at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, pre, mean, rstd};
 }

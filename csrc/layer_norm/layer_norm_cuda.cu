@@ -7,6 +7,9 @@
 //     block per row of up to 512 threads x 4 vectors (16384 fp16/bf16, 8192 fp32 elements).
 //     Needs cols to be a multiple of the vector width and 16-byte aligned pointers. A thread
 //     issues all its loads of a row (x, and the residual when fused) before it uses any.
+//     Staged (kStaged, opt-in: layer_norm_tuning's fwd_stage 2, until a GPU has timed it): each
+//     row's chunks travel to shared memory by cp.async while the row before is worked on, on a
+//     persistent grid (stage_slot says why).
 //   * ln_fwd_any_kernel: any cols and alignment, scalar loads, the row re-read from L1/L2 for
 //     each of its passes.
 // Statistics are fp32 and two-pass (mean, then the mean of squared deviations; "row statistics"
@@ -59,6 +62,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "common/async_copy.cuh"
 #include "common/column_sum.cuh"
 #include "common/convert.cuh"
 #include "common/philox.h"
@@ -86,7 +90,13 @@ constexpr int kFinalizeRows = 8;  // row groups of the finalize kernel (each sum
 constexpr size_t kDefaultSmem = 48 * 1024;  // shared memory of a block without opting in
 // The row_sum slots of the backward kernels (their static shared memory).
 constexpr size_t kStaticSmem = 12 * kWarp;  // a backward's GradSums red[kWarp]
+constexpr size_t kFwdStaticSmem = 12 * kWarp;  // the vector forward's red and red2
 constexpr int64_t kMaxGrid = int64_t{1} << 30;
+
+// The staged forward's shared-memory slots a chunk of a row: x's, and the residual's if any.
+__host__ __device__ __forceinline__ int stage_slots_per_chunk(const LnFwdArgs& a, bool fused) {
+  return fused && a.residual != nullptr ? 2 : 1;
+}
 
 // ------------------------------------------------------------------ 16-byte vector access
 
@@ -361,25 +371,69 @@ __device__ __forceinline__ uint4 fuse_chunk(const LnFwdArgs& a, int64_t idx, uin
   return pre;
 }
 
+// The staged forward (kStaged) copies a row's chunks to shared memory with cp.async while the
+// row before is reduced and stored, so an SM's loads stay in flight through the reductions (the
+// backward's way, the next row held in registers, would spill here: a 16-bit row of 4 chunks a
+// thread takes 63 of the forward's 64 registers). Each thread reads back only the chunks it
+// copied, so its own wait is enough: no barrier. Slot of chunk i of x (j = 0) or of the residual
+// (j = 1, fused with a residual only), in 16-byte units of the block's dynamic shared memory,
+// already offset by the thread: consecutive threads, consecutive slots (no bank conflicts).
+template <bool kFused>
+__device__ __forceinline__ int stage_slot(const LnFwdArgs& a, int i, int j) {
+  const int per_chunk = stage_slots_per_chunk(a, kFused);
+  return (per_chunk * i + j) * static_cast<int>(blockDim.x * blockDim.y);
+}
+
+// Starts the copies of row's chunks of x (and of the residual) to the thread's slots; a row past
+// the last, or chunks past the row, copy nothing (load_row reads zero bits for them instead).
+template <typename T, int kVecs, bool kFused>
+__device__ __forceinline__ void stage_row(const LnFwdArgs& a, int64_t row, int64_t nvec,
+                                          uint4* stage) {
+  constexpr int kE = 16 / sizeof(T);
+  if (row >= a.rows) return;
+  const T* x = static_cast<const T*>(a.x) + row * a.cols;
+  const T* residual = static_cast<const T*>(a.residual);
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+    if (vi >= nvec) continue;
+    copy16_async(stage + stage_slot<kFused>(a, i, 0), x + vi * kE);
+    if (kFused && residual != nullptr) {
+      copy16_async(stage + stage_slot<kFused>(a, i, 1), residual + row * a.cols + vi * kE);
+    }
+  }
+}
+
 // One row's normalized input as kVecs raw 16-byte chunks a thread (zero bits, 0.0 in every
 // dtype, past the row or past the last row). Every load of the row is issued before any chunk
 // is fused: fused chunk by chunk, each chunk's pre store kept the next chunk's loads waiting
 // behind it (the compiler may not move a load above a store it cannot prove apart), one memory
 // round trip a chunk (ptxas's sm_90 code for 16-bit rows of 4 chunks a thread).
-template <typename T, int kVecs, bool kFused>
+// stage (kStaged only): the thread's staging slots, where stage_row's copies of this row are.
+template <typename T, int kVecs, bool kFused, bool kStaged>
 __device__ __forceinline__ void load_row(const LnFwdArgs& a, int64_t row, bool row_ok,
-                                         int64_t nvec, uint4 (&raw)[kVecs]) {
+                                         int64_t nvec, uint4 (&raw)[kVecs],
+                                         [[maybe_unused]] const uint4* stage) {
   constexpr int kE = 16 / sizeof(T);
   const int64_t offset = row_ok ? row * a.cols : 0;
   [[maybe_unused]] uint4 res[kVecs];
+  if constexpr (kStaged) wait_async_copies();
 #pragma unroll
   for (int i = 0; i < kVecs; ++i) {
     const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
     const bool valid = row_ok && vi < nvec;
-    raw[i] = chunk_or_zero(static_cast<const T*>(a.x) + offset, vi, valid);
-    if constexpr (kFused) {
-      const T* residual = static_cast<const T*>(a.residual);
-      res[i] = chunk_or_zero(residual + offset, vi, valid && residual != nullptr);
+    const T* residual = static_cast<const T*>(a.residual);
+    if constexpr (kStaged) {
+      const uint4 zero = make_uint4(0, 0, 0, 0);
+      raw[i] = valid ? stage[stage_slot<kFused>(a, i, 0)] : zero;
+      if constexpr (kFused) {
+        res[i] = valid && residual != nullptr ? stage[stage_slot<kFused>(a, i, 1)] : zero;
+      }
+    } else {
+      raw[i] = chunk_or_zero(static_cast<const T*>(a.x) + offset, vi, valid);
+      if constexpr (kFused) {
+        res[i] = chunk_or_zero(residual + offset, vi, valid && residual != nullptr);
+      }
     }
   }
   if constexpr (kFused) {
@@ -425,22 +479,28 @@ __device__ __forceinline__ void normalize_store(const LnFwdArgs& a, int64_t row,
   store_vec<T, kE>(static_cast<T*>(a.out) + row * a.cols + col, v);
 }
 
-template <typename T, typename W, int kVecs, bool kRms, bool kFused>
+// kStaged: on a persistent grid (one wave), each row's loads start while the row before is
+// worked on (stage_slot); the block's dynamic shared memory holds the slots.
+template <typename T, typename W, int kVecs, bool kRms, bool kFused, bool kStaged>
 __global__ void __launch_bounds__(kFwdMaxThreads, kFwdMinBlocks)
     ln_fwd_vec_kernel(const LnFwdArgs a) {
   constexpr int kE = 16 / sizeof(T);
   __shared__ float red[kWarp];
   __shared__ float2 red2[kWarp];
+  extern __shared__ uint4 stage_smem[];
+  uint4* stage = kStaged ? stage_smem + threadIdx.y * blockDim.x + threadIdx.x : nullptr;
   const int64_t nvec = a.cols / kE;
   const float cols = static_cast<float>(a.cols);
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.y;
+  if constexpr (kStaged) stage_row<T, kVecs, kFused>(a, first + threadIdx.y, nvec, stage);
   // The loop bound is uniform over the block, so every thread reaches every barrier.
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < a.rows;
-       base += step) {
+  for (int64_t base = first; base < a.rows; base += step) {
     const int64_t row = base + threadIdx.y;
     const bool row_ok = row < a.rows;
     uint4 raw[kVecs];
-    load_row<T, kVecs, kFused>(a, row, row_ok, nvec, raw);
+    load_row<T, kVecs, kFused, kStaged>(a, row, row_ok, nvec, raw, stage);
+    if constexpr (kStaged) stage_row<T, kVecs, kFused>(a, row + step, nvec, stage);
     const auto each = [&](auto&& f) {  // f(v) for this thread's values of the row
 #pragma unroll
       for (int i = 0; i < kVecs; ++i) {
@@ -1132,7 +1192,7 @@ Config pick(int64_t cols, int elem, bool vec_ok, int max_vecs, int max_threads, 
 
 // The overrides of set_layer_norm_tuning (0: the built-in choice), one atomic each: a launch
 // on another thread reads whole values.
-std::atomic<int> g_fwd_vecs{0}, g_fwd_block{0}, g_bwd_vecs{0}, g_bwd_block{0};
+std::atomic<int> g_fwd_vecs{0}, g_fwd_block{0}, g_bwd_vecs{0}, g_bwd_block{0}, g_fwd_stage{0};
 
 LnTuning current_tuning() {
   LnTuning t;
@@ -1140,8 +1200,13 @@ LnTuning current_tuning() {
   t.fwd_block = g_fwd_block.load(std::memory_order_relaxed);
   t.bwd_vecs = g_bwd_vecs.load(std::memory_order_relaxed);
   t.bwd_block = g_bwd_block.load(std::memory_order_relaxed);
+  t.fwd_stage = g_fwd_stage.load(std::memory_order_relaxed);
   return t;
 }
+
+// Whether the vector forward stages its rows (stage_slot). Built in: not yet; it is the
+// candidate of the sweep (benchmarks/sweep_layer_norm.py) until a GPU has timed it.
+bool fwd_staged(const LnTuning& t) { return t.fwd_stage == 2; }
 
 int or_default(int override_value, int built_in) {
   return override_value != 0 ? override_value : built_in;
@@ -1323,6 +1388,9 @@ LnTuning set_layer_norm_tuning(const LnTuning& t) {
       throw std::invalid_argument("layer_norm tuning: vecs must be 0, 1, 2 or 4");
     }
   }
+  if (t.fwd_stage < 0 || t.fwd_stage > 2) {
+    throw std::invalid_argument("layer_norm tuning: fwd_stage must be 0, 1 or 2");
+  }
   static_assert(kFwdMaxThreads == 512 && kBwdMaxThreads == 512, "the message's bound");
   for (const int block : {t.fwd_block, t.bwd_block}) {
     if (block != 0 && (block % kWarp != 0 || block < kWarp || block > 512)) {
@@ -1335,12 +1403,30 @@ LnTuning set_layer_norm_tuning(const LnTuning& t) {
   old.fwd_block = g_fwd_block.exchange(t.fwd_block);
   old.bwd_vecs = g_bwd_vecs.exchange(t.bwd_vecs);
   old.bwd_block = g_bwd_block.exchange(t.bwd_block);
+  old.fwd_stage = g_fwd_stage.exchange(t.fwd_stage);
   return old;
 }
 
-void layer_norm_fwd_cuda_launch(const LnFwdArgs& a, cudaStream_t stream) {
+// Launches the staged vector forward (its slots in dynamic shared memory, a persistent grid of
+// one wave); false, launching nothing, where the device refuses that much shared memory.
+template <typename T, typename W, int kVecs, bool kRms, bool kFused>
+bool launch_fwd_staged(const LnFwdArgs& a, const Config& c, int num_sms, cudaStream_t stream) {
+  const auto kernel = ln_fwd_vec_kernel<T, W, kVecs, kRms, kFused, true>;
+  const int threads = c.tpr * c.rpb;
+  const size_t smem =
+      static_cast<size_t>(threads) * kVecs * stage_slots_per_chunk(a, kFused) * sizeof(uint4);
+  const void* key = reinterpret_cast<const void*>(kernel);
+  if (!allow_dynamic_smem(key, smem, kFwdStaticSmem)) return false;
+  const int64_t wave = int64_t{std::max(1, num_sms)} * blocks_per_sm(key, threads, smem);
+  const int64_t grid = std::min(ceil_div(a.rows, c.rpb), wave);
+  kernel<<<static_cast<unsigned>(grid), dim3(c.tpr, c.rpb), smem, stream>>>(a);
+  return true;
+}
+
+void layer_norm_fwd_cuda_launch(const LnFwdArgs& a, int num_sms, cudaStream_t stream) {
   if (a.rows == 0 || a.cols == 0) return;
-  const Config c = fwd_config(a, current_tuning());
+  const LnTuning tuning = current_tuning();
+  const Config c = fwd_config(a, tuning);
   const dim3 block(c.tpr, c.rpb);
   const unsigned grid = static_cast<unsigned>(std::min(ceil_div(a.rows, c.rpb), kMaxGrid));
   dispatch_types(a.dtype, a.wtype, [&](auto t, auto w) {
@@ -1352,8 +1438,9 @@ void layer_norm_fwd_cuda_launch(const LnFwdArgs& a, cudaStream_t stream) {
         constexpr int kVecs = decltype(vecs)::value;
         if constexpr (kVecs == 0) {
           ln_fwd_any_kernel<T, W, kRms, kFused><<<grid, block, 0, stream>>>(a);
-        } else {
-          ln_fwd_vec_kernel<T, W, kVecs, kRms, kFused><<<grid, block, 0, stream>>>(a);
+        } else if (!fwd_staged(tuning) ||
+                   !launch_fwd_staged<T, W, kVecs, kRms, kFused>(a, c, num_sms, stream)) {
+          ln_fwd_vec_kernel<T, W, kVecs, kRms, kFused, false><<<grid, block, 0, stream>>>(a);
         }
       });
     });

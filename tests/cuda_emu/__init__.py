@@ -187,6 +187,18 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "  return make_float2(s, e > 1.f ? 1.f - s : e * s);",
         "  return make_float2(s, e < 1.f ? 1.f - s : e * s);",
     ),
+    # The staged LayerNorm forward reads its slots before its copies have landed.
+    "ln_staged_no_wait": (
+        "layer_norm/layer_norm_cuda.cu",
+        "  if constexpr (kStaged) wait_async_copies();\n",
+        "\n",
+    ),
+    # The staged forward stages its own row again instead of the block's next one.
+    "ln_staged_same_row": (
+        "layer_norm/layer_norm_cuda.cu",
+        "stage_row<T, kVecs, kFused>(a, row + step, nvec, stage);",
+        "stage_row<T, kVecs, kFused>(a, row, nvec, stage);",
+    ),
 }
 
 

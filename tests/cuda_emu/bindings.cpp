@@ -132,7 +132,7 @@ Tensors4 layer_norm_fwd(const at::Tensor& x_in, const c10::optional<at::Tensor>&
       fastformer::ln_glue::fwd_args(x, weight, bias, residual, out, pre, mean, rstd,
                                     static_cast<uint64_t>(seed), eps, dropout_p, rms, fused);
   const at::Tensor cell = seed_in_memory ? put_seed_in_memory(a, arena, seed) : at::Tensor();
-  fastformer::layer_norm_fwd_cuda_launch(a, nullptr);
+  fastformer::layer_norm_fwd_cuda_launch(a, emu::config().sms, nullptr);
   arena.check();
   return {out, pre, mean, rstd};
 }

@@ -40,6 +40,12 @@ struct Fiber {
   size_t bytes = 0;
   int src = -1;
   bool vote = false;
+  // cp.async copies started and not yet waited for (they land at the wait).
+  struct Copy {
+    unsigned char* dst;
+    unsigned char bytes[16];
+  };
+  std::vector<Copy> copies;
 };
 
 struct WarpState {
@@ -343,6 +349,7 @@ void run_block(Block& b, const dim3& grid, const dim3& block, const uint3& bid) 
   for (int i = 0; i < n; ++i) {
     Fiber* f = b.fibers[i];
     f->st = State::kReady;
+    f->copies.clear();  // what the last block left unwaited (a GPU lets it land unread)
     f->tc.tid = make_uint3(i % block.x, (i / block.x) % block.y, i / (block.x * block.y));
     f->tc.bid = bid;
     f->tc.bdim = block;
@@ -474,6 +481,16 @@ void* block_shared(const void* key, size_t bytes, size_t align) {
   return b.static_smem.data() + offset;
 }
 
+// Whether [p, p + bytes) lies in the block's static arrays or its dynamic shared memory.
+bool in_shared(const void* p, size_t bytes) {
+  const Block& b = *g_block;
+  const auto inside = [&](const std::vector<unsigned char>& v, size_t used) {
+    const auto* c = static_cast<const unsigned char*>(p);
+    return c >= v.data() && c + bytes <= v.data() + used;
+  };
+  return inside(b.static_smem, b.static_used) || inside(b.dynamic_smem, b.dynamic_bytes);
+}
+
 void* dynamic_shared(size_t align) {
   (void)align;  // the buffer is 64-byte aligned
   return g_block->dynamic_smem.data();
@@ -603,6 +620,25 @@ void check_no_pending_error() {
   const std::string e = detail::g_memory_error;
   detail::g_memory_error.clear();
   throw std::runtime_error("cuda_emu: " + e);
+}
+
+// ------------------------------------------------------------------ cp.async
+
+void copy16_async(void* dst, const void* src) {
+  detail::Fiber* f = detail::me();
+  if (reinterpret_cast<uintptr_t>(dst) % 16 != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0) {
+    detail::fail("cp.async of 16 bytes with a misaligned address");
+  }
+  if (!detail::in_shared(dst, 16)) detail::fail("cp.async to an address outside shared memory");
+  detail::Fiber::Copy c{static_cast<unsigned char*>(dst), {}};
+  std::memcpy(c.bytes, src, 16);
+  f->copies.push_back(c);
+}
+
+void wait_async_copies() {
+  detail::Fiber* f = detail::me();
+  for (const detail::Fiber::Copy& c : f->copies) std::memcpy(c.dst, c.bytes, 16);
+  f->copies.clear();
 }
 
 // ------------------------------------------------------------------ runtime API shims
