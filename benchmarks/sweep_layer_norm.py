@@ -6,9 +6,10 @@ vectors a thread and threads a block. For each hidden size this times the forwar
 backward kernels with every override of that choice (torch.ops.fastformer.layer_norm_tuning:
 the most 16-byte vectors a thread holds, the threads a block), next to the built-in one, as
 GB/s and the fraction of the copy bandwidth measured in the same run. The forward kinds are
-also timed staged (fwd_stage 2: each row copied to shared memory with cp.async while the row
-before it is worked on, on a persistent grid; not yet the built-in choice), with the built-in
-vectors and block and with each override of 4 vectors. Which configuration runs
+also timed staged (stage 2: each row copied to shared memory with cp.async while the row before
+it is worked on, on a persistent grid; not yet the built-in choice), with the built-in vectors
+and block and with each override of 4 vectors; so is the backward of 16-bit rows over 8192
+columns, the rows its register prefetch cannot hold. Which configuration runs
 is the C++ choice given the override (rows too long for the vectors asked for take the long-row
 kernels). The backward is timed as its op alone (kernel and finalize, no autograd). "fused" is
 the forward of dropout_add_layer_norm (dropout 0.1, the residual added, pre stored as for
@@ -31,7 +32,7 @@ import torch
 
 FWD = [(v, b) for v in (1, 2, 4) for b in (64, 128, 256, 512)]
 BWD = [(v, b) for v in (1, 2, 4) for b in (128, 256, 512)]
-REGISTERS, STAGED = 1, 2  # layer_norm_tuning's fwd_stage (0: the built-in choice)
+REGISTERS, STAGED = 1, 2  # layer_norm_tuning's stage (0: the built-in choice)
 COLS = (512, 1024, 2048, 4096, 8192, 16384)
 FUSED_COLS = (1024, 4096)  # the bench's fused case, and a size with a block a row
 KINDS = ("fwd", "bwd", "fused", "prenorm_bwd")
@@ -82,21 +83,23 @@ def _calls(cols: int, dtype: torch.dtype):
     return dict(zip(KINDS, (forward, backward, fused, prenorm_bwd), strict=True))
 
 
-def _configs(kind: str, elem: int) -> list[tuple[int, int, int]]:
+def _configs(kind: str, elem: int, cols: int) -> list[tuple[int, int, int]]:
     """The built-in choice (0, 0, 0), then the overrides worth timing for `kind`, as (vecs,
-    block, fwd_stage)."""
+    block, stage)."""
     if kind in ("fwd", "fused"):
         staged = [(0, 0, STAGED), *((v, b, STAGED) for v, b in FWD if v == 4)]
         return [(0, 0, 0), *((v, b, 0) for v, b in FWD), *staged]
-    # 16-bit rows: at most 2 vectors a backward thread (the C++ choice caps it).
-    return [(0, 0, 0), *((v, b, 0) for v, b in BWD if not (elem == 2 and v == 4))]
+    # 16-bit rows: at most 2 vectors a backward thread (the C++ choice caps it). The backward
+    # stages only 16-bit rows too long for its register prefetch, unfused.
+    staged = [(0, 0, STAGED)] if kind == "bwd" and elem == 2 and cols > 8192 else []
+    return [(0, 0, 0), *((v, b, 0) for v, b in BWD if not (elem == 2 and v == 4)), *staged]
 
 
 def _tuning(kind: str, vecs: int, block: int, stage: int) -> list[int]:
-    """layer_norm_tuning's [fwd_vecs, fwd_block, bwd_vecs, bwd_block, fwd_stage] of a config."""
+    """layer_norm_tuning's [fwd_vecs, fwd_block, bwd_vecs, bwd_block, stage] of a config."""
     if kind in ("fwd", "fused"):
         return [vecs, block, 0, 0, stage]
-    return [0, 0, vecs, block, 0]
+    return [0, 0, vecs, block, stage]
 
 
 def _measure(kind: str, fn, cols: int, elem: int, copy_gbps: float) -> list[dict]:
@@ -104,7 +107,7 @@ def _measure(kind: str, fn, cols: int, elem: int, copy_gbps: float) -> list[dict
     # x, y; x, dy, dx; x, residual, y, pre; pre, dy, dpre, dx, dresidual
     tensors = {"fwd": 2, "bwd": 3, "fused": 4, "prenorm_bwd": 5}[kind]
     rows = []
-    for vecs, block, stage in _configs(kind, elem):
+    for vecs, block, stage in _configs(kind, elem, cols):
         tuning(_tuning(kind, vecs, block, stage))
         ms = _time_ms(fn)
         gbps = tensors * ROWS * cols * elem / ms / 1e6

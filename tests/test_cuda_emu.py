@@ -277,7 +277,7 @@ def test_layer_norm_kernel_paths(dtype, rows, cols, fwd, bwd):
 
 
 # Launch overrides (torch.ops.fastformer.layer_norm_tuning, for measuring alternatives on a GPU):
-# [fwd_vecs, fwd_block, bwd_vecs, bwd_block, fwd_stage] -> the forward's and backward's (kind,
+# [fwd_vecs, fwd_block, bwd_vecs, bwd_block, stage] -> the forward's and backward's (kind,
 # vectors a thread, block). A 16-bit backward holds at most 2 vectors with the next row; rows
 # too long for the vectors asked for take the built-in long-row choice.
 LN_TUNED = [
@@ -330,10 +330,11 @@ def _tuned(config: list[int]):
 
 
 REGISTERS, STAGED = [0, 0, 0, 0, 1], [0, 0, 0, 0, 2]
-# The staged forward (fwd_stage 2: each row copied to shared memory with cp.async while the row
-# before it is worked on) on a persistent grid of `sms` one-block SMs, so that every block carries
-# staged rows from one iteration to the next: dtype, rows, cols, mode, sms; rows past a block's
-# last one and partial blocks of rows included.
+# Staged rows (layer_norm_tuning's stage 2: each row copied to shared memory with cp.async while
+# the row before it is worked on) on a persistent grid of `sms` one-block SMs, so that every
+# block carries staged rows from one iteration to the next: dtype, rows, cols, mode, sms; rows
+# past a block's last one and partial blocks of rows included. Every vector forward stages; the
+# backward only 16-bit rows of 4 chunks a thread (over 8192 columns), not fused.
 STAGED_CASES = [
     (BF16, 37, 1024, "plain", 3),  # a warp a row, 4 rows a block: a partial last block
     (F32, 9, 200, "plain", 2),  # 50 chunks: lanes past the row in the second vector
@@ -342,7 +343,24 @@ STAGED_CASES = [
     (BF16, 3, 16384, "fused", 1),  # 64 KB of slots (x and the residual): opted in
     (F32, 6, 4096, "dropout", 4),  # dropout without a residual: x's slots only
     (BF16, 1, 512, "plain", 7),  # more SMs than rows
+    (BF16, 5, 16384, "plain", 2),  # the backward staged too: 128 KB of sums + 64 KB of slots
+    (F16, 4, 8200, "rms", 3),  # the backward staged: 1025 chunks, 288 threads
 ]
+
+
+def _bwd_staged(dtype: torch.dtype, cols: int, mode: str) -> bool:
+    return dtype != F32 and cols > 8192 and cols % 8 == 0 and mode in ("plain", "rms")
+
+
+def _run_bits(fast, inputs) -> list[torch.Tensor]:
+    """The outputs of fast(*inputs) and the gradients of the inputs it uses, for a fixed
+    output gradient."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fast(*leaves, record=[])
+    outs = out if isinstance(out, tuple) else (out,)
+    grads = [_make(tuple(o.shape), o.dtype, seed=7 + i, grad=False) for i, o in enumerate(outs)]
+    torch.autograd.backward(outs, grads)
+    return [*outs, *(t.grad for t in leaves if t.grad is not None)]
 
 
 def _staged_op(mode: str, x: torch.Tensor):
@@ -374,30 +392,35 @@ def _staged_op(mode: str, x: torch.Tensor):
 
 
 @pytest.mark.parametrize(("dtype", "rows", "cols", "mode", "sms"), STAGED_CASES)
-def test_staged_forward_equals_the_register_forward(dtype, rows, cols, mode, sms):
+def test_staged_rows_equal_the_register_kernels(dtype, rows, cols, mode, sms):
     x = _make((rows, cols), dtype, scale=1.5, shift=0.5)
     w, b = _make((cols,), seed=1), _make((cols,), seed=2)
     fast, reference, extra, extra_names = _staged_op(mode, x)
     inputs, names = [x, w, b, *extra], ["x", "weight", "bias", *extra_names]
     device = {"sms": sms, "blocks_per_sm": 1}
-    outputs = {}
+    results = {}
     for config in (REGISTERS, STAGED):
         with _tuned(config):
             launches = _parity_in_orders(
                 fast, reference, inputs, names, ATOL_FLOOR[dtype], **device
             )
-            with ce.device(**device), torch.no_grad():
-                out = fast(*inputs, record=[])
-        outputs[config[4]] = out if isinstance(out, tuple) else (out,)
-        fwd = launches[0]
-        assert fwd.kernel == "ln_fwd_vec_kernel"
-        assert fwd.params["kStaged"] == ("true" if config is STAGED else "false")
+            with ce.device(**device):
+                results[config[4]] = _run_bits(fast, inputs)
+        fwd, bwd = launches[0], launches[1]
+        staged = "true" if config is STAGED else "false"
+        assert (fwd.kernel, fwd.params["kStaged"]) == ("ln_fwd_vec_kernel", staged)
+        bwd_staged = "true" if config is STAGED and _bwd_staged(dtype, cols, mode) else "false"
+        assert (bwd.kernel, bwd.params["kStaged"]) == ("ln_bwd_vec_kernel", bwd_staged)
     rpb = fwd.block[1]
     assert fwd.grid == (min(math.ceil(rows / rpb), sms), 1, 1)  # persistent: one wave
     slots = 2 if extra else 1  # x's chunks, and the residual's
     assert fwd.smem == fwd.block[0] * rpb * int(fwd.params["kVecs"]) * slots * 16
-    for registers, staged in zip(outputs[1], outputs[2], strict=True):
-        assert _same_bits(registers, staged)
+    if bwd_staged == "true":
+        threads, vecs = bwd.block[0] * bwd.block[1], int(bwd.params["kVecs"])
+        sums = (1 if mode == "rms" else 2) * threads * vecs * 8 * 4  # dweight (and dbias)
+        assert bwd.smem == sums + threads * vecs * 2 * 16  # then x's and dy's slots
+    for i, (registers, staged) in enumerate(zip(results[1], results[2], strict=True)):
+        assert _same_bits(registers, staged), f"result {i}"
 
 
 def test_staged_forward_takes_the_register_kernel_where_its_slots_do_not_fit():
@@ -415,6 +438,21 @@ def test_staged_forward_takes_the_register_kernel_where_its_slots_do_not_fit():
             expected = out
         else:
             assert _same_bits(out, expected)
+
+
+def test_staged_backward_takes_the_register_kernel_where_its_slots_do_not_fit():
+    # bf16 16384 columns: 128 KB of dweight and dbias sums and 64 KB of slots, over the 163 KB
+    # an A100 (sm_80) grants: the register backward runs there, with its sums only.
+    x, w, b = _make((3, 16384), BF16), _make((16384,), seed=1), _make((16384,), seed=2)
+    bits = {}
+    for optin_kb, staged, smem in ((163, "false", 128 * 1024), (227, "true", 192 * 1024)):
+        ce.clear_launches()
+        with ce.device(sms=2, blocks_per_sm=1, smem_optin_kb=optin_kb), _tuned(STAGED):
+            bits[staged] = _run_bits(_ln_fast, [x, w, b])
+        bwd = ce.launches()[1]
+        assert (bwd.kernel, bwd.params["kStaged"], bwd.smem) == ("ln_bwd_vec_kernel", staged, smem)
+    for registers, staged in zip(bits["false"], bits["true"], strict=True):
+        assert _same_bits(registers, staged)
 
 
 def _bwd_kernel(dtype: torch.dtype, cols: int) -> str:

@@ -1346,12 +1346,13 @@ def test_cuda_rms_norm_and_fused_parity(hidden):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hidden", [256, 1024, 4096, 16384])
-def test_cuda_staged_forward_equals_the_register_forward(dtype, hidden):
-    # layer_norm_tuning's fwd_stage 2 (cp.async rows on a persistent grid; the sweep's
-    # candidate): the same bits as the register forward, plain and fused with a residual and
-    # dropout, on enough rows (2**24 elements) that every block of the one-wave grid loops
-    # (~4 times at hidden 1024 and 16384, more below), with a partial last wave.
+@pytest.mark.parametrize("hidden", [256, 1024, 4096, 12288, 16384])
+def test_cuda_staged_rows_equal_the_register_kernels(dtype, hidden):
+    # layer_norm_tuning's stage 2 (cp.async rows on a persistent grid; the sweep's candidate):
+    # the same bits as the register kernels, the forward plain and fused with a residual and
+    # dropout, and the backward (staged itself at 16-bit rows over 8192 columns), on enough
+    # rows (2**24 elements) that every block of the one-wave grid loops (~4 times at hidden
+    # 1024 and 16384, more below), with a partial last wave.
     rows = 2**24 // hidden + 5
     x = _make((rows, hidden), dtype, device=CUDA, grad=False)
     r = _make((rows, hidden), dtype, seed=2, device=CUDA, grad=False)
@@ -1362,7 +1363,11 @@ def test_cuda_staged_forward_equals_the_register_forward(dtype, hidden):
     def forward():
         plain = ops.layer_norm_fwd(x, w, b, None, seed, 1e-5, 0.0, False, False)
         fused = ops.layer_norm_fwd(x, w, b, r, seed, 1e-5, 0.1, True, True)
-        return [t for t in (*plain, *fused) if t is not None]
+        _, _, mean, rstd = plain
+        grads = ops.layer_norm_bwd(
+            r, None, x, w, b, mean, rstd, seed, 0.0, False, False, False, True, True
+        )
+        return [t for t in (*plain, *fused, *grads) if t is not None]
 
     outputs = []
     for stage in (1, 2):
@@ -1532,6 +1537,12 @@ def test_sweep_times_each_override_once(monkeypatch):
     calls.clear()
     assert len(sweep._measure("fwd", None, 1024, 4, 4000.0)) == len(fwd_knobs)
     assert calls == fwd_knobs
+    calls.clear()
+    rows = sweep._measure("bwd", None, 16384, 2, 4000.0)  # rows past the register prefetch
+    assert calls == [*bwd_knobs, [0, 0, 0, 0, 2]] and rows[-1]["staged"]
+    calls.clear()
+    sweep._measure("prenorm_bwd", None, 16384, 2, 4000.0)  # fused: never staged
+    assert calls == bwd_knobs
 
 
 def test_sweep_measures_the_fused_kinds_at_their_sizes_and_saves_each_size(monkeypatch):

@@ -7,7 +7,7 @@
 //     block per row of up to 512 threads x 4 vectors (16384 fp16/bf16, 8192 fp32 elements).
 //     Needs cols to be a multiple of the vector width and 16-byte aligned pointers. A thread
 //     issues all its loads of a row (x, and the residual when fused) before it uses any.
-//     Staged (kStaged, opt-in: layer_norm_tuning's fwd_stage 2, until a GPU has timed it): each
+//     Staged (kStaged, opt-in: layer_norm_tuning's stage 2, until a GPU has timed it): each
 //     row's chunks travel to shared memory by cp.async while the row before is worked on, on a
 //     persistent grid (stage_slot says why).
 //   * ln_fwd_any_kernel: any cols and alignment, scalar loads, the row re-read from L1/L2 for
@@ -16,29 +16,29 @@
 // below says how they stay exact for constant rows and finite for huge ones); mean and rstd are
 // saved for the backward.
 //
-// Backward: one pass over x and dy gives dx and, per block, fp32 partial sums of dweight and
-// dbias; ln_bwd_finalize_kernel sums those partials in a fixed order. No atomics anywhere, so
-// the gradients are bit-identical from run to run on the same GPU (the grid, hence the order,
-// depends on the GPU's SM count). ln_bwd_vec_kernel holds x and dy in registers as the forward
-// does (a warp per row, 8 rows per block, then a block per row of up to 512 threads: 8192
-// elements of any dtype) on a persistent grid of one wave, and loads its next row before working
-// on the current one; its dweight / dbias sums live in shared memory (up to 64 KB a block),
-// which leaves the registers for that second row (bf16: 101 registers, was 114 with the sums in
-// registers and no second row). It ran at ~60% of copy bandwidth on an H200 with 32 KB of loads
-// in flight an SM (2 blocks of 256 threads, 64 bytes each); the second row doubles that. 16-bit
-// rows of up to 16384 columns take it with 4 vectors a thread and no second row (128 registers,
-// 128 KB of sums: one block an SM), reading x and dy once. Longer rows take a generic kernel
-// that reads the row twice (from L1/L2 the second time) and keeps the sums of each row group in
-// shared memory (cols floats for each of dweight and dbias), writing its partial rows once at the
-// end: adding into the partial rows in global memory for every row moved 8 bytes a column a row
-// through L2 (~4 GB a call at 16384 x 16384: 3x torch's time). Only rows too long for a block's
-// shared memory (over ~29000 columns on sm_90, ~20000 on sm_80, with both gradients) still add
-// in global memory. Those sums cost the generic kernel its occupancy (one 512-thread block an
-// SM), so its loads must keep enough bytes in flight by themselves: rows of whole 16-byte chunks
-// (aligned, the common case) take ln_bwd_chunk_kernel, which loads several chunks a thread
-// before using them (with scalar 2-byte loads, ln_bwd_any_kernel took 2.9 ms against torch's 1.0
-// at bf16 16384 x 16384 on an H200: latency-bound); ln_bwd_any_kernel, any cols and alignment,
-// is the fallback.
+// Backward: one pass over x and dy gives dx and, per block, fp32 partial sums of dweight and dbias;
+// ln_bwd_finalize_kernel sums those partials in a fixed order. No atomics anywhere, so the
+// gradients are bit-identical from run to run on the same GPU (the grid, hence the order, depends
+// on the GPU's SM count). ln_bwd_vec_kernel holds x and dy in registers as the forward does (a warp
+// per row, 8 rows per block, then a block per row of up to 512 threads: 8192 elements of any dtype)
+// on a persistent grid of one wave, and loads its next row before working on the current one; its
+// dweight / dbias sums live in shared memory (up to 64 KB a block), which leaves the registers for
+// that second row (bf16: 101 registers, was 114 with the sums in registers and no second row). It
+// ran at ~60% of copy bandwidth on an H200 with 32 KB of loads in flight an SM (2 blocks of 256
+// threads, 64 bytes each); the second row doubles that. 16-bit rows of up to 16384 columns take it
+// with 4 vectors a thread and no second row (128 registers, 128 KB of sums: one block an SM),
+// reading x and dy once; staged (kStaged, opt-in like the forward's: stage_bwd_row), their next row
+// goes to shared memory. Longer rows take a generic kernel that reads the row twice (from L1/L2 the
+// second time) and keeps the sums of each row group in shared memory (cols floats for each of
+// dweight and dbias), writing its partial rows once at the end: adding into the partial rows in
+// global memory for every row moved 8 bytes a column a row through L2 (~4 GB a call at 16384 x
+// 16384: 3x torch's time). Only rows too long for a block's shared memory (over ~29000 columns on
+// sm_90, ~20000 on sm_80, with both gradients) still add in global memory. Those sums cost the
+// generic kernel its occupancy (one 512-thread block an SM), so its loads must keep enough bytes in
+// flight by themselves: rows of whole 16-byte chunks (aligned, the common case) take
+// ln_bwd_chunk_kernel, which loads several chunks a thread before using them (with scalar 2-byte
+// loads, ln_bwd_any_kernel took 2.9 ms against torch's 1.0 at bf16 16384 x 16384 on an H200:
+// latency-bound); ln_bwd_any_kernel, any cols and alignment, is the fallback.
 //
 // Every kernel but the vector forward has __launch_bounds__(threads, 1): without the 1, ptxas
 // for sm_90 aims at a higher occupancy and spills. The vector forward asks for two blocks an SM
@@ -85,6 +85,14 @@ constexpr int kFwdMinBlocks = 2;
 // 16-bit rows, to 16384 columns, take 4 vectors a thread without the next row (kPrefetch:
 // with it, 128 registers and spills) rather than the generic kernel, which reads them twice.
 constexpr int bwd_max_vecs(int elem_bytes) { return elem_bytes == 2 ? 2 : 4; }
+// Whether the vector backward holds the next row in registers (16 elements a thread at most).
+constexpr bool bwd_prefetches(int vecs, int elem_bytes) { return vecs * (16 / elem_bytes) <= 16; }
+// Whether it may stage the next row in shared memory instead (stage_bwd_row): rows too long for
+// the prefetch, not fused (with the dpre chunks loaded early, the fused staged kernel spilled 8
+// bytes on sm_80).
+constexpr bool bwd_may_stage(int vecs, int elem_bytes, bool fused) {
+  return !bwd_prefetches(vecs, elem_bytes) && !fused;
+}
 constexpr int kBwdLongVecs = 4;
 constexpr int kFinalizeRows = 8;  // row groups of the finalize kernel (each sums a strided slice)
 constexpr size_t kDefaultSmem = 48 * 1024;  // shared memory of a block without opting in
@@ -682,6 +690,14 @@ struct RawRow {
   float mean, rstd;
 };
 
+// The row's mean and rstd (0 past the last row; mean 0 for RMSNorm).
+template <int kVecs, bool kRms>
+__device__ __forceinline__ void fetch_stats(const LnBwdArgs& a, int64_t row, RawRow<kVecs>& r) {
+  const bool row_ok = row < a.rows;
+  r.mean = (kRms || !row_ok) ? 0.f : a.mean[row];
+  r.rstd = row_ok ? a.rstd[row] : 0.f;
+}
+
 template <typename T, int kVecs, bool kRms>
 __device__ __forceinline__ void fetch_row(const LnBwdArgs& a, int64_t row, int64_t nvec,
                                           RawRow<kVecs>& r) {
@@ -693,8 +709,43 @@ __device__ __forceinline__ void fetch_row(const LnBwdArgs& a, int64_t row, int64
     r.x[i] = chunk_or_zero(static_cast<const T*>(a.x) + offset, vi, row_ok && vi < nvec);
     r.dy[i] = chunk_or_zero(static_cast<const T*>(a.dy) + offset, vi, row_ok && vi < nvec);
   }
-  r.mean = (kRms || !row_ok) ? 0.f : a.mean[row];
-  r.rstd = row_ok ? a.rstd[row] : 0.f;
+  fetch_stats<kVecs, kRms>(a, row, r);
+}
+
+// The staged backward (kStaged) copies the next row's x and dy to shared memory with cp.async,
+// as the staged forward does (stage_slot), where the register prefetch does not fit: 16-bit rows
+// of 4 chunks a thread (bwd_may_stage). Slots of chunk i: x at 2i, dy at 2i + 1 (times the
+// block's threads, from the thread's own slot). A row past the last copies nothing.
+template <typename T, int kVecs>
+__device__ __forceinline__ void stage_bwd_row(const LnBwdArgs& a, int64_t row, int64_t nvec,
+                                              uint4* stage) {
+  constexpr int kE = 16 / sizeof(T);
+  if (row >= a.rows) return;
+  const int threads = static_cast<int>(blockDim.x * blockDim.y);
+  const int64_t offset = row * a.cols;
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+    if (vi >= nvec) continue;
+    copy16_async(stage + 2 * i * threads, static_cast<const T*>(a.x) + offset + vi * kE);
+    copy16_async(stage + (2 * i + 1) * threads, static_cast<const T*>(a.dy) + offset + vi * kE);
+  }
+}
+
+// The staged row's x and dy from the thread's slots, once its copies have landed (zero bits
+// past the row or past the last row, as fetch_row gives).
+template <int kVecs>
+__device__ __forceinline__ void read_staged_row(bool row_ok, int64_t nvec, const uint4* stage,
+                                                RawRow<kVecs>& r) {
+  const int threads = static_cast<int>(blockDim.x * blockDim.y);
+  wait_async_copies();
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const bool valid = row_ok && threadIdx.x + static_cast<int64_t>(i) * blockDim.x < nvec;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    r.x[i] = valid ? stage[2 * i * threads] : zero;
+    r.dy[i] = valid ? stage[(2 * i + 1) * threads] : zero;
+  }
 }
 
 // Adds v[0..kE) to the thread's float4 accumulators q0, q0 + 1, ... in shared memory (element
@@ -745,12 +796,15 @@ __device__ __forceinline__ void store_partials(const float4* acc, float* dst, in
 // row's are loaded before this row is worked on, so an SM keeps loads in flight through the row
 // reductions; the dweight / dbias sums live in shared memory (a float4 slot per 4 columns of a
 // thread, only the wanted ones), not in registers, to leave room for that second row.
-template <typename T, typename W, int kVecs, bool kRms, bool kFused>
+// kStaged (rows with no register prefetch only): the next row's x and dy are staged in shared
+// memory after the accumulators (stage_bwd_row), its mean and rstd held in registers.
+template <typename T, typename W, int kVecs, bool kRms, bool kFused, bool kStaged>
 __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnBwdArgs a) {
   constexpr bool kCentre = centres<T, kRms>();
   constexpr int kE = 16 / sizeof(T);
   constexpr int kQ = kVecs * kE / 4;  // float4 accumulators a thread holds per gradient
-  constexpr bool kPrefetch = kVecs * kE <= 16;  // see bwd_max_vecs
+  constexpr bool kPrefetch = bwd_prefetches(kVecs, sizeof(T));
+  static_assert(!kStaged || bwd_may_stage(kVecs, sizeof(T), kFused), "see bwd_may_stage");
   // Pre-LN's dpre chunks of a row all load before its first dx store (loaded chunk by chunk,
   // each waited behind the chunk before's stores: a memory round trip a chunk). Not for fp32
   // rows of 4 chunks a thread: their 16 more registers spilled on sm_90.
@@ -782,17 +836,27 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnB
     }
   }
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  const int64_t first_row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  [[maybe_unused]] uint4* stage =
+      reinterpret_cast<uint4*>(slots) + (want_w + want_b) * kQ * threads;
   RawRow<kVecs> next;
-  if (kPrefetch) {
-    fetch_row<T, kVecs, kRms>(a, static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y,
-                              nvec, next);
+  if (kPrefetch) fetch_row<T, kVecs, kRms>(a, first_row, nvec, next);
+  if constexpr (kStaged) {
+    stage_bwd_row<T, kVecs>(a, first_row, nvec, stage);
+    fetch_stats<kVecs, kRms>(a, first_row, next);
   }
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < a.rows;
        base += step) {
     const int64_t row = base + threadIdx.y;
     const bool row_ok = row < a.rows;
     RawRow<kVecs> cur;
-    if (kPrefetch) {
+    if constexpr (kStaged) {
+      read_staged_row<kVecs>(row_ok, nvec, stage, cur);
+      cur.mean = next.mean;
+      cur.rstd = next.rstd;
+      stage_bwd_row<T, kVecs>(a, row + step, nvec, stage);
+      fetch_stats<kVecs, kRms>(a, row + step, next);
+    } else if (kPrefetch) {
       cur = next;
       fetch_row<T, kVecs, kRms>(a, row + step, nvec, next);
     } else {
@@ -1157,6 +1221,7 @@ struct Config {
   int tpr;              // threads per row (blockDim.x)
   int rpb;              // rows per block (blockDim.y)
   bool chunks = false;  // backward, generic kernel: rows of 16-byte chunks (ln_bwd_chunk_kernel)
+  bool staged = false;  // backward, vector kernel: the next row staged in shared memory
 };
 
 int elem_bytes(LnType t) { return t == LnType::kFloat32 ? 4 : 2; }
@@ -1192,7 +1257,7 @@ Config pick(int64_t cols, int elem, bool vec_ok, int max_vecs, int max_threads, 
 
 // The overrides of set_layer_norm_tuning (0: the built-in choice), one atomic each: a launch
 // on another thread reads whole values.
-std::atomic<int> g_fwd_vecs{0}, g_fwd_block{0}, g_bwd_vecs{0}, g_bwd_block{0}, g_fwd_stage{0};
+std::atomic<int> g_fwd_vecs{0}, g_fwd_block{0}, g_bwd_vecs{0}, g_bwd_block{0}, g_stage{0};
 
 LnTuning current_tuning() {
   LnTuning t;
@@ -1200,13 +1265,13 @@ LnTuning current_tuning() {
   t.fwd_block = g_fwd_block.load(std::memory_order_relaxed);
   t.bwd_vecs = g_bwd_vecs.load(std::memory_order_relaxed);
   t.bwd_block = g_bwd_block.load(std::memory_order_relaxed);
-  t.fwd_stage = g_fwd_stage.load(std::memory_order_relaxed);
+  t.stage = g_stage.load(std::memory_order_relaxed);
   return t;
 }
 
-// Whether the vector forward stages its rows (stage_slot). Built in: not yet; it is the
-// candidate of the sweep (benchmarks/sweep_layer_norm.py) until a GPU has timed it.
-bool fwd_staged(const LnTuning& t) { return t.fwd_stage == 2; }
+// Whether the vector kernels stage their rows in shared memory (stage_slot). Built in: not yet;
+// it is the candidate of the sweep (benchmarks/sweep_layer_norm.py) until a GPU has timed it.
+bool stages_rows(const LnTuning& t) { return t.stage == 2; }
 
 int or_default(int override_value, int built_in) {
   return override_value != 0 ? override_value : built_in;
@@ -1232,11 +1297,13 @@ Config bwd_config(const LnBwdArgs& a, const LnTuning& t, bool registers = true) 
 }
 
 // The vector backward's dynamic shared memory: its threads' dweight and dbias sums (only the
-// wanted ones), summed over the row groups at the end.
+// wanted ones), summed over the row groups at the end; then, staged, the next row's x and dy.
 size_t bwd_vec_smem_bytes(const Config& c, const LnBwdArgs& a) {
   const int slices = (a.dweight != nullptr) + (a.dbias != nullptr);
   const int per_vec = 16 / elem_bytes(a.dtype);
-  return static_cast<size_t>(slices) * c.tpr * c.rpb * c.vecs * per_vec * sizeof(float);
+  const size_t threads = static_cast<size_t>(c.tpr) * c.rpb;
+  const size_t sums = slices * threads * c.vecs * per_vec * sizeof(float);
+  return sums + (c.staged ? threads * c.vecs * 2 * sizeof(uint4) : 0);
 }
 
 // Resident blocks per SM of a kernel, queried once per (device, kernel, block shape).
@@ -1331,8 +1398,14 @@ void with_bwd_kernel(const LnBwdArgs& a, const Config& c, bool smem_acc, F&& f) 
           } else {
             f(ln_bwd_any_kernel<T, W, kRms, kFused, false>);
           }
+        } else if constexpr (bwd_may_stage(kVecs, sizeof(T), kFused)) {
+          if (c.staged) {
+            f(ln_bwd_vec_kernel<T, W, kVecs, kRms, kFused, true>);
+          } else {
+            f(ln_bwd_vec_kernel<T, W, kVecs, kRms, kFused, false>);
+          }
         } else {
-          f(ln_bwd_vec_kernel<T, W, kVecs, kRms, kFused>);
+          f(ln_bwd_vec_kernel<T, W, kVecs, kRms, kFused, false>);
         }
       });
     });
@@ -1348,15 +1421,23 @@ struct BwdLaunch {
   bool smem_acc;  // generic kernel: accumulators in shared memory
 };
 
+// Whether the vector kernel's shared memory fits on this device (raising its limit if needed).
+bool bwd_vec_fits(const LnBwdArgs& a, const Config& c) {
+  bool fits = false;
+  with_bwd_kernel(a, c, false, [&](auto kernel) {
+    fits = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), bwd_vec_smem_bytes(c, a),
+                              kStaticSmem);
+  });
+  return fits;
+}
+
 BwdLaunch bwd_launch(const LnBwdArgs& a, const LnTuning& t) {
   Config c = bwd_config(a, t);
   if (c.vecs != 0) {
-    const size_t bytes = bwd_vec_smem_bytes(c, a);
-    bool fits = false;
-    with_bwd_kernel(a, c, false, [&](auto kernel) {
-      fits = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), bytes, kStaticSmem);
-    });
-    if (fits) return {c, bytes, false};
+    c.staged = stages_rows(t) && bwd_may_stage(c.vecs, elem_bytes(a.dtype), a.fused);
+    if (c.staged && bwd_vec_fits(a, c)) return {c, bwd_vec_smem_bytes(c, a), false};
+    c.staged = false;  // (192 KB at 16-bit rows of 16384: over sm_80's 163)
+    if (bwd_vec_fits(a, c)) return {c, bwd_vec_smem_bytes(c, a), false};
     // Up to 128 KB (16-bit rows of 16384, both sums): a GPU with less to opt in to (sm_86 and
     // sm_89: 99 KB, sm_75: 64 KB) takes the generic kernels instead.
     c = bwd_config(a, t, false);
@@ -1388,8 +1469,8 @@ LnTuning set_layer_norm_tuning(const LnTuning& t) {
       throw std::invalid_argument("layer_norm tuning: vecs must be 0, 1, 2 or 4");
     }
   }
-  if (t.fwd_stage < 0 || t.fwd_stage > 2) {
-    throw std::invalid_argument("layer_norm tuning: fwd_stage must be 0, 1 or 2");
+  if (t.stage < 0 || t.stage > 2) {
+    throw std::invalid_argument("layer_norm tuning: stage must be 0, 1 or 2");
   }
   static_assert(kFwdMaxThreads == 512 && kBwdMaxThreads == 512, "the message's bound");
   for (const int block : {t.fwd_block, t.bwd_block}) {
@@ -1403,7 +1484,7 @@ LnTuning set_layer_norm_tuning(const LnTuning& t) {
   old.fwd_block = g_fwd_block.exchange(t.fwd_block);
   old.bwd_vecs = g_bwd_vecs.exchange(t.bwd_vecs);
   old.bwd_block = g_bwd_block.exchange(t.bwd_block);
-  old.fwd_stage = g_fwd_stage.exchange(t.fwd_stage);
+  old.stage = g_stage.exchange(t.stage);
   return old;
 }
 
@@ -1438,7 +1519,7 @@ void layer_norm_fwd_cuda_launch(const LnFwdArgs& a, int num_sms, cudaStream_t st
         constexpr int kVecs = decltype(vecs)::value;
         if constexpr (kVecs == 0) {
           ln_fwd_any_kernel<T, W, kRms, kFused><<<grid, block, 0, stream>>>(a);
-        } else if (!fwd_staged(tuning) ||
+        } else if (!stages_rows(tuning) ||
                    !launch_fwd_staged<T, W, kVecs, kRms, kFused>(a, c, num_sms, stream)) {
           ln_fwd_vec_kernel<T, W, kVecs, kRms, kFused, false><<<grid, block, 0, stream>>>(a);
         }

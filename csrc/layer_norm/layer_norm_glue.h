@@ -129,15 +129,15 @@ inline LnBwdArgs bwd_args(const at::Tensor& dy, const at::Tensor& dpre, const at
 }
 
 // layer_norm_tuning(int[] config) -> int[]: sets the CUDA launch overrides [fwd_vecs, fwd_block,
-// bwd_vecs, bwd_block, fwd_stage] (0: the built-in choice; see LnTuning) and returns the
+// bwd_vecs, bwd_block, stage] (0: the built-in choice; see LnTuning) and returns the
 // previous ones.
 inline std::vector<int64_t> tuning_op(at::IntArrayRef config) {
   TORCH_CHECK(config.size() == 5,
               "layer_norm_tuning: config is [fwd_vecs, fwd_block, bwd_vecs, bwd_block, "
-              "fwd_stage], got ",
+              "stage], got ",
               config.size(), " values");
   LnTuning t;
-  int* fields[] = {&t.fwd_vecs, &t.fwd_block, &t.bwd_vecs, &t.bwd_block, &t.fwd_stage};
+  int* fields[] = {&t.fwd_vecs, &t.fwd_block, &t.bwd_vecs, &t.bwd_block, &t.stage};
   for (size_t i = 0; i < 5; ++i) {
     TORCH_CHECK(config[i] >= 0 && config[i] <= 4096, "layer_norm_tuning: bad value ", config[i]);
     *fields[i] = static_cast<int>(config[i]);
@@ -148,7 +148,7 @@ inline std::vector<int64_t> tuning_op(at::IntArrayRef config) {
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK(false, e.what());
   }
-  return {old.fwd_vecs, old.fwd_block, old.bwd_vecs, old.bwd_block, old.fwd_stage};
+  return {old.fwd_vecs, old.fwd_block, old.bwd_vecs, old.bwd_block, old.stage};
 }
 
 }  // namespace ln_glue

@@ -193,6 +193,12 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "  if constexpr (kStaged) wait_async_copies();\n",
         "\n",
     ),
+    # The staged backward reads its slots before its copies have landed.
+    "ln_bwd_staged_no_wait": (
+        "layer_norm/layer_norm_cuda.cu",
+        "  const int threads = static_cast<int>(blockDim.x * blockDim.y);\n  wait_async_copies();\n",
+        "  const int threads = static_cast<int>(blockDim.x * blockDim.y);\n",
+    ),
     # The staged forward stages its own row again instead of the block's next one.
     "ln_staged_same_row": (
         "layer_norm/layer_norm_cuda.cu",
