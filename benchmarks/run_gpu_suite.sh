@@ -13,8 +13,8 @@
 #   SUITE_FULL=1: after the default benchmark, also the full per-op grid and the model with the
 #   whole eager and swapped models under torch.compile (`bench --full`, three more stages, up to
 #   130 + 80 + 200 s: well over the 8 minutes). SUITE_PROFILE_BEFORE_S (default 400): the
-#   LayerNorm sweep and the profile run only when the suite has taken less than this many
-#   seconds by then.
+#   opt-in paths' benches, the LayerNorm sweep and the profile run only when the suite has taken
+#   less than this many seconds by then. SUITE_EXTRAS_ONLY=1: those stages only (see below).
 #
 # Nothing is downloaded: the build uses the installed torch, setuptools and ninja
 # (--no-build-isolation --no-deps --no-index). Exit status: 0 when every stage passed, else the
@@ -138,54 +138,67 @@ fi
 stage info 15 "$PY" -m fastformer info
 timeout 20 "$PY" -m fastformer info --json >"$OUT/info.json" 2>/dev/null
 
-# The `cuda` tests, and the full parity grid on CUDA (bf16, then fp16, then fp32; the CPU grid is
-# CI's). Nearly every attention case is a new kernel specialization to compile (~1-2 s of one
-# core each): 16 processes in all (attention's grid in CHECK_SHARDS shards), and each check
-# starts no case after 105 s (those are listed as "not run").
-# Two CPU threads a process: 16 processes of 16 threads each made the non-attention tests ~10x
-# slower on the H200 machine (17 of 87 in 130 s; with OMP_NUM_THREADS=2, all 87 in 44 s).
-# Per-test timeouts dump the stacks of a hung test as it happens (-v: each result as it comes).
-# `gpu_too`: CPU tests that compare two GPU code paths where a GPU is present (TMA twins).
-PYTEST="OMP_NUM_THREADS=2 \"$PY\" -m pytest -m 'cuda or gpu_too' -v -p no:cacheprovider -ra"
-PYTEST+=" --timeout 80"
-PYTEST+=" --timeout-method thread --durations 20"
-jobs=("tests_attention=$PYTEST -n 4 tests/test_attention.py"
-      "tests_other=$PYTEST -n 4 tests --ignore=tests/test_attention.py")
-CHECK="OMP_NUM_THREADS=2 \"$PY\" -m fastformer check --device cuda --max-seconds 105"
-jobs+=("check_ln_ffn=$CHECK --ops layer_norm,ffn")  # C++ ops: fast, never cut by attention
-for k in $(seq 1 "$CHECK_SHARDS"); do
-    jobs+=("check$k=$CHECK --ops attention --shard $k/$CHECK_SHARDS")
-done
-# 170 s: on the H200 of 2026-12-04 the non-attention tests (101) ran their last one at ~129 s,
-# with the reduce-overhead test failing in its first step; passing, it compiles two more graphs.
-parallel_stage verify 170 "${jobs[@]}"
-
-# Budget (seconds), so far at most build 130 + info 15 + verify 170; from here: bench 200, then
-# the DRELU bench 45, the ws bench 60, the LayerNorm sweep 45 and the profile 60, each only if
-# the suite is still
-# under SUITE_PROFILE_BEFORE_S (400 s) when it would start: 8 minutes at most.
-# The benchmark alone on the GPU, exactly as a user runs it: the base model, then the default
-# per-op grid (a representative subset sized for the 3-minute target: fastformer/cli/cases.py).
-stage bench 200 "$PY" -m fastformer bench --max-seconds 170 --out "$OUT/bench"
-# SUITE_FULL=1: the full per-op grid too, attention (many peers to compile) apart from the C++ ops
-# so that each gets its share of the time.
-if [ "${SUITE_FULL:-0}" = 1 ]; then
-    stage bench_full_attention 130 "$PY" -m fastformer bench --no-model --full --ops attention \
-        --max-seconds 100 --out "$OUT/bench-full-attention"
-    stage bench_full_ops 80 "$PY" -m fastformer bench --no-model --full --ops layer_norm,ffn \
-        --max-seconds 60 --out "$OUT/bench-full-ops"
-    # The model with its --full variants: the whole eager and swapped models under torch.compile,
-    # and both with their steps replayed from CUDA graphs.
-    stage bench_full_model 200 "$PY" -m fastformer bench --full --ops "" --max-seconds 170 \
-        --out "$OUT/bench-full-model"
+# SUITE_EXTRAS_ONLY=1, for a second call on a machine that has just run the suite (its build is
+# still in place): only the stages that otherwise need time left (the opt-in paths' benches, the
+# LayerNorm sweep, the profile), whatever the elapsed time; no tests, parity grid or default
+# bench. ~150 s by the estimates below.
+EXTRAS_ONLY="${SUITE_EXTRAS_ONLY:-0}"
+if [ "$EXTRAS_ONLY" = 1 ]; then
+    TIME_LEFT_UNTIL="${SUITE_PROFILE_BEFORE_S:-100000}"
+else
+    TIME_LEFT_UNTIL="${SUITE_PROFILE_BEFORE_S:-400}"
 fi
+if [ "$EXTRAS_ONLY" != 1 ]; then
+    # The `cuda` tests, and the full parity grid on CUDA (bf16, then fp16, then fp32; the CPU grid
+    # is CI's). Nearly every attention case is a new kernel specialization to compile (~1-2 s of one
+    # core each): 16 processes in all (attention's grid in CHECK_SHARDS shards), and each check
+    # starts no case after 105 s (those are listed as "not run"). Two CPU threads a process: 16
+    # processes of 16 threads each made the non-attention tests ~10x slower on the H200 machine (17
+    # of 87 in 130 s; with OMP_NUM_THREADS=2, all 87 in 44 s). Per-test timeouts dump the stacks of
+    # a hung test as it happens (-v: each result as it comes). `gpu_too`: CPU tests that compare two
+    # GPU code paths where a GPU is present (TMA twins).
+    PYTEST="OMP_NUM_THREADS=2 \"$PY\" -m pytest -m 'cuda or gpu_too' -v -p no:cacheprovider -ra"
+    PYTEST+=" --timeout 80"
+    PYTEST+=" --timeout-method thread --durations 20"
+    jobs=("tests_attention=$PYTEST -n 4 tests/test_attention.py"
+          "tests_other=$PYTEST -n 4 tests --ignore=tests/test_attention.py")
+    CHECK="OMP_NUM_THREADS=2 \"$PY\" -m fastformer check --device cuda --max-seconds 105"
+    jobs+=("check_ln_ffn=$CHECK --ops layer_norm,ffn")  # C++ ops: fast, never cut by attention
+    for k in $(seq 1 "$CHECK_SHARDS"); do
+        jobs+=("check$k=$CHECK --ops attention --shard $k/$CHECK_SHARDS")
+    done
+    # 170 s: on the H200 of 2026-12-04 the non-attention tests (101) ran their last one at ~129 s,
+    # with the reduce-overhead test failing in its first step; passing, it compiles two more graphs.
+    parallel_stage verify 170 "${jobs[@]}"
+
+    # Budget (seconds), so far at most build 130 + info 15 + verify 170; from here: bench 200, then
+    # the DRELU bench 45, the ws bench 60, the LayerNorm sweep 45 and the profile 60, each only if
+    # the suite is still under SUITE_PROFILE_BEFORE_S (400 s) when it would start: 8 minutes at
+    # most.
+    # The benchmark alone on the GPU, exactly as a user runs it: the base model, then the default
+    # per-op grid (a representative subset sized for the 3-minute target: fastformer/cli/cases.py).
+    stage bench 200 "$PY" -m fastformer bench --max-seconds 170 --out "$OUT/bench"
+    # SUITE_FULL=1: the full per-op grid too, attention (many peers to compile) apart from the C++
+    # ops so that each gets its share of the time.
+    if [ "${SUITE_FULL:-0}" = 1 ]; then
+        stage bench_full_attention 130 "$PY" -m fastformer bench --no-model --full --ops attention \
+            --max-seconds 100 --out "$OUT/bench-full-attention"
+        stage bench_full_ops 80 "$PY" -m fastformer bench --no-model --full --ops layer_norm,ffn \
+            --max-seconds 60 --out "$OUT/bench-full-ops"
+        # The model with its --full variants: the whole eager and swapped models under
+        # torch.compile, and both with their steps replayed from CUDA graphs.
+        stage bench_full_model 200 "$PY" -m fastformer bench --full --ops "" --max-seconds 170 \
+            --out "$OUT/bench-full-model"
+    fi
+fi
+
 # The relu FFN's backward through cuBLASLt's DRELU_BGRAD epilogue (FASTFORMER_FFN_DRELU=epilogue,
 # opt-in, not yet timed on a GPU): the default FFN rows again, to compare with the default
 # bench's (same grid, same run; each has its gemm-only floor). Only with time left; before the
 # ws bench: an estimated ~25 s (not timed; on the 12-04 H200 the FFN rows took 10 s of a bench
 # run) for an issue's target.
 ELAPSED=$(( $(date +%s) - SUITE_START ))
-if [ "$ELAPSED" -lt "${SUITE_PROFILE_BEFORE_S:-400}" ]; then
+if [ "$ELAPSED" -lt "$TIME_LEFT_UNTIL" ]; then
     stage bench_drelu 45 env FASTFORMER_FFN_DRELU=epilogue "$PY" -m fastformer bench --no-model \
         --ops ffn --max-seconds 30 --out "$OUT/bench-drelu"
 else
@@ -196,7 +209,7 @@ fi
 # against the other candidates in one run; the rows compare with the default bench's. Only
 # with time left (the same limit), before the sweep: what it measures is new.
 ELAPSED=$(( $(date +%s) - SUITE_START ))
-if [ "$ELAPSED" -lt "${SUITE_PROFILE_BEFORE_S:-400}" ]; then
+if [ "$ELAPSED" -lt "$TIME_LEFT_UNTIL" ]; then
     stage bench_ws 60 env FASTFORMER_ATTN_WS=1 "$PY" -m fastformer bench --no-model \
         --ops attention --cases s8192d64,h16s2048d128 --max-seconds 45 --out "$OUT/bench-ws"
 else
@@ -207,7 +220,7 @@ fi
 # targets; only with time left (a skipped stage is not a failure). Before the profile: it feeds
 # an issue's target, where the profile is a diagnosis earlier runs already have.
 ELAPSED=$(( $(date +%s) - SUITE_START ))
-if [ "$ELAPSED" -lt "${SUITE_PROFILE_BEFORE_S:-400}" ]; then
+if [ "$ELAPSED" -lt "$TIME_LEFT_UNTIL" ]; then
     stage sweep_layer_norm 45 "$PY" benchmarks/sweep_layer_norm.py \
         --out "$OUT/sweep_layer_norm.json"
 else
@@ -217,7 +230,7 @@ fi
 # Where the time of a model training step and of each op goes (kernels vs host vs wall time): the
 # first diagnosis of a slow case; also only with time left (the same limit).
 ELAPSED=$(( $(date +%s) - SUITE_START ))
-if [ "$ELAPSED" -lt "${SUITE_PROFILE_BEFORE_S:-400}" ]; then
+if [ "$ELAPSED" -lt "$TIME_LEFT_UNTIL" ]; then
     stage profile 60 "$PY" benchmarks/profile_kernels.py --iters 3
 else
     echo "profile: skipped (elapsed ${ELAPSED}s)" | tee -a "$OUT/summary.txt"

@@ -3,8 +3,8 @@
 A lent GPU session has one try at this script, so its stages, the parallel split of the tests
 and of the parity grid, the benchmark stages (the default `bench`; the full grid only with
 SUITE_FULL=1; the warp-specialized attention bench, the FFN's DRELU epilogue bench, the LayerNorm
-sweep and the profile only
-when time is left; nothing a stage started left running; a stage past its box interrupted with SIGINT first), the exit status and the
+sweep and the profile only when time is left, or alone with SUITE_EXTRAS_ONLY=1; nothing a stage
+started left running; a stage past its box interrupted with SIGINT first), the exit status and the
 in-place build fallback are checked here.
 """
 
@@ -228,6 +228,31 @@ def test_suite_skips_the_profile_past_its_time(tmp_path):
     for stage, line in zip(("bench_drelu", "bench_ws", "sweep_layer_norm", "profile"), skipped):
         assert re.fullmatch(stage + r": skipped \(elapsed \d+s\)", line)
     assert "suite: 1 failed stage(s)" in summary
+
+
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
+def test_suite_extras_only_runs_the_time_left_stages_whatever_the_time(tmp_path):
+    """SUITE_EXTRAS_ONLY=1 (a second call after a suite run): the build check and info, then
+    the stages that otherwise need time left, even past SUITE_PROFILE_BEFORE_S's default; no
+    tests, parity grid or default bench. An explicit SUITE_PROFILE_BEFORE_S still applies."""
+    done, calls = _run_suite(tmp_path, pip_rc=0, prebuilt_rc=0, SUITE_EXTRAS_ONLY="1")
+    assert done.returncode == 0, done.stdout + done.stderr  # no check shard ran to fail
+    commands = [c.split(" ", 2)[2] for c in calls]
+    assert not any("-m pytest" in c or "fastformer check" in c for c in commands)
+    out = tmp_path / "out"
+    assert commands[-len(_after_bench(out)) - 2 :] == [
+        "-m fastformer info",
+        "-m fastformer info --json",
+        *_after_bench(out),
+    ]
+    again = tmp_path / "again"
+    again.mkdir()
+    done, calls = _run_suite(
+        again, pip_rc=0, prebuilt_rc=0, SUITE_EXTRAS_ONLY="1", SUITE_PROFILE_BEFORE_S="0"
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    commands = [c.split(" ", 2)[2] for c in calls]
+    assert commands[-2:] == ["-m fastformer info", "-m fastformer info --json"]
 
 
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
