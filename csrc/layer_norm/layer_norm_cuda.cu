@@ -1459,6 +1459,22 @@ void launch_finalize(const LnBwdArgs& a, const LnBwdPlan& plan, cudaStream_t str
       static_cast<W*>(a.dbias));
 }
 
+// Launches the staged vector forward (its slots in dynamic shared memory, a persistent grid of
+// one wave); false, launching nothing, where the device refuses that much shared memory.
+template <typename T, typename W, int kVecs, bool kRms, bool kFused>
+bool launch_fwd_staged(const LnFwdArgs& a, const Config& c, int num_sms, cudaStream_t stream) {
+  const auto kernel = ln_fwd_vec_kernel<T, W, kVecs, kRms, kFused, true>;
+  const int threads = c.tpr * c.rpb;
+  const size_t smem =
+      static_cast<size_t>(threads) * kVecs * stage_slots_per_chunk(a, kFused) * sizeof(uint4);
+  const void* key = reinterpret_cast<const void*>(kernel);
+  if (!allow_dynamic_smem(key, smem, kFwdStaticSmem)) return false;
+  const int64_t wave = int64_t{std::max(1, num_sms)} * blocks_per_sm(key, threads, smem);
+  const int64_t grid = std::min(ceil_div(a.rows, c.rpb), wave);
+  kernel<<<static_cast<unsigned>(grid), dim3(c.tpr, c.rpb), smem, stream>>>(a);
+  return true;
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------ host: entry points
@@ -1486,22 +1502,6 @@ LnTuning set_layer_norm_tuning(const LnTuning& t) {
   old.bwd_block = g_bwd_block.exchange(t.bwd_block);
   old.stage = g_stage.exchange(t.stage);
   return old;
-}
-
-// Launches the staged vector forward (its slots in dynamic shared memory, a persistent grid of
-// one wave); false, launching nothing, where the device refuses that much shared memory.
-template <typename T, typename W, int kVecs, bool kRms, bool kFused>
-bool launch_fwd_staged(const LnFwdArgs& a, const Config& c, int num_sms, cudaStream_t stream) {
-  const auto kernel = ln_fwd_vec_kernel<T, W, kVecs, kRms, kFused, true>;
-  const int threads = c.tpr * c.rpb;
-  const size_t smem =
-      static_cast<size_t>(threads) * kVecs * stage_slots_per_chunk(a, kFused) * sizeof(uint4);
-  const void* key = reinterpret_cast<const void*>(kernel);
-  if (!allow_dynamic_smem(key, smem, kFwdStaticSmem)) return false;
-  const int64_t wave = int64_t{std::max(1, num_sms)} * blocks_per_sm(key, threads, smem);
-  const int64_t grid = std::min(ceil_div(a.rows, c.rpb), wave);
-  kernel<<<static_cast<unsigned>(grid), dim3(c.tpr, c.rpb), smem, stream>>>(a);
-  return true;
 }
 
 void layer_norm_fwd_cuda_launch(const LnFwdArgs& a, int num_sms, cudaStream_t stream) {
