@@ -215,8 +215,8 @@ if [ "$ELAPSED" -lt "$TIME_LEFT_UNTIL" ]; then
 else
     echo "bench_ws: skipped (elapsed ${ELAPSED}s)" | tee -a "$OUT/summary.txt"
 fi
-# LayerNorm's launch configurations against each other, staged rows among them (19 s for 184
-# timings on the 12-04 H200; 225 now, so ~23 s, an estimate): the data for its bandwidth
+# LayerNorm's launch configurations against each other, staged rows among them (19 s for 160
+# timings on the 12-04 H200; 212 now, so ~25 s, an estimate): the data for its bandwidth
 # targets; only with time left (a skipped stage is not a failure). Before the profile: it feeds
 # an issue's target, where the profile is a diagnosis earlier runs already have.
 ELAPSED=$(( $(date +%s) - SUITE_START ))

@@ -284,7 +284,7 @@ LN_TUNED = [
     (BF16, 9, 1024, [2, 256, 1, 512, 0], (VEC, 2, (64, 4, 1)), (VEC, 1, (128, 4, 1))),
     (BF16, 5, 2048, [1, 512, 1, 128, 0], (VEC, 1, (256, 2, 1)), (VEC, 1, (256, 1, 1))),
     (F32, 7, 512, [1, 64, 4, 64, 1], (VEC, 1, (128, 1, 1)), (VEC, 4, (32, 2, 1))),
-    (F16, 3, 8192, [4, 512, 4, 0, 2], (VEC, 4, (256, 2, 1)), (VEC, 2, (512, 1, 1))),
+    (F16, 3, 8192, [4, 512, 4, 0, 3], (VEC, 4, (256, 2, 1)), (VEC, 2, (512, 1, 1))),
     (BF16, 2, 16384, [1, 0, 1, 0, 2], (ANY, 0, (512, 1, 1)), (VEC, 4, (512, 1, 1))),
 ]
 NO_TUNING = [0, 0, 0, 0, 0]
@@ -307,12 +307,14 @@ def test_layer_norm_launch_overrides(dtype, rows, cols, tuning, fwd, bwd):
         assert torch.ops.fastformer_emu.layer_norm_tuning(built_in) == tuning
     assert built_in == NO_TUNING
     assert _path(launches[0]) == fwd and _path(launches[1]) == bwd
-    staged = fwd[0] == VEC and tuning[4] == 2  # the generic kernel has no staged variant
-    assert launches[0].params.get("kStaged", "false") == ("true" if staged else "false")
+    # Rows staged ahead: the vector kernels only (the forward one at most), with stage 2 or 3.
+    ahead = max(tuning[4] - 1, 0)
+    assert launches[0].params.get("kStages", "0") == str(min(ahead, 1) if fwd[0] == VEC else 0)
+    assert launches[1].params.get("kStages", "0") == str(ahead if bwd[0] == VEC else 0)
 
 
 def test_layer_norm_launch_overrides_are_checked():
-    bad_ones = ([3, 0, 0, 0, 0], [0, 100, 0, 0, 0], [0, 0, 0, 1024, 0], [0, 0, 0, 0, 3])
+    bad_ones = ([3, 0, 0, 0, 0], [0, 100, 0, 0, 0], [0, 0, 0, 1024, 0], [0, 0, 0, 0, 4])
     for bad in (*bad_ones, [1, 2, 3], [0, 0, 0, 0]):
         with pytest.raises(RuntimeError, match="layer_norm.tuning"):
             torch.ops.fastformer_emu.layer_norm_tuning(bad)
@@ -329,12 +331,12 @@ def _tuned(config: list[int]):
         torch.ops.fastformer_emu.layer_norm_tuning(NO_TUNING)
 
 
-REGISTERS, STAGED = [0, 0, 0, 0, 1], [0, 0, 0, 0, 2]
+REGISTERS, STAGED, DEEP = [0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 0, 3]
 # Staged rows (layer_norm_tuning's stage 2: each row copied to shared memory with cp.async while
-# the row before it is worked on) on a persistent grid of `sms` one-block SMs, so that every
-# block carries staged rows from one iteration to the next: dtype, rows, cols, mode, sms; rows
-# past a block's last one and partial blocks of rows included. Every vector forward stages; the
-# backward only 16-bit rows of 4 chunks a thread (over 8192 columns), not fused.
+# the row before it is worked on; 3: two rows ahead in the backward) on a persistent grid of
+# `sms` one-block SMs, so that every block carries staged rows from one iteration to the next:
+# dtype, rows, cols, mode, sms; rows past a block's last one and partial blocks of rows included.
+# Every vector forward stages (one row ahead); every unfused vector backward (1 or 2 rows ahead).
 STAGED_CASES = [
     (BF16, 37, 1024, "plain", 3),  # a warp a row, 4 rows a block: a partial last block
     (F32, 9, 200, "plain", 2),  # 50 chunks: lanes past the row in the second vector
@@ -343,13 +345,10 @@ STAGED_CASES = [
     (BF16, 3, 16384, "fused", 1),  # 64 KB of slots (x and the residual): opted in
     (F32, 6, 4096, "dropout", 4),  # dropout without a residual: x's slots only
     (BF16, 1, 512, "plain", 7),  # more SMs than rows
-    (BF16, 5, 16384, "plain", 2),  # the backward staged too: 128 KB of sums + 64 KB of slots
-    (F16, 4, 8200, "rms", 3),  # the backward staged: 1025 chunks, 288 threads
+    (BF16, 5, 16384, "plain", 2),  # the backward: 128 KB of sums + 64 KB of slots a row ahead
+    (F16, 4, 8200, "rms", 3),  # 1025 chunks, 288 threads
+    (F32, 35, 64, "plain", 1),  # one block: 5 backward rounds of 8 rows, the last partial
 ]
-
-
-def _bwd_staged(dtype: torch.dtype, cols: int, mode: str) -> bool:
-    return dtype != F32 and cols > 8192 and cols % 8 == 0 and mode in ("plain", "rms")
 
 
 def _run_bits(fast, inputs) -> list[torch.Tensor]:
@@ -398,8 +397,9 @@ def test_staged_rows_equal_the_register_kernels(dtype, rows, cols, mode, sms):
     fast, reference, extra, extra_names = _staged_op(mode, x)
     inputs, names = [x, w, b, *extra], ["x", "weight", "bias", *extra_names]
     device = {"sms": sms, "blocks_per_sm": 1}
+    unfused = mode in ("plain", "rms")
     results = {}
-    for config in (REGISTERS, STAGED):
+    for config in (REGISTERS, STAGED, DEEP):
         with _tuned(config):
             launches = _parity_in_orders(
                 fast, reference, inputs, names, ATOL_FLOOR[dtype], **device
@@ -407,20 +407,24 @@ def test_staged_rows_equal_the_register_kernels(dtype, rows, cols, mode, sms):
             with ce.device(**device):
                 results[config[4]] = _run_bits(fast, inputs)
         fwd, bwd = launches[0], launches[1]
-        staged = "true" if config is STAGED else "false"
-        assert (fwd.kernel, fwd.params["kStaged"]) == ("ln_fwd_vec_kernel", staged)
-        bwd_staged = "true" if config is STAGED and _bwd_staged(dtype, cols, mode) else "false"
-        assert (bwd.kernel, bwd.params["kStaged"]) == ("ln_bwd_vec_kernel", bwd_staged)
-    rpb = fwd.block[1]
-    assert fwd.grid == (min(math.ceil(rows / rpb), sms), 1, 1)  # persistent: one wave
-    slots = 2 if extra else 1  # x's chunks, and the residual's
-    assert fwd.smem == fwd.block[0] * rpb * int(fwd.params["kVecs"]) * slots * 16
-    if bwd_staged == "true":
+        ahead = config[4] - 1  # rows staged ahead: 0, 1, 2
+        assert (fwd.kernel, fwd.params["kStages"]) == ("ln_fwd_vec_kernel", str(min(ahead, 1)))
+        bwd_ahead = ahead if unfused else 0
+        if dtype != F32 and cols == 16384:  # 128 KB of sums: room for one staged row only
+            bwd_ahead = min(bwd_ahead, 1)
+        assert (bwd.kernel, bwd.params["kStages"]) == ("ln_bwd_vec_kernel", str(bwd_ahead))
+        rpb = fwd.block[1]
+        if ahead > 0:
+            assert fwd.grid == (min(math.ceil(rows / rpb), sms), 1, 1)  # persistent: one wave
+            slots = 2 if extra else 1  # x's chunks, and the residual's
+            assert fwd.smem == fwd.block[0] * rpb * int(fwd.params["kVecs"]) * slots * 16
         threads, vecs = bwd.block[0] * bwd.block[1], int(bwd.params["kVecs"])
-        sums = (1 if mode == "rms" else 2) * threads * vecs * 8 * 4  # dweight (and dbias)
-        assert bwd.smem == sums + threads * vecs * 2 * 16  # then x's and dy's slots
-    for i, (registers, staged) in enumerate(zip(results[1], results[2], strict=True)):
-        assert _same_bits(registers, staged), f"result {i}"
+        per_vec = 16 // dtype.itemsize
+        sums = (1 if mode == "rms" else 2) * threads * vecs * per_vec * 4  # dweight (and dbias)
+        assert bwd.smem == sums + bwd_ahead * threads * vecs * 2 * 16  # then x's and dy's slots
+    for config in (STAGED, DEEP):
+        for i, (registers, staged) in enumerate(zip(results[1], results[config[4]], strict=True)):
+            assert _same_bits(registers, staged), f"stage {config[4]}, result {i}"
 
 
 def test_staged_forward_takes_the_register_kernel_where_its_slots_do_not_fit():
@@ -428,12 +432,12 @@ def test_staged_forward_takes_the_register_kernel_where_its_slots_do_not_fit():
     # what a GPU with 48 KB to opt in to grants: the register forward runs, one block a row.
     x, r = _make((3, 16384), BF16), _make((3, 16384), BF16, seed=9)
     w, b = _make((16384,), seed=1), _make((16384,), seed=2)
-    for optin_kb, staged, grid in ((48, "false", 3), (227, "true", 2)):
+    for optin_kb, staged, grid in ((48, "0", 3), (227, "1", 2)):
         ce.clear_launches()
         with ce.device(sms=2, blocks_per_sm=1, smem_optin_kb=optin_kb), _tuned(STAGED):
             out, _ = ce.layer_norm(x, w, b, r, dropout_p=0.1, prenorm=True, seed=SEED)
         fwd = ce.launches()[0]
-        assert (fwd.params["kStaged"], fwd.grid[0]) == (staged, grid)
+        assert (fwd.params["kStages"], fwd.grid[0]) == (staged, grid)
         if optin_kb == 48:
             expected = out
         else:
@@ -445,13 +449,13 @@ def test_staged_backward_takes_the_register_kernel_where_its_slots_do_not_fit():
     # an A100 (sm_80) grants: the register backward runs there, with its sums only.
     x, w, b = _make((3, 16384), BF16), _make((16384,), seed=1), _make((16384,), seed=2)
     bits = {}
-    for optin_kb, staged, smem in ((163, "false", 128 * 1024), (227, "true", 192 * 1024)):
+    for optin_kb, staged, smem in ((163, "0", 128 * 1024), (227, "1", 192 * 1024)):
         ce.clear_launches()
         with ce.device(sms=2, blocks_per_sm=1, smem_optin_kb=optin_kb), _tuned(STAGED):
             bits[staged] = _run_bits(_ln_fast, [x, w, b])
         bwd = ce.launches()[1]
-        assert (bwd.kernel, bwd.params["kStaged"], bwd.smem) == ("ln_bwd_vec_kernel", staged, smem)
-    for registers, staged in zip(bits["false"], bits["true"], strict=True):
+        assert (bwd.kernel, bwd.params["kStages"], bwd.smem) == ("ln_bwd_vec_kernel", staged, smem)
+    for registers, staged in zip(bits["0"], bits["1"], strict=True):
         assert _same_bits(registers, staged)
 
 

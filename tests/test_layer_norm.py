@@ -1348,11 +1348,11 @@ def test_cuda_rms_norm_and_fused_parity(hidden):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden", [256, 1024, 4096, 12288, 16384])
 def test_cuda_staged_rows_equal_the_register_kernels(dtype, hidden):
-    # layer_norm_tuning's stage 2 (cp.async rows on a persistent grid; the sweep's candidate):
-    # the same bits as the register kernels, the forward plain and fused with a residual and
-    # dropout, and the backward (staged itself at 16-bit rows over 8192 columns), on enough
-    # rows (2**24 elements) that every block of the one-wave grid loops (~4 times at hidden
-    # 1024 and 16384, more below), with a partial last wave.
+    # layer_norm_tuning's stage 2 and 3 (cp.async rows on a persistent grid, one or two rows
+    # ahead; the sweep's candidates): the same bits as the register kernels, the forward plain
+    # and fused with a residual and dropout, and the unfused backward, on enough rows (2**24
+    # elements) that every block of the one-wave grid loops (~4 times at hidden 1024 and
+    # 16384, more below), with a partial last wave.
     rows = 2**24 // hidden + 5
     x = _make((rows, hidden), dtype, device=CUDA, grad=False)
     r = _make((rows, hidden), dtype, seed=2, device=CUDA, grad=False)
@@ -1370,16 +1370,17 @@ def test_cuda_staged_rows_equal_the_register_kernels(dtype, hidden):
         return [t for t in (*plain, *fused, *grads) if t is not None]
 
     outputs = []
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         assert ops.layer_norm_tuning([0, 0, 0, 0, stage]) == [0, 0, 0, 0, 0]
         try:
             outputs.append(forward())
-            if stage == 2:  # and the parity rule, gradients included (the backward's own)
+            if stage > 1:  # and the parity rule, gradients included
                 _cuda_parity(rows, hidden, dtype, torch.float32)
         finally:
             ops.layer_norm_tuning([0, 0, 0, 0, 0])
-    for registers, staged in zip(*outputs, strict=True):
-        assert torch.equal(registers, staged)
+    for staged in outputs[1:]:
+        for registers, result in zip(outputs[0], staged, strict=True):
+            assert torch.equal(registers, result)
 
 
 @pytest.mark.cuda
@@ -1464,14 +1465,14 @@ def test_launch_overrides_are_set_checked_and_reset():
     if not cuda_kernels_compiled():
         pytest.skip("fastformer._C was built without its CUDA kernels")
     tuning = torch.ops.fastformer.layer_norm_tuning
-    assert tuning([2, 256, 1, 128, 2]) == [0, 0, 0, 0, 0]
+    assert tuning([2, 256, 1, 128, 3]) == [0, 0, 0, 0, 0]
     try:
-        bad_ones = ([3, 0, 0, 0, 0], [0, 96 + 1, 0, 0, 0], [0, 0, 0, 544, 0], [0, 0, 0, 0, 3])
+        bad_ones = ([3, 0, 0, 0, 0], [0, 96 + 1, 0, 0, 0], [0, 0, 0, 544, 0], [0, 0, 0, 0, 4])
         for bad in (*bad_ones, [1, 2, 3], [0, 0, 0, 0]):
             with pytest.raises(RuntimeError, match="layer_norm.tuning"):
                 tuning(bad)
     finally:
-        assert tuning([0, 0, 0, 0, 0]) == [2, 256, 1, 128, 2]  # a refused call changed nothing
+        assert tuning([0, 0, 0, 0, 0]) == [2, 256, 1, 128, 3]  # a refused call changed nothing
 
 
 def _sweep_module():
@@ -1501,14 +1502,20 @@ def test_sweep_script_needs_a_gpu_and_prints_a_table():
             (4, 128, True, 0.017, 3600.0),
         )
     ]
-    bwd = [dict(r, kind="bwd") for r in rows[:2]]  # no staged rows: no staged column
+    bwd = [dict(r, kind="bwd") for r in rows[:2]]
+    bwd.append(
+        dict(rows[0], kind="bwd", staged=True, ahead=2, ms=0.016, gbps=3700.0, of_copy=0.925)
+    )
     result = {"device": "GPU", "dtype": "torch.bfloat16", "rows": 16384, "copy_gbps": 4000.0}
     lines = sweep.table({**result, "results": [*rows, *bwd]}).splitlines()
     assert lines[1] == (
         "fwd   1024: built-in 80.0% (0.020 ms); staged 85.0% (0.019 ms); "
         "best 4/128/staged 90.0% (0.017 ms)"
     )
-    assert lines[2] == "bwd   1024: built-in 80.0% (0.020 ms); best 2/256 87.5% (0.018 ms)"
+    assert lines[2] == (
+        "bwd   1024: built-in 80.0% (0.020 ms); staged2 92.5% (0.016 ms); "
+        "best 0/0/staged2 92.5% (0.016 ms)"
+    )
 
 
 def test_sweep_times_each_override_once(monkeypatch):
@@ -1518,8 +1525,10 @@ def test_sweep_times_each_override_once(monkeypatch):
     monkeypatch.setattr(torch.ops.fastformer, "layer_norm_tuning", calls.append, raising=False)
     monkeypatch.setattr(sweep, "_time_ms", lambda fn: timed.append(calls[-1]) or 0.5)
     bwd_knobs = [[0, 0, v, b, 0] for v, b in [(0, 0), *sweep.BWD] if v != 4]
+    staged_bwd = [[0, 0, 0, 0, 2], [0, 0, 0, 0, 3]]  # one and two rows ahead, unfused only
     rows = sweep._measure("bwd", None, 1024, 2, 4000.0)
-    assert timed == calls == bwd_knobs
+    assert timed == calls == [*bwd_knobs, *staged_bwd]
+    assert [r["ahead"] for r in rows[-3:]] == [0, 1, 2]
     assert rows[0]["gbps"] == 3 * 16384 * 1024 * 2 / 0.5 / 1e6  # x, dy, dx of 2 bytes
     calls.clear(), timed.clear()
     # The forward's knobs: each override in registers, then staged with the built-in vectors
@@ -1537,9 +1546,6 @@ def test_sweep_times_each_override_once(monkeypatch):
     calls.clear()
     assert len(sweep._measure("fwd", None, 1024, 4, 4000.0)) == len(fwd_knobs)
     assert calls == fwd_knobs
-    calls.clear()
-    rows = sweep._measure("bwd", None, 16384, 2, 4000.0)  # rows past the register prefetch
-    assert calls == [*bwd_knobs, [0, 0, 0, 0, 2]] and rows[-1]["staged"]
     calls.clear()
     sweep._measure("prenorm_bwd", None, 16384, 2, 4000.0)  # fused: never staged
     assert calls == bwd_knobs
@@ -1561,7 +1567,7 @@ def test_sweep_measures_the_fused_kinds_at_their_sizes_and_saves_each_size(monke
     pairs = sorted({(r["kind"], r["cols"]) for r in result["results"]})
     fused = [(k, 1024) for k in ("fused", "prenorm_bwd")]
     assert pairs == sorted([(k, c) for k in ("fwd", "bwd") for c in (512, 1024)] + fused)
-    assert saved == [25, 75]  # 18 + 7 timings at 512; 18 + 7 + 18 + 7 more at 1024
+    assert saved == [27, 79]  # 18 + 9 timings at 512; 18 + 9 + 18 + 7 more at 1024
 
 
 @pytest.mark.parametrize("backend", ["cpp", "torch"])

@@ -7,9 +7,9 @@
 //     block per row of up to 512 threads x 4 vectors (16384 fp16/bf16, 8192 fp32 elements).
 //     Needs cols to be a multiple of the vector width and 16-byte aligned pointers. A thread
 //     issues all its loads of a row (x, and the residual when fused) before it uses any.
-//     Staged (kStaged, opt-in: layer_norm_tuning's stage 2, until a GPU has timed it): each
-//     row's chunks travel to shared memory by cp.async while the row before is worked on, on a
-//     persistent grid (stage_slot says why).
+//     Staged (kStages 1, opt-in: layer_norm_tuning's stage 2 or 3, until a GPU has timed it):
+//     each row's chunks travel to shared memory by cp.async while the row before it is worked
+//     on, on a persistent grid (stage_slot says why).
 //   * ln_fwd_any_kernel: any cols and alignment, scalar loads, the row re-read from L1/L2 for
 //     each of its passes.
 // Statistics are fp32 and two-pass (mean, then the mean of squared deviations; "row statistics"
@@ -27,18 +27,19 @@
 // ran at ~60% of copy bandwidth on an H200 with 32 KB of loads in flight an SM (2 blocks of 256
 // threads, 64 bytes each); the second row doubles that. 16-bit rows of up to 16384 columns take it
 // with 4 vectors a thread and no second row (128 registers, 128 KB of sums: one block an SM),
-// reading x and dy once; staged (kStaged, opt-in like the forward's: stage_bwd_row), their next row
-// goes to shared memory. Longer rows take a generic kernel that reads the row twice (from L1/L2 the
-// second time) and keeps the sums of each row group in shared memory (cols floats for each of
-// dweight and dbias), writing its partial rows once at the end: adding into the partial rows in
-// global memory for every row moved 8 bytes a column a row through L2 (~4 GB a call at 16384 x
-// 16384: 3x torch's time). Only rows too long for a block's shared memory (over ~29000 columns on
-// sm_90, ~20000 on sm_80, with both gradients) still add in global memory. Those sums cost the
-// generic kernel its occupancy (one 512-thread block an SM), so its loads must keep enough bytes in
-// flight by themselves: rows of whole 16-byte chunks (aligned, the common case) take
-// ln_bwd_chunk_kernel, which loads several chunks a thread before using them (with scalar 2-byte
-// loads, ln_bwd_any_kernel took 2.9 ms against torch's 1.0 at bf16 16384 x 16384 on an H200:
-// latency-bound); ln_bwd_any_kernel, any cols and alignment, is the fallback.
+// reading x and dy once. Staged instead (kStages, opt-in like the forward's: stage_bwd_row), an
+// unfused backward holds no next row in registers: its next rows go to shared memory. Longer rows
+// take a generic kernel that reads the row twice (from L1/L2 the second time) and keeps the sums of
+// each row group in shared memory (cols floats for each of dweight and dbias), writing its partial
+// rows once at the end: adding into the partial rows in global memory for every row moved 8 bytes a
+// column a row through L2 (~4 GB a call at 16384 x 16384: 3x torch's time). Only rows too long for
+// a block's shared memory (over ~29000 columns on sm_90, ~20000 on sm_80, with both gradients)
+// still add in global memory. Those sums cost the generic kernel its occupancy (one 512-thread
+// block an SM), so its loads must keep enough bytes in flight by themselves: rows of whole 16-byte
+// chunks (aligned, the common case) take ln_bwd_chunk_kernel, which loads several chunks a thread
+// before using them (with scalar 2-byte loads, ln_bwd_any_kernel took 2.9 ms against torch's 1.0 at
+// bf16 16384 x 16384 on an H200: latency-bound); ln_bwd_any_kernel, any cols and alignment, is the
+// fallback.
 //
 // Every kernel but the vector forward has __launch_bounds__(threads, 1): without the 1, ptxas
 // for sm_90 aims at a higher occupancy and spills. The vector forward asks for two blocks an SM
@@ -87,12 +88,12 @@ constexpr int kFwdMinBlocks = 2;
 constexpr int bwd_max_vecs(int elem_bytes) { return elem_bytes == 2 ? 2 : 4; }
 // Whether the vector backward holds the next row in registers (16 elements a thread at most).
 constexpr bool bwd_prefetches(int vecs, int elem_bytes) { return vecs * (16 / elem_bytes) <= 16; }
-// Whether it may stage the next row in shared memory instead (stage_bwd_row): rows too long for
-// the prefetch, not fused (with the dpre chunks loaded early, the fused staged kernel spilled 8
-// bytes on sm_80).
-constexpr bool bwd_may_stage(int vecs, int elem_bytes, bool fused) {
-  return !bwd_prefetches(vecs, elem_bytes) && !fused;
-}
+// Whether it may stage its next rows in shared memory instead (stage_bwd_row): not fused (with
+// the dpre chunks loaded early, the fused staged kernel spilled 8 bytes on sm_80).
+constexpr bool bwd_may_stage(bool fused) { return !fused; }
+// The most rows a staged kernel keeps in flight (layer_norm_tuning's stage 2: 1, 3: 2; the
+// forward stages one row ahead for both).
+constexpr int kMaxStages = 2;
 constexpr int kBwdLongVecs = 4;
 constexpr int kFinalizeRows = 8;  // row groups of the finalize kernel (each sums a strided slice)
 constexpr size_t kDefaultSmem = 48 * 1024;  // shared memory of a block without opting in
@@ -379,37 +380,48 @@ __device__ __forceinline__ uint4 fuse_chunk(const LnFwdArgs& a, int64_t idx, uin
   return pre;
 }
 
-// The staged forward (kStaged) copies a row's chunks to shared memory with cp.async while the
-// row before is reduced and stored, so an SM's loads stay in flight through the reductions (the
-// backward's way, the next row held in registers, would spill here: a 16-bit row of 4 chunks a
-// thread takes 63 of the forward's 64 registers). Each thread reads back only the chunks it
-// copied, so its own wait is enough: no barrier. Slot of chunk i of x (j = 0) or of the residual
-// (j = 1, fused with a residual only), in 16-byte units of the block's dynamic shared memory,
-// already offset by the thread: consecutive threads, consecutive slots (no bank conflicts).
+// The staged forward (kStages 1 or 2) copies the chunks of the block's next kStages rows to
+// shared memory with cp.async while a row is reduced and stored, so an SM's loads stay in flight
+// through the reductions (the backward's way, the next row held in registers, would spill here:
+// a 16-bit row of 4 chunks a thread takes 63 of the forward's 64 registers). Each thread reads
+// back only the chunks it copied, so its own wait is enough: no barrier. A row's copies are one
+// group; the rows rotate through kStages buffers. Slot of chunk i of x (j = 0) or of the
+// residual (j = 1, fused with a residual only) within a buffer, in 16-byte units of the block's
+// dynamic shared memory, already offset by the thread: consecutive threads, consecutive slots
+// (no bank conflicts).
 template <bool kFused>
 __device__ __forceinline__ int stage_slot(const LnFwdArgs& a, int i, int j) {
   const int per_chunk = stage_slots_per_chunk(a, kFused);
   return (per_chunk * i + j) * static_cast<int>(blockDim.x * blockDim.y);
 }
 
-// Starts the copies of row's chunks of x (and of the residual) to the thread's slots; a row past
-// the last, or chunks past the row, copy nothing (load_row reads zero bits for them instead).
+// The 16-byte slots of one staging buffer (every thread's) of a forward block.
+template <int kVecs, bool kFused>
+__device__ __forceinline__ int stage_buffer_slots(const LnFwdArgs& a) {
+  return stage_slot<kFused>(a, kVecs, 0);
+}
+
+// Starts the copies of row's chunks of x (and of the residual) to the thread's slots of a buffer,
+// as one group; a row past the last, or chunks past the row, copy nothing (load_row reads zero
+// bits for them instead), and the group is empty.
 template <typename T, int kVecs, bool kFused>
 __device__ __forceinline__ void stage_row(const LnFwdArgs& a, int64_t row, int64_t nvec,
                                           uint4* stage) {
   constexpr int kE = 16 / sizeof(T);
-  if (row >= a.rows) return;
-  const T* x = static_cast<const T*>(a.x) + row * a.cols;
-  const T* residual = static_cast<const T*>(a.residual);
+  if (row < a.rows) {
+    const T* x = static_cast<const T*>(a.x) + row * a.cols;
+    const T* residual = static_cast<const T*>(a.residual);
 #pragma unroll
-  for (int i = 0; i < kVecs; ++i) {
-    const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
-    if (vi >= nvec) continue;
-    copy16_async(stage + stage_slot<kFused>(a, i, 0), x + vi * kE);
-    if (kFused && residual != nullptr) {
-      copy16_async(stage + stage_slot<kFused>(a, i, 1), residual + row * a.cols + vi * kE);
+    for (int i = 0; i < kVecs; ++i) {
+      const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+      if (vi >= nvec) continue;
+      copy16_async(stage + stage_slot<kFused>(a, i, 0), x + vi * kE);
+      if (kFused && residual != nullptr) {
+        copy16_async(stage + stage_slot<kFused>(a, i, 1), residual + row * a.cols + vi * kE);
+      }
     }
   }
+  commit_async_copies();
 }
 
 // One row's normalized input as kVecs raw 16-byte chunks a thread (zero bits, 0.0 in every
@@ -417,15 +429,17 @@ __device__ __forceinline__ void stage_row(const LnFwdArgs& a, int64_t row, int64
 // is fused: fused chunk by chunk, each chunk's pre store kept the next chunk's loads waiting
 // behind it (the compiler may not move a load above a store it cannot prove apart), one memory
 // round trip a chunk (ptxas's sm_90 code for 16-bit rows of 4 chunks a thread).
-// stage (kStaged only): the thread's staging slots, where stage_row's copies of this row are.
-template <typename T, int kVecs, bool kFused, bool kStaged>
+// stage (staged only): the thread's slots of the buffer stage_row copied this row to; the
+// row's group is the oldest of kStages in flight.
+template <typename T, int kVecs, bool kFused, int kStages>
 __device__ __forceinline__ void load_row(const LnFwdArgs& a, int64_t row, bool row_ok,
                                          int64_t nvec, uint4 (&raw)[kVecs],
                                          [[maybe_unused]] const uint4* stage) {
+  constexpr bool kStaged = kStages > 0;
   constexpr int kE = 16 / sizeof(T);
   const int64_t offset = row_ok ? row * a.cols : 0;
   [[maybe_unused]] uint4 res[kVecs];
-  if constexpr (kStaged) wait_async_copies();
+  if constexpr (kStaged) wait_async_copies<kStages - 1>();
 #pragma unroll
   for (int i = 0; i < kVecs; ++i) {
     const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
@@ -487,28 +501,36 @@ __device__ __forceinline__ void normalize_store(const LnFwdArgs& a, int64_t row,
   store_vec<T, kE>(static_cast<T*>(a.out) + row * a.cols + col, v);
 }
 
-// kStaged: on a persistent grid (one wave), each row's loads start while the row before is
-// worked on (stage_slot); the block's dynamic shared memory holds the slots.
-template <typename T, typename W, int kVecs, bool kRms, bool kFused, bool kStaged>
+// kStages > 0: on a persistent grid (one wave), each row's loads start kStages rows before it is
+// worked on (stage_slot); the block's dynamic shared memory holds the buffers.
+template <typename T, typename W, int kVecs, bool kRms, bool kFused, int kStages>
 __global__ void __launch_bounds__(kFwdMaxThreads, kFwdMinBlocks)
     ln_fwd_vec_kernel(const LnFwdArgs a) {
   constexpr int kE = 16 / sizeof(T);
   __shared__ float red[kWarp];
   __shared__ float2 red2[kWarp];
   extern __shared__ uint4 stage_smem[];
-  uint4* stage = kStaged ? stage_smem + threadIdx.y * blockDim.x + threadIdx.x : nullptr;
+  uint4* const stage = stage_smem + threadIdx.y * blockDim.x + threadIdx.x;
+  const int buffer = kStages > 0 ? stage_buffer_slots<kVecs, kFused>(a) : 0;
   const int64_t nvec = a.cols / kE;
   const float cols = static_cast<float>(a.cols);
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.y;
-  if constexpr (kStaged) stage_row<T, kVecs, kFused>(a, first + threadIdx.y, nvec, stage);
+#pragma unroll
+  for (int s = 0; s < kStages; ++s) {
+    stage_row<T, kVecs, kFused>(a, first + threadIdx.y + s * step, nvec, stage + s * buffer);
+  }
   // The loop bound is uniform over the block, so every thread reaches every barrier.
+  int slot = 0;  // the buffer of this iteration's row (kStages > 1)
   for (int64_t base = first; base < a.rows; base += step) {
     const int64_t row = base + threadIdx.y;
     const bool row_ok = row < a.rows;
     uint4 raw[kVecs];
-    load_row<T, kVecs, kFused, kStaged>(a, row, row_ok, nvec, raw, stage);
-    if constexpr (kStaged) stage_row<T, kVecs, kFused>(a, row + step, nvec, stage);
+    load_row<T, kVecs, kFused, kStages>(a, row, row_ok, nvec, raw, stage + slot * buffer);
+    if constexpr (kStages > 0) {
+      stage_row<T, kVecs, kFused>(a, row + kStages * step, nvec, stage + slot * buffer);
+      slot = slot + 1 == kStages ? 0 : slot + 1;
+    }
     const auto each = [&](auto&& f) {  // f(v) for this thread's values of the row
 #pragma unroll
       for (int i = 0; i < kVecs; ++i) {
@@ -690,12 +712,11 @@ struct RawRow {
   float mean, rstd;
 };
 
-// The row's mean and rstd (0 past the last row; mean 0 for RMSNorm).
-template <int kVecs, bool kRms>
-__device__ __forceinline__ void fetch_stats(const LnBwdArgs& a, int64_t row, RawRow<kVecs>& r) {
+// The row's (mean, rstd) (0 past the last row; mean 0 for RMSNorm).
+template <bool kRms>
+__device__ __forceinline__ float2 fetch_stats(const LnBwdArgs& a, int64_t row) {
   const bool row_ok = row < a.rows;
-  r.mean = (kRms || !row_ok) ? 0.f : a.mean[row];
-  r.rstd = row_ok ? a.rstd[row] : 0.f;
+  return make_float2((kRms || !row_ok) ? 0.f : a.mean[row], row_ok ? a.rstd[row] : 0.f);
 }
 
 template <typename T, int kVecs, bool kRms>
@@ -709,36 +730,43 @@ __device__ __forceinline__ void fetch_row(const LnBwdArgs& a, int64_t row, int64
     r.x[i] = chunk_or_zero(static_cast<const T*>(a.x) + offset, vi, row_ok && vi < nvec);
     r.dy[i] = chunk_or_zero(static_cast<const T*>(a.dy) + offset, vi, row_ok && vi < nvec);
   }
-  fetch_stats<kVecs, kRms>(a, row, r);
+  const float2 stats = fetch_stats<kRms>(a, row);
+  r.mean = stats.x;
+  r.rstd = stats.y;
 }
 
-// The staged backward (kStaged) copies the next row's x and dy to shared memory with cp.async,
-// as the staged forward does (stage_slot), where the register prefetch does not fit: 16-bit rows
-// of 4 chunks a thread (bwd_may_stage). Slots of chunk i: x at 2i, dy at 2i + 1 (times the
-// block's threads, from the thread's own slot). A row past the last copies nothing.
+// The staged backward (kStages 1 or 2) copies the x and dy chunks of the block's next kStages
+// rows to shared memory with cp.async, as the staged forward does (stage_slot), instead of
+// holding the next row in registers. Slots of chunk i within a buffer: x at 2i, dy at 2i + 1
+// (times the block's threads, from the thread's own slot). A row's copies are one group; a row
+// past the last copies nothing (an empty group).
 template <typename T, int kVecs>
 __device__ __forceinline__ void stage_bwd_row(const LnBwdArgs& a, int64_t row, int64_t nvec,
                                               uint4* stage) {
   constexpr int kE = 16 / sizeof(T);
-  if (row >= a.rows) return;
-  const int threads = static_cast<int>(blockDim.x * blockDim.y);
-  const int64_t offset = row * a.cols;
+  if (row < a.rows) {
+    const int threads = static_cast<int>(blockDim.x * blockDim.y);
+    const int64_t offset = row * a.cols;
 #pragma unroll
-  for (int i = 0; i < kVecs; ++i) {
-    const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
-    if (vi >= nvec) continue;
-    copy16_async(stage + 2 * i * threads, static_cast<const T*>(a.x) + offset + vi * kE);
-    copy16_async(stage + (2 * i + 1) * threads, static_cast<const T*>(a.dy) + offset + vi * kE);
+    for (int i = 0; i < kVecs; ++i) {
+      const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+      if (vi >= nvec) continue;
+      const int64_t at = offset + vi * kE;
+      copy16_async(stage + 2 * i * threads, static_cast<const T*>(a.x) + at);
+      copy16_async(stage + (2 * i + 1) * threads, static_cast<const T*>(a.dy) + at);
+    }
   }
+  commit_async_copies();
 }
 
-// The staged row's x and dy from the thread's slots, once its copies have landed (zero bits
-// past the row or past the last row, as fetch_row gives).
-template <int kVecs>
+// A staged row's x and dy from the thread's slots of its buffer, once its group, the oldest of
+// kStages in flight, has landed (zero bits past the row or past the last row, as fetch_row
+// gives).
+template <int kVecs, int kStages>
 __device__ __forceinline__ void read_staged_row(bool row_ok, int64_t nvec, const uint4* stage,
                                                 RawRow<kVecs>& r) {
   const int threads = static_cast<int>(blockDim.x * blockDim.y);
-  wait_async_copies();
+  wait_async_copies<kStages - 1>();
 #pragma unroll
   for (int i = 0; i < kVecs; ++i) {
     const bool valid = row_ok && threadIdx.x + static_cast<int64_t>(i) * blockDim.x < nvec;
@@ -796,15 +824,17 @@ __device__ __forceinline__ void store_partials(const float4* acc, float* dst, in
 // row's are loaded before this row is worked on, so an SM keeps loads in flight through the row
 // reductions; the dweight / dbias sums live in shared memory (a float4 slot per 4 columns of a
 // thread, only the wanted ones), not in registers, to leave room for that second row.
-// kStaged (rows with no register prefetch only): the next row's x and dy are staged in shared
-// memory after the accumulators (stage_bwd_row), its mean and rstd held in registers.
-template <typename T, typename W, int kVecs, bool kRms, bool kFused, bool kStaged>
+// kStages > 0 (unfused only): the next kStages rows' x and dy are staged in shared memory after
+// the accumulators (stage_bwd_row), their means and rstds held in registers; no row is held in
+// registers ahead.
+template <typename T, typename W, int kVecs, bool kRms, bool kFused, int kStages>
 __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnBwdArgs a) {
   constexpr bool kCentre = centres<T, kRms>();
   constexpr int kE = 16 / sizeof(T);
   constexpr int kQ = kVecs * kE / 4;  // float4 accumulators a thread holds per gradient
-  constexpr bool kPrefetch = bwd_prefetches(kVecs, sizeof(T));
-  static_assert(!kStaged || bwd_may_stage(kVecs, sizeof(T), kFused), "see bwd_may_stage");
+  constexpr bool kWeightHeld = bwd_prefetches(kVecs, sizeof(T));  // registers for it
+  constexpr bool kPrefetch = kWeightHeld && kStages == 0;
+  static_assert(kStages == 0 || bwd_may_stage(kFused), "see bwd_may_stage");
   // Pre-LN's dpre chunks of a row all load before its first dx store (loaded chunk by chunk,
   // each waited behind the chunk before's stores: a memory round trip a chunk). Not for fp32
   // rows of 4 chunks a thread: their 16 more registers spilled on sm_90.
@@ -828,7 +858,7 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnB
   // the registers allow (rows of up to 16 values a thread), else twice a row (L1 hits, but
   // each waited for behind the chunk before's dx store).
   [[maybe_unused]] float w_row[kVecs][kE];
-  if constexpr (kPrefetch) {
+  if constexpr (kWeightHeld) {
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       weight_chunk<W, kE>(weight, threadIdx.x + static_cast<int64_t>(i) * blockDim.x, nvec,
@@ -837,25 +867,31 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnB
   }
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
   const int64_t first_row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  [[maybe_unused]] uint4* stage =
-      reinterpret_cast<uint4*>(slots) + (want_w + want_b) * kQ * threads;
+  uint4* const stage = reinterpret_cast<uint4*>(slots) + (want_w + want_b) * kQ * threads;
+  const int buffer = 2 * kVecs * threads;  // the slots of one staged row
   RawRow<kVecs> next;
+  [[maybe_unused]] float2 ahead[kStages > 0 ? kStages : 1];  // the staged rows' (mean, rstd)
   if (kPrefetch) fetch_row<T, kVecs, kRms>(a, first_row, nvec, next);
-  if constexpr (kStaged) {
-    stage_bwd_row<T, kVecs>(a, first_row, nvec, stage);
-    fetch_stats<kVecs, kRms>(a, first_row, next);
+#pragma unroll
+  for (int s = 0; s < kStages; ++s) {
+    stage_bwd_row<T, kVecs>(a, first_row + s * step, nvec, stage + s * buffer);
+    ahead[s] = fetch_stats<kRms>(a, first_row + s * step);
   }
+  int slot = 0;  // the buffer of this iteration's row (kStages > 1)
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < a.rows;
        base += step) {
     const int64_t row = base + threadIdx.y;
     const bool row_ok = row < a.rows;
     RawRow<kVecs> cur;
-    if constexpr (kStaged) {
-      read_staged_row<kVecs>(row_ok, nvec, stage, cur);
-      cur.mean = next.mean;
-      cur.rstd = next.rstd;
-      stage_bwd_row<T, kVecs>(a, row + step, nvec, stage);
-      fetch_stats<kVecs, kRms>(a, row + step, next);
+    if constexpr (kStages > 0) {
+      read_staged_row<kVecs, kStages>(row_ok, nvec, stage + slot * buffer, cur);
+      cur.mean = ahead[0].x;
+      cur.rstd = ahead[0].y;
+#pragma unroll
+      for (int s = 0; s + 1 < kStages; ++s) ahead[s] = ahead[s + 1];
+      stage_bwd_row<T, kVecs>(a, row + kStages * step, nvec, stage + slot * buffer);
+      ahead[kStages - 1] = fetch_stats<kRms>(a, row + kStages * step);
+      slot = slot + 1 == kStages ? 0 : slot + 1;
     } else if (kPrefetch) {
       cur = next;
       fetch_row<T, kVecs, kRms>(a, row + step, nvec, next);
@@ -871,7 +907,7 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnB
       float x[kE], dy[kE], w[kE], dyx[kE];
       unpack<T>(cur.x[i], x);
       unpack<T>(cur.dy[i], dy);
-      if constexpr (kPrefetch) {
+      if constexpr (kWeightHeld) {
 #pragma unroll
         for (int e = 0; e < kE; ++e) w[e] = w_row[i][e];
       } else {
@@ -902,7 +938,7 @@ __global__ void __launch_bounds__(kBwdMaxThreads, 1) ln_bwd_vec_kernel(const LnB
       float x[kE], dy[kE], w[kE], d[kE], dyx[kE];
       unpack<T>(cur.x[i], x);
       unpack<T>(cur.dy[i], dy);
-      if constexpr (kPrefetch) {
+      if constexpr (kWeightHeld) {
 #pragma unroll
         for (int e = 0; e < kE; ++e) w[e] = w_row[i][e];
       } else {
@@ -1221,7 +1257,7 @@ struct Config {
   int tpr;              // threads per row (blockDim.x)
   int rpb;              // rows per block (blockDim.y)
   bool chunks = false;  // backward, generic kernel: rows of 16-byte chunks (ln_bwd_chunk_kernel)
-  bool staged = false;  // backward, vector kernel: the next row staged in shared memory
+  int stages = 0;  // backward, vector kernel: rows staged ahead in shared memory
 };
 
 int elem_bytes(LnType t) { return t == LnType::kFloat32 ? 4 : 2; }
@@ -1269,9 +1305,26 @@ LnTuning current_tuning() {
   return t;
 }
 
-// Whether the vector kernels stage their rows in shared memory (stage_slot). Built in: not yet;
-// it is the candidate of the sweep (benchmarks/sweep_layer_norm.py) until a GPU has timed it.
-bool stages_rows(const LnTuning& t) { return t.stage == 2; }
+// How many rows ahead the vector kernels stage in shared memory (stage_slot), 0 for none. Built
+// in: none yet; staging is the candidate of the sweep (benchmarks/sweep_layer_norm.py) until a
+// GPU has timed it.
+int stages_of(const LnTuning& t) { return t.stage >= 2 ? t.stage - 1 : 0; }
+
+// Calls f(std::integral_constant<int, S>) for S = stages (0 to kMaxStages).
+template <typename F>
+void dispatch_stages(int stages, F&& f) {
+  static_assert(kMaxStages == 2, "one case a depth");
+  switch (stages) {
+    case 1:
+      f(std::integral_constant<int, 1>{});
+      return;
+    case 2:
+      f(std::integral_constant<int, 2>{});
+      return;
+    default:
+      f(std::integral_constant<int, 0>{});
+  }
+}
 
 int or_default(int override_value, int built_in) {
   return override_value != 0 ? override_value : built_in;
@@ -1297,13 +1350,13 @@ Config bwd_config(const LnBwdArgs& a, const LnTuning& t, bool registers = true) 
 }
 
 // The vector backward's dynamic shared memory: its threads' dweight and dbias sums (only the
-// wanted ones), summed over the row groups at the end; then, staged, the next row's x and dy.
+// wanted ones), summed over the row groups at the end; then, staged, the next rows' x and dy.
 size_t bwd_vec_smem_bytes(const Config& c, const LnBwdArgs& a) {
   const int slices = (a.dweight != nullptr) + (a.dbias != nullptr);
   const int per_vec = 16 / elem_bytes(a.dtype);
   const size_t threads = static_cast<size_t>(c.tpr) * c.rpb;
   const size_t sums = slices * threads * c.vecs * per_vec * sizeof(float);
-  return sums + (c.staged ? threads * c.vecs * 2 * sizeof(uint4) : 0);
+  return sums + c.stages * threads * c.vecs * 2 * sizeof(uint4);
 }
 
 // Resident blocks per SM of a kernel, queried once per (device, kernel, block shape).
@@ -1398,14 +1451,12 @@ void with_bwd_kernel(const LnBwdArgs& a, const Config& c, bool smem_acc, F&& f) 
           } else {
             f(ln_bwd_any_kernel<T, W, kRms, kFused, false>);
           }
-        } else if constexpr (bwd_may_stage(kVecs, sizeof(T), kFused)) {
-          if (c.staged) {
-            f(ln_bwd_vec_kernel<T, W, kVecs, kRms, kFused, true>);
-          } else {
-            f(ln_bwd_vec_kernel<T, W, kVecs, kRms, kFused, false>);
-          }
+        } else if constexpr (bwd_may_stage(kFused)) {
+          dispatch_stages(c.stages, [&](auto stages) {
+            f(ln_bwd_vec_kernel<T, W, kVecs, kRms, kFused, decltype(stages)::value>);
+          });
         } else {
-          f(ln_bwd_vec_kernel<T, W, kVecs, kRms, kFused, false>);
+          f(ln_bwd_vec_kernel<T, W, kVecs, kRms, kFused, 0>);
         }
       });
     });
@@ -1434,9 +1485,11 @@ bool bwd_vec_fits(const LnBwdArgs& a, const Config& c) {
 BwdLaunch bwd_launch(const LnBwdArgs& a, const LnTuning& t) {
   Config c = bwd_config(a, t);
   if (c.vecs != 0) {
-    c.staged = stages_rows(t) && bwd_may_stage(c.vecs, elem_bytes(a.dtype), a.fused);
-    if (c.staged && bwd_vec_fits(a, c)) return {c, bwd_vec_smem_bytes(c, a), false};
-    c.staged = false;  // (192 KB at 16-bit rows of 16384: over sm_80's 163)
+    // Fewer rows ahead where the shared memory of more does not fit (16-bit rows of 16384: 128
+    // KB of sums, and 64 KB a staged row), none where even one does not (sm_80: 163 KB).
+    for (c.stages = bwd_may_stage(a.fused) ? stages_of(t) : 0; c.stages > 0; --c.stages) {
+      if (bwd_vec_fits(a, c)) return {c, bwd_vec_smem_bytes(c, a), false};
+    }
     if (bwd_vec_fits(a, c)) return {c, bwd_vec_smem_bytes(c, a), false};
     // Up to 128 KB (16-bit rows of 16384, both sums): a GPU with less to opt in to (sm_86 and
     // sm_89: 99 KB, sm_75: 64 KB) takes the generic kernels instead.
@@ -1459,14 +1512,14 @@ void launch_finalize(const LnBwdArgs& a, const LnBwdPlan& plan, cudaStream_t str
       static_cast<W*>(a.dbias));
 }
 
-// Launches the staged vector forward (its slots in dynamic shared memory, a persistent grid of
+// Launches the staged vector forward (its buffers in dynamic shared memory, a persistent grid of
 // one wave); false, launching nothing, where the device refuses that much shared memory.
-template <typename T, typename W, int kVecs, bool kRms, bool kFused>
+template <typename T, typename W, int kVecs, bool kRms, bool kFused, int kStages>
 bool launch_fwd_staged(const LnFwdArgs& a, const Config& c, int num_sms, cudaStream_t stream) {
-  const auto kernel = ln_fwd_vec_kernel<T, W, kVecs, kRms, kFused, true>;
+  const auto kernel = ln_fwd_vec_kernel<T, W, kVecs, kRms, kFused, kStages>;
   const int threads = c.tpr * c.rpb;
-  const size_t smem =
-      static_cast<size_t>(threads) * kVecs * stage_slots_per_chunk(a, kFused) * sizeof(uint4);
+  const size_t smem = static_cast<size_t>(kStages) * threads * kVecs *
+                      stage_slots_per_chunk(a, kFused) * sizeof(uint4);
   const void* key = reinterpret_cast<const void*>(kernel);
   if (!allow_dynamic_smem(key, smem, kFwdStaticSmem)) return false;
   const int64_t wave = int64_t{std::max(1, num_sms)} * blocks_per_sm(key, threads, smem);
@@ -1485,8 +1538,8 @@ LnTuning set_layer_norm_tuning(const LnTuning& t) {
       throw std::invalid_argument("layer_norm tuning: vecs must be 0, 1, 2 or 4");
     }
   }
-  if (t.stage < 0 || t.stage > 2) {
-    throw std::invalid_argument("layer_norm tuning: stage must be 0, 1 or 2");
+  if (t.stage < 0 || t.stage > kMaxStages + 1) {
+    throw std::invalid_argument("layer_norm tuning: stage must be 0, 1, 2 or 3");
   }
   static_assert(kFwdMaxThreads == 512 && kBwdMaxThreads == 512, "the message's bound");
   for (const int block : {t.fwd_block, t.bwd_block}) {
@@ -1519,9 +1572,15 @@ void layer_norm_fwd_cuda_launch(const LnFwdArgs& a, int num_sms, cudaStream_t st
         constexpr int kVecs = decltype(vecs)::value;
         if constexpr (kVecs == 0) {
           ln_fwd_any_kernel<T, W, kRms, kFused><<<grid, block, 0, stream>>>(a);
-        } else if (!stages_rows(tuning) ||
-                   !launch_fwd_staged<T, W, kVecs, kRms, kFused>(a, c, num_sms, stream)) {
-          ln_fwd_vec_kernel<T, W, kVecs, kRms, kFused, false><<<grid, block, 0, stream>>>(a);
+        } else {
+          // One row ahead at most: two 512-thread blocks an SM already keep 64 KB in flight
+          // through the reductions, and every depth is more kernels to compile.
+          const bool launched =
+              stages_of(tuning) > 0 &&
+              launch_fwd_staged<T, W, kVecs, kRms, kFused, 1>(a, c, num_sms, stream);
+          if (!launched) {
+            ln_fwd_vec_kernel<T, W, kVecs, kRms, kFused, 0><<<grid, block, 0, stream>>>(a);
+          }
         }
       });
     });

@@ -190,20 +190,37 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     # The staged LayerNorm forward reads its slots before its copies have landed.
     "ln_staged_no_wait": (
         "layer_norm/layer_norm_cuda.cu",
-        "  if constexpr (kStaged) wait_async_copies();\n",
+        "  if constexpr (kStaged) wait_async_copies<kStages - 1>();\n",
         "\n",
     ),
-    # The staged backward reads its slots before its copies have landed.
-    "ln_bwd_staged_no_wait": (
+    # The staged backward waits for one group too few: its row's copies may still be in flight.
+    "ln_bwd_staged_waits_too_little": (
         "layer_norm/layer_norm_cuda.cu",
-        "  const int threads = static_cast<int>(blockDim.x * blockDim.y);\n  wait_async_copies();\n",
-        "  const int threads = static_cast<int>(blockDim.x * blockDim.y);\n",
+        "  wait_async_copies<kStages - 1>();\n#pragma unroll\n  for (int i = 0; i < kVecs; ++i) {\n"
+        "    const bool valid",
+        "  wait_async_copies<kStages>();\n#pragma unroll\n  for (int i = 0; i < kVecs; ++i) {\n"
+        "    const bool valid",
+    ),
+    # The staged backward never closes a group, so no wait lands its copies.
+    "ln_bwd_staged_no_commit": (
+        "layer_norm/layer_norm_cuda.cu",
+        "      copy16_async(stage + (2 * i + 1) * threads, static_cast<const T*>(a.dy) + at);\n"
+        "    }\n  }\n  commit_async_copies();\n",
+        "      copy16_async(stage + (2 * i + 1) * threads, static_cast<const T*>(a.dy) + at);\n"
+        "    }\n  }\n",
     ),
     # The staged forward stages its own row again instead of the block's next one.
     "ln_staged_same_row": (
         "layer_norm/layer_norm_cuda.cu",
-        "stage_row<T, kVecs, kFused>(a, row + step, nvec, stage);",
-        "stage_row<T, kVecs, kFused>(a, row, nvec, stage);",
+        "stage_row<T, kVecs, kFused>(a, row + kStages * step, nvec, stage + slot * buffer);",
+        "stage_row<T, kVecs, kFused>(a, row, nvec, stage + slot * buffer);",
+    ),
+    # The staged backward's buffers do not rotate: the next rows land over the row being read.
+    "ln_bwd_staged_one_buffer": (
+        "layer_norm/layer_norm_cuda.cu",
+        "      ahead[kStages - 1] = fetch_stats<kRms>(a, row + kStages * step);\n"
+        "      slot = slot + 1 == kStages ? 0 : slot + 1;\n",
+        "      ahead[kStages - 1] = fetch_stats<kRms>(a, row + kStages * step);\n",
     ),
 }
 

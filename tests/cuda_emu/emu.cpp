@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <deque>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -40,12 +41,14 @@ struct Fiber {
   size_t bytes = 0;
   int src = -1;
   bool vote = false;
-  // cp.async copies started and not yet waited for (they land at the wait).
+  // cp.async copies: started since the last commit, and the committed groups not yet landed
+  // (oldest first; they land at a wait).
   struct Copy {
     unsigned char* dst;
     unsigned char bytes[16];
   };
-  std::vector<Copy> copies;
+  std::vector<Copy> open_copies;
+  std::deque<std::vector<Copy>> copy_groups;
 };
 
 struct WarpState {
@@ -349,7 +352,9 @@ void run_block(Block& b, const dim3& grid, const dim3& block, const uint3& bid) 
   for (int i = 0; i < n; ++i) {
     Fiber* f = b.fibers[i];
     f->st = State::kReady;
-    f->copies.clear();  // what the last block left unwaited (a GPU lets it land unread)
+    // What the last block left unwaited (a GPU lets it land unread).
+    f->open_copies.clear();
+    f->copy_groups.clear();
     f->tc.tid = make_uint3(i % block.x, (i / block.x) % block.y, i / (block.x * block.y));
     f->tc.bid = bid;
     f->tc.bdim = block;
@@ -632,13 +637,21 @@ void copy16_async(void* dst, const void* src) {
   if (!detail::in_shared(dst, 16)) detail::fail("cp.async to an address outside shared memory");
   detail::Fiber::Copy c{static_cast<unsigned char*>(dst), {}};
   std::memcpy(c.bytes, src, 16);
-  f->copies.push_back(c);
+  f->open_copies.push_back(c);
 }
 
-void wait_async_copies() {
+void commit_async_copies() {
   detail::Fiber* f = detail::me();
-  for (const detail::Fiber::Copy& c : f->copies) std::memcpy(c.dst, c.bytes, 16);
-  f->copies.clear();
+  f->copy_groups.push_back(std::move(f->open_copies));
+  f->open_copies.clear();
+}
+
+void wait_async_copies(int pending) {
+  detail::Fiber* f = detail::me();
+  while (f->copy_groups.size() > static_cast<size_t>(std::max(pending, 0))) {
+    for (const detail::Fiber::Copy& c : f->copy_groups.front()) std::memcpy(c.dst, c.bytes, 16);
+    f->copy_groups.pop_front();
+  }
 }
 
 // ------------------------------------------------------------------ runtime API shims

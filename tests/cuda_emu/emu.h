@@ -175,11 +175,13 @@ inline int any_sync(unsigned mask, int pred) {
 // ------------------------------------------------------------------ runtime API shims
 
 // cp.async (csrc/common/async_copy.cuh): copy16_async snapshots 16 bytes of src and queues them
-// for dst, which must be 16-byte aligned shared memory of the block; they land when the same
-// thread calls wait_async_copies. A thread that reads its copy before its wait reads what was
-// there before (NaN bytes at first), so a missing wait shows up in the results.
+// for dst, which must be 16-byte aligned shared memory of the block; commit_async_copies closes
+// the thread's group of queued copies; wait_async_copies(n) lands all but the n newest of its
+// committed groups. A thread that reads a copy before the wait that lands it reads what was
+// there before (NaN bytes at first), so a missing wait or commit shows up in the results.
 void copy16_async(void* dst, const void* src);
-void wait_async_copies();
+void commit_async_copies();
+void wait_async_copies(int pending);
 
 cudaError_t cudaGetDevice(int* device);
 cudaError_t cudaSetDevice(int device);
