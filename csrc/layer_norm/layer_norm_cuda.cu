@@ -1234,22 +1234,18 @@ void dispatch_mode(bool rms, bool fused, F&& f) {
   }
 }
 
+// Calls f(std::integral_constant<int, V>) for the V of kValues equal to v, else for 0.
+template <int... kValues, typename F>
+void dispatch_int(int v, F&& f) {
+  const bool found = ((v == kValues ? (f(std::integral_constant<int, kValues>{}), true) : false) ||
+                      ...);
+  if (!found) f(std::integral_constant<int, 0>{});
+}
+
 // Calls f(kVecs) as an integral constant; 0 means the generic kernel.
 template <typename F>
 void dispatch_vecs(int vecs, F&& f) {
-  switch (vecs) {
-    case 1:
-      f(std::integral_constant<int, 1>{});
-      return;
-    case 2:
-      f(std::integral_constant<int, 2>{});
-      return;
-    case 4:
-      f(std::integral_constant<int, 4>{});
-      return;
-    default:
-      f(std::integral_constant<int, 0>{});
-  }
+  dispatch_int<1, 2, 4>(vecs, f);
 }
 
 struct Config {
@@ -1313,17 +1309,8 @@ int stages_of(const LnTuning& t) { return t.stage >= 2 ? t.stage - 1 : 0; }
 // Calls f(std::integral_constant<int, S>) for S = stages (0 to kMaxStages).
 template <typename F>
 void dispatch_stages(int stages, F&& f) {
-  static_assert(kMaxStages == 2, "one case a depth");
-  switch (stages) {
-    case 1:
-      f(std::integral_constant<int, 1>{});
-      return;
-    case 2:
-      f(std::integral_constant<int, 2>{});
-      return;
-    default:
-      f(std::integral_constant<int, 0>{});
-  }
+  static_assert(kMaxStages == 2, "one value a depth");
+  dispatch_int<1, 2>(stages, f);
 }
 
 int or_default(int override_value, int built_in) {
