@@ -1,8 +1,8 @@
 """LayerNorm's CUDA launch configurations measured against each other, on a GPU.
 
 The issue's targets (forward >= 85%, backward >= 75% of the device copy bandwidth, bf16, 16384
-rows) were missed on the H200 (forward 79-80%, backward 64-71%) with the built-in choice of
-vectors a thread and threads a block. For each hidden size this times the forward and the
+rows) were missed on the H200 (12-04 sweep: forward 48-78%, backward 47-75%) with the built-in
+choice of vectors a thread and threads a block. For each hidden size this times the forward and the
 backward kernels with every override of that choice (torch.ops.fastformer.layer_norm_tuning:
 the most 16-byte vectors a thread holds, the threads a block), next to the built-in one, as
 GB/s and the fraction of the copy bandwidth measured in the same run. The forward kinds are
