@@ -98,8 +98,8 @@ constexpr int kBwdLongVecs = 4;
 constexpr int kFinalizeRows = 8;  // row groups of the finalize kernel (each sums a strided slice)
 constexpr size_t kDefaultSmem = 48 * 1024;  // shared memory of a block without opting in
 // The row_sum slots of the backward kernels (their static shared memory).
-constexpr size_t kStaticSmem = 12 * kWarp;  // a backward's GradSums red[kWarp]
-constexpr size_t kFwdStaticSmem = 12 * kWarp;  // the vector forward's red and red2
+// 12 * kWarp bytes: a backward's GradSums red[kWarp], the vector forward's red and red2 alike.
+constexpr size_t kStaticSmem = 12 * kWarp;
 constexpr int64_t kMaxGrid = int64_t{1} << 30;
 
 // The staged forward's shared-memory slots a chunk of a row: x's, and the residual's if any.
@@ -380,29 +380,23 @@ __device__ __forceinline__ uint4 fuse_chunk(const LnFwdArgs& a, int64_t idx, uin
   return pre;
 }
 
-// The staged forward (kStages 1 or 2) copies the chunks of the block's next kStages rows to
-// shared memory with cp.async while a row is reduced and stored, so an SM's loads stay in flight
-// through the reductions (the backward's way, the next row held in registers, would spill here:
-// a 16-bit row of 4 chunks a thread takes 63 of the forward's 64 registers). Each thread reads
-// back only the chunks it copied, so its own wait is enough: no barrier. A row's copies are one
-// group; the rows rotate through kStages buffers. Slot of chunk i of x (j = 0) or of the
-// residual (j = 1, fused with a residual only) within a buffer, in 16-byte units of the block's
-// dynamic shared memory, already offset by the thread: consecutive threads, consecutive slots
-// (no bank conflicts).
+// The staged forward (kStaged) copies the chunks of the block's next row to shared memory with
+// cp.async while a row is reduced and stored, so an SM's loads stay in flight through the
+// reductions (the backward's way, the next row held in registers, would spill here: a 16-bit
+// row of 4 chunks a thread takes 63 of the forward's 64 registers). Each thread reads back only
+// the chunks it copied, so its own wait is enough: no barrier. A row's copies are one group.
+// Slot of chunk i of x (j = 0) or of the residual (j = 1, fused with a residual only), in
+// 16-byte units of the block's dynamic shared memory, already offset by the thread: consecutive
+// threads, consecutive slots (no bank conflicts).
 template <bool kFused>
 __device__ __forceinline__ int stage_slot(const LnFwdArgs& a, int i, int j) {
   const int per_chunk = stage_slots_per_chunk(a, kFused);
   return (per_chunk * i + j) * static_cast<int>(blockDim.x * blockDim.y);
 }
 
-// The 16-byte slots of one staging buffer (every thread's) of a forward block.
-template <int kVecs, bool kFused>
-__device__ __forceinline__ int stage_buffer_slots(const LnFwdArgs& a) {
-  return stage_slot<kFused>(a, kVecs, 0);
-}
 
-// Starts the copies of row's chunks of x (and of the residual) to the thread's slots of a buffer,
-// as one group; a row past the last, or chunks past the row, copy nothing (load_row reads zero
+// Starts the copies of row's chunks of x (and of the residual) to the thread's slots, as one
+// group; a row past the last, or chunks past the row, copy nothing (load_row reads zero
 // bits for them instead), and the group is empty.
 template <typename T, int kVecs, bool kFused>
 __device__ __forceinline__ void stage_row(const LnFwdArgs& a, int64_t row, int64_t nvec,
@@ -429,17 +423,16 @@ __device__ __forceinline__ void stage_row(const LnFwdArgs& a, int64_t row, int64
 // is fused: fused chunk by chunk, each chunk's pre store kept the next chunk's loads waiting
 // behind it (the compiler may not move a load above a store it cannot prove apart), one memory
 // round trip a chunk (ptxas's sm_90 code for 16-bit rows of 4 chunks a thread).
-// stage (staged only): the thread's slots of the buffer stage_row copied this row to; the
-// row's group is the oldest of kStages in flight.
-template <typename T, int kVecs, bool kFused, int kStages>
+// stage (kStaged only): the thread's slots, where stage_row copied this row (the only group in
+// flight).
+template <typename T, int kVecs, bool kFused, bool kStaged>
 __device__ __forceinline__ void load_row(const LnFwdArgs& a, int64_t row, bool row_ok,
                                          int64_t nvec, uint4 (&raw)[kVecs],
                                          [[maybe_unused]] const uint4* stage) {
-  constexpr bool kStaged = kStages > 0;
   constexpr int kE = 16 / sizeof(T);
   const int64_t offset = row_ok ? row * a.cols : 0;
   [[maybe_unused]] uint4 res[kVecs];
-  if constexpr (kStaged) wait_async_copies<kStages - 1>();
+  if constexpr (kStaged) wait_async_copies<0>();
 #pragma unroll
   for (int i = 0; i < kVecs; ++i) {
     const int64_t vi = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
@@ -501,36 +494,31 @@ __device__ __forceinline__ void normalize_store(const LnFwdArgs& a, int64_t row,
   store_vec<T, kE>(static_cast<T*>(a.out) + row * a.cols + col, v);
 }
 
-// kStages > 0: on a persistent grid (one wave), each row's loads start kStages rows before it is
-// worked on (stage_slot); the block's dynamic shared memory holds the buffers.
+// kStages 1 (kStaged): on a persistent grid (one wave), each row's loads start while the row
+// before it is worked on (stage_slot); the block's dynamic shared memory holds the slots. One
+// row ahead only (the launcher says why).
 template <typename T, typename W, int kVecs, bool kRms, bool kFused, int kStages>
 __global__ void __launch_bounds__(kFwdMaxThreads, kFwdMinBlocks)
     ln_fwd_vec_kernel(const LnFwdArgs a) {
+  static_assert(kStages == 0 || kStages == 1, "the forward stages one row ahead at most");
+  constexpr bool kStaged = kStages == 1;
   constexpr int kE = 16 / sizeof(T);
   __shared__ float red[kWarp];
   __shared__ float2 red2[kWarp];
   extern __shared__ uint4 stage_smem[];
   uint4* const stage = stage_smem + threadIdx.y * blockDim.x + threadIdx.x;
-  const int buffer = kStages > 0 ? stage_buffer_slots<kVecs, kFused>(a) : 0;
   const int64_t nvec = a.cols / kE;
   const float cols = static_cast<float>(a.cols);
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.y;
-#pragma unroll
-  for (int s = 0; s < kStages; ++s) {
-    stage_row<T, kVecs, kFused>(a, first + threadIdx.y + s * step, nvec, stage + s * buffer);
-  }
+  if constexpr (kStaged) stage_row<T, kVecs, kFused>(a, first + threadIdx.y, nvec, stage);
   // The loop bound is uniform over the block, so every thread reaches every barrier.
-  int slot = 0;  // the buffer of this iteration's row (kStages > 1)
   for (int64_t base = first; base < a.rows; base += step) {
     const int64_t row = base + threadIdx.y;
     const bool row_ok = row < a.rows;
     uint4 raw[kVecs];
-    load_row<T, kVecs, kFused, kStages>(a, row, row_ok, nvec, raw, stage + slot * buffer);
-    if constexpr (kStages > 0) {
-      stage_row<T, kVecs, kFused>(a, row + kStages * step, nvec, stage + slot * buffer);
-      slot = slot + 1 == kStages ? 0 : slot + 1;
-    }
+    load_row<T, kVecs, kFused, kStaged>(a, row, row_ok, nvec, raw, stage);
+    if constexpr (kStaged) stage_row<T, kVecs, kFused>(a, row + step, nvec, stage);
     const auto each = [&](auto&& f) {  // f(v) for this thread's values of the row
 #pragma unroll
       for (int i = 0; i < kVecs; ++i) {
@@ -1501,14 +1489,14 @@ void launch_finalize(const LnBwdArgs& a, const LnBwdPlan& plan, cudaStream_t str
 
 // Launches the staged vector forward (its buffers in dynamic shared memory, a persistent grid of
 // one wave); false, launching nothing, where the device refuses that much shared memory.
-template <typename T, typename W, int kVecs, bool kRms, bool kFused, int kStages>
+template <typename T, typename W, int kVecs, bool kRms, bool kFused>
 bool launch_fwd_staged(const LnFwdArgs& a, const Config& c, int num_sms, cudaStream_t stream) {
-  const auto kernel = ln_fwd_vec_kernel<T, W, kVecs, kRms, kFused, kStages>;
+  const auto kernel = ln_fwd_vec_kernel<T, W, kVecs, kRms, kFused, 1>;
   const int threads = c.tpr * c.rpb;
-  const size_t smem = static_cast<size_t>(kStages) * threads * kVecs *
-                      stage_slots_per_chunk(a, kFused) * sizeof(uint4);
+  const size_t smem =
+      static_cast<size_t>(threads) * kVecs * stage_slots_per_chunk(a, kFused) * sizeof(uint4);
   const void* key = reinterpret_cast<const void*>(kernel);
-  if (!allow_dynamic_smem(key, smem, kFwdStaticSmem)) return false;
+  if (!allow_dynamic_smem(key, smem, kStaticSmem)) return false;
   const int64_t wave = int64_t{std::max(1, num_sms)} * blocks_per_sm(key, threads, smem);
   const int64_t grid = std::min(ceil_div(a.rows, c.rpb), wave);
   kernel<<<static_cast<unsigned>(grid), dim3(c.tpr, c.rpb), smem, stream>>>(a);
@@ -1564,7 +1552,7 @@ void layer_norm_fwd_cuda_launch(const LnFwdArgs& a, int num_sms, cudaStream_t st
           // through the reductions, and every depth is more kernels to compile.
           const bool launched =
               stages_of(tuning) > 0 &&
-              launch_fwd_staged<T, W, kVecs, kRms, kFused, 1>(a, c, num_sms, stream);
+              launch_fwd_staged<T, W, kVecs, kRms, kFused>(a, c, num_sms, stream);
           if (!launched) {
             ln_fwd_vec_kernel<T, W, kVecs, kRms, kFused, 0><<<grid, block, 0, stream>>>(a);
           }

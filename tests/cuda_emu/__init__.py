@@ -190,7 +190,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     # The staged LayerNorm forward reads its slots before its copies have landed.
     "ln_staged_no_wait": (
         "layer_norm/layer_norm_cuda.cu",
-        "  if constexpr (kStaged) wait_async_copies<kStages - 1>();\n",
+        "  if constexpr (kStaged) wait_async_copies<0>();\n",
         "\n",
     ),
     # The staged backward waits for one group too few: its row's copies may still be in flight.
@@ -212,8 +212,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     # The staged forward stages its own row again instead of the block's next one.
     "ln_staged_same_row": (
         "layer_norm/layer_norm_cuda.cu",
-        "stage_row<T, kVecs, kFused>(a, row + kStages * step, nvec, stage + slot * buffer);",
-        "stage_row<T, kVecs, kFused>(a, row, nvec, stage + slot * buffer);",
+        "stage_row<T, kVecs, kFused>(a, row + step, nvec, stage);",
+        "stage_row<T, kVecs, kFused>(a, row, nvec, stage);",
     ),
     # The staged backward's buffers do not rotate: the next rows land over the row being read.
     "ln_bwd_staged_one_buffer": (
