@@ -41,7 +41,7 @@ def _variant(name):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_train_step(benchmark, variant):
     model, loss_fn, _, src, tgt = _variant(variant)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    opt = B.optimizer(model)
     model.train()
     train = B.training_step(loss_fn, opt, src, tgt)
 

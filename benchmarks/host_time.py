@@ -9,9 +9,11 @@ after fastformer.swap with attention on its Triton kernels: Triton's real JIT, c
 sm_90 through a stand-in driver, so each launch binds its arguments, specializes and finds its
 compiled kernel as on a GPU; only the driver's launcher (its C argument parsing and
 cuLaunchKernel) is replaced by a no-op. The first steps compile (~1 s a kernel variant, kept in
-Triton's cache). Adam with foreach, as on CUDA; one thread.
+Triton's cache). The bench's optimizer (Adam, torch's fused kernel; `--adam foreach` for torch's
+default); one thread.
 
     python benchmarks/host_time.py [--steps N] [--variants eager,torch.nn,fastformer] [--inference]
+        [--adam fused|foreach]
 """
 
 from __future__ import annotations
@@ -61,11 +63,15 @@ def models() -> dict[str, torch.nn.Module]:
     return {"eager": eager, "torch.nn": bench.torch_nn_twin(eager), "fastformer": fast}
 
 
-def training_step(model: torch.nn.Module):
-    """The bench's training step of `model` (Adam, foreach), after 20 warm-up steps."""
+def training_step(model: torch.nn.Module, adam: str = "fused"):
+    """The bench's training step of `model` after 20 warm-up steps; adam "foreach": torch's
+    default Adam instead of the bench's fused one."""
     src, tgt = bench.synthetic_batch(CASE, torch.device("cpu"))
     model.train()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=True)
+    if adam == "foreach":
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=True)
+    else:
+        opt = bench.optimizer(model)
     step = bench.training_step(model.loss, opt, src, tgt)
     for _ in range(20):
         step()
@@ -107,6 +113,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--inference", action="store_true", help="time the inference pass, not the training step"
     )
+    parser.add_argument(
+        "--adam", choices=("fused", "foreach"), default="fused", help="the training step's Adam"
+    )
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
     if not names or set(names) - set(VARIANTS):
@@ -115,8 +124,10 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", "The PyTorch API of nested tensors")
     _sm90_jit()
     variants = models()
-    make_step = inference_step if args.inference else training_step
-    steps = {name: make_step(variants[name]) for name in names}
+    if args.inference:
+        steps = {name: inference_step(variants[name]) for name in names}
+    else:
+        steps = {name: training_step(variants[name], args.adam) for name in names}
     for name, (median, best) in step_ms(steps, args.steps).items():
         print(f"{name:<12} step median {median:7.2f} ms  min {best:7.2f} ms")
     if "fastformer" in names and not _Launcher.launches:

@@ -112,7 +112,7 @@ def profile_model(case: ModelCase, iters: int, top: int, device="cuda") -> list[
             lines.append(f"  {name}: not run ({model or info['error']})")
             continue
         model.train()
-        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        opt = bench.optimizer(model)
         step = bench.training_step(model.loss, opt, src, tgt)
         wall, kernels = _profiled(step, iters, top, device, "step")
         host = host_time(step, device, iters)

@@ -410,6 +410,23 @@ def real_tokens(src, tgt) -> int:
     return int((src != PAD).sum() + (tgt != PAD).sum())
 
 
+# Every variant's training step ends with the same optimizer: Adam through torch's fused kernel
+# (`optimizer`). Its default, foreach, makes ~10 list ops a step over every parameter list, each
+# launching kernels per chunk of tensors: 2.5 ms of host time a step against the fused kernel's
+# 0.7 (CPU stand-in of the base model's 186 parameters, `benchmarks/host_time.py`, 2026-12-06),
+# and the base model's step is host-bound on an H200.
+OPTIMIZER = "Adam (lr 1e-4, torch's fused kernel)"
+
+
+def optimizer(model: torch.nn.Module, graphed: bool = False) -> torch.optim.Adam:
+    """The bench's optimizer of `model` (`OPTIMIZER`). graphed: capturable, its step state on
+    the device, so that a CUDA graph captures the step. Parameters that torch's fused kernel does
+    not take (not floating point, or on a device without it) get the foreach kernels."""
+    params = list(model.parameters())
+    fused = all(p.is_floating_point() and p.device.type in ("cuda", "cpu") for p in params)
+    return torch.optim.Adam(params, lr=1e-4, capturable=graphed, fused=fused or None)
+
+
 def training_step(loss_fn, opt, src, tgt):
     """One training step of `bench` (zero_grad, loss forward + backward, Adam step) as a
     function of nothing; the profiler and the pytest-benchmark suite time the same."""
@@ -427,8 +444,7 @@ def _measure_variant(
 ) -> dict:
     """Train-step and inference timings, peak memory; the first call (compilation) apart.
     graphed: each step captured once in a CUDA graph and replayed (`_cuda_graph`)."""
-    # capturable: Adam's step state on the GPU, so that its step can be captured too
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4, capturable=graphed)
+    opt = optimizer(model, graphed)
     tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS), tgt[:, :-1]], dim=1)
     train_step = training_step(loss_fn, opt, src, tgt)
 
@@ -585,6 +601,7 @@ def bench_model(
         "tokens_per_batch": real_tokens(src, tgt),
         "padding_fraction": 1 - real_tokens(src, tgt) / (src.numel() + tgt.numel()),
         "swap": swap_info,
+        "optimizer": OPTIMIZER,
         "variants": {},
     }
     if fast is not None:

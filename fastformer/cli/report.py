@@ -249,8 +249,10 @@ def model_lines(model: dict[str, Any]) -> list[str]:
         f"batch {cfg['batch']} x {cfg['max_len']} tokens per side, "
         f"{model['tokens_per_batch']} real tokens (src + tgt), "
         f"{model['padding_fraction']:.0%} padding, {model['dtype']}.",
-        "",
     ]
+    if "optimizer" in model:  # results of 2026-12-06 on (before: Adam's foreach default)
+        lines.append(f"Training step: zero_grad, forward and loss, backward, {model['optimizer']}.")
+    lines.append("")
     host = any("train_host_ms" in v for v in model["variants"].values())
     ms = "ms (host)" if host else "ms"
     lines += [
