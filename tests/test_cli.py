@@ -2014,6 +2014,52 @@ def test_gpu_peers_compute_the_same_function_on_cpu():
                 torch.testing.assert_close(fn(*args), want, msg=f"{bench.case.name} {name}")
 
 
+def _static_shape_recorder(monkeypatch) -> list[bool]:
+    """torch.compile made to compile through a backend that records, for each graph, whether
+    any of its inputs has a symbolic (dynamic) size; the callers' other arguments kept."""
+    compile_ = torch.compile
+    graphs: list[bool] = []
+
+    def symbolic(value) -> bool:
+        sizes = value.shape if isinstance(value, torch.Tensor) else [value]
+        return any(isinstance(s, torch.SymInt) for s in sizes)
+
+    def backend(gm, example_inputs):
+        values = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+        graphs.append(any(symbolic(v) for v in values))
+        return gm.forward
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend=backend, **kw))
+    return graphs
+
+
+def test_torch_compile_peers_compile_each_shape_static(monkeypatch):
+    """Guards: torch.compile's default compiles a function's second shape with dynamic sizes
+    (its LayerNorm peer after the grid's first hidden size ran slower than eager on the
+    H200): each case of the per-op grid, and each compiled model variant, is static."""
+    from fastformer.cli import impls as I
+
+    graphs = _static_shape_recorder(monkeypatch)
+    cpu = torch.device("cpu")
+    for hidden in (16, 32, 48):  # one lambda for every case: the default's dynamic trigger
+        bench = I.layer_norm_bench(LayerNormCase(4, hidden), cpu, torch.float32, True)
+        with torch.no_grad():
+            bench.impls["torch.compile"](*(a.detach() for a in bench.args))
+    for d_ff in (24, 40):
+        bench = I.ffn_bench(FfnCase(4, 8, d_ff), cpu, torch.float32, True)
+        with torch.no_grad():
+            bench.impls["torch.compile"](*(a.detach() for a in bench.args))
+    assert graphs == [False] * 5, graphs
+    # The model variants: the layers' regions see the source and the target, two lengths here.
+    model, src, tgt = _small_model(layers=1)
+    graphs.clear()
+    for name in (B.COMPILE_LAYERS, B.COMPILE_WHOLE):
+        loss_fn, _ = B.compiled_model(name, copy.deepcopy(model))
+        with torch.no_grad():
+            loss_fn(src, tgt[:, :-1])
+    assert len(graphs) > 2 and not any(graphs), graphs
+
+
 def test_bench_max_seconds_measures_nothing_new_after_the_limit(monkeypatch, tmp_path, capsys):
     """A run past --max-seconds lists the rest as not run (never as a time), keeps what it
     measured in results.json, and still writes the report."""
