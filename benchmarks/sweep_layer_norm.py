@@ -8,7 +8,9 @@ the most 16-byte vectors a thread holds, the threads a block), next to the built
 GB/s and the fraction of the copy bandwidth measured in the same run. The forward kinds are
 also timed staged (stage 2: each row copied to shared memory with cp.async while the row before
 it is worked on, on a persistent grid; not yet the built-in choice), with the built-in vectors
-and block and with each override of 4 vectors; the unfused backward with the built-in vectors
+and block and with each override of 4 vectors, and read in a loop (stage 4: re-read from L2 for
+the statistics and the output, fewer registers; not yet the built-in choice either) with the
+built-in block and with 128 and 256 threads; the unfused backward with the built-in vectors
 and block, one row ahead (stage 2) and two (stage 3). Which configuration runs
 is the C++ choice given the override (rows too long for the vectors asked for take the long-row
 kernels). The backward is timed as its op alone (kernel and finalize, no autograd). "fused" is
@@ -32,7 +34,8 @@ import torch
 
 FWD = [(v, b) for v in (1, 2, 4) for b in (64, 128, 256, 512)]
 BWD = [(v, b) for v in (1, 2, 4) for b in (128, 256, 512)]
-REGISTERS, STAGED, DEEP = 1, 2, 3  # layer_norm_tuning's stage (0: the built-in choice)
+REGISTERS, STAGED, DEEP, LOOP = 1, 2, 3, 4  # layer_norm_tuning's stage (0: built-in)
+LOOP_BLOCKS = (0, 128, 256)  # the looped forward's blocks: built-in, then threads a row
 COLS = (512, 1024, 2048, 4096, 8192, 16384)
 FUSED_COLS = (1024, 4096)  # the bench's fused case, and a size with a block a row
 KINDS = ("fwd", "bwd", "fused", "prenorm_bwd")
@@ -88,7 +91,8 @@ def _configs(kind: str, elem: int, cols: int) -> list[tuple[int, int, int]]:
     block, stage)."""
     if kind in ("fwd", "fused"):
         staged = [(0, 0, STAGED), *((v, b, STAGED) for v, b in FWD if v == 4)]
-        return [(0, 0, 0), *((v, b, 0) for v, b in FWD), *staged]
+        looped = [(0, b, LOOP) for b in LOOP_BLOCKS]
+        return [(0, 0, 0), *((v, b, 0) for v, b in FWD), *staged, *looped]
     # 16-bit rows: at most 2 vectors a backward thread (the C++ choice caps it). Only the
     # unfused backward stages.
     staged = [(0, 0, STAGED), (0, 0, DEEP)] if kind == "bwd" else []
@@ -117,8 +121,9 @@ def _measure(kind: str, fn, cols: int, elem: int, copy_gbps: float) -> list[dict
                 cols=cols,
                 vecs=vecs,
                 block=block,
-                staged=stage >= STAGED,
-                ahead=max(stage - 1, 0),
+                staged=stage in (STAGED, DEEP),
+                ahead=stage - 1 if stage in (STAGED, DEEP) else 0,
+                loop=stage == LOOP,
                 ms=ms,
                 gbps=gbps,
                 of_copy=gbps / copy_gbps,
@@ -157,27 +162,34 @@ def sweep(cols_list: list[int], dtype: torch.dtype, done=lambda result: None) ->
 
 def _name(r: dict) -> str:
     ahead = r.get("ahead", 1 if r.get("staged") else 0)
-    return f"{r['vecs']}/{r['block']}" + {0: "", 1: "/staged", 2: "/staged2"}[ahead]
+    mode = "/loop" if r.get("loop") else {0: "", 1: "/staged", 2: "/staged2"}[ahead]
+    return f"{r['vecs']}/{r['block']}{mode}"
 
 
 def table(result: dict) -> str:
     """One line a (kind, hidden size): the built-in configuration's fraction of copy, the
-    staged built-in's (one row ahead: "staged", two: "staged2"), then the best override's."""
+    staged built-in's (one row ahead: "staged", two: "staged2") and the looped ones' ("loop",
+    by block), then the best override's."""
     lines = [
         f"{result['device']}, {result['dtype']}, {result['rows']} rows, copy "
-        f"{result['copy_gbps']:.0f} GB/s; vecs/block[/staged] (0/0: built-in), fraction of copy"
+        f"{result['copy_gbps']:.0f} GB/s; vecs/block[/staged|/loop] (0/0: built-in), fraction of "
+        "copy"
     ]
     groups: dict[tuple[str, int], list[dict]] = {}
     for r in result["results"]:
         groups.setdefault((r["kind"], r["cols"]), []).append(r)
     for (kind, cols), rs in groups.items():
-        built_in = next(r for r in rs if r["vecs"] == 0 and not r.get("staged"))
+        built_in = next(
+            r for r in rs if r["vecs"] == 0 and not r.get("staged") and not r.get("loop")
+        )
         best = max(rs, key=lambda r: r["gbps"])
         line = f"{kind} {cols:>6}: built-in {built_in['of_copy']:.1%} ({built_in['ms']:.3f} ms); "
         for r in rs:
             if r["vecs"] == 0 and r.get("staged"):
                 name = _name(r).split("/")[-1]
                 line += f"{name} {r['of_copy']:.1%} ({r['ms']:.3f} ms); "
+            elif r.get("loop"):
+                line += f"loop/{r['block']} {r['of_copy']:.1%} ({r['ms']:.3f} ms); "
         lines.append(line + f"best {_name(best)} {best['of_copy']:.1%} ({best['ms']:.3f} ms)")
     return "\n".join(lines)
 

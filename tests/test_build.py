@@ -238,6 +238,7 @@ def test_built_cuda_kernels_have_no_spills():
 _FFN_16 = r"I(?:(?:13__nv_bfloat16|6__half)L.*?ELi8EE|fL.*?ELi4EE)"
 _VECTOR_KERNELS = [
     (re.compile(r"ln_fwd_vec_kernel"), {"STG.E": 2}),
+    (re.compile(r"ln_fwd_chunk_kernel"), {"STG.E": 2}),  # mean and rstd, as the vector one
     (re.compile(r"ln_bwd_vec_kernel"), {}),
     (re.compile(r"ffn_forward_kernel" + _FFN_16), {}),
     (re.compile(r"ffn_backward_kernel" + _FFN_16), {"STG.E": None}),

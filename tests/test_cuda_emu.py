@@ -221,9 +221,9 @@ def _ln_ref(x, w, b, eps=1e-5):
 
 
 VEC, ANY, CHUNK = "vec", "any", "chunk"
-# dtype, rows, cols; the forward kernel (kind, vectors a thread, block) and the backward's. The
-# backward's rows too long for its registers take the generic kernel on 16-byte chunks when cols
-# is a multiple of the vector width (CHUNK), else the scalar one (ANY).
+# dtype, rows, cols; the forward kernel (kind, vectors a thread, block) and the backward's. Rows
+# too long for the registers take the generic kernels on 16-byte chunks when cols is a multiple
+# of the vector width (CHUNK), else the scalar ones (ANY).
 LN_PATHS = [
     (F32, 1, 1, (ANY, 0, (32, 4, 1)), (ANY, 0, (32, 8, 1))),
     (F32, 3, 7, (ANY, 0, (32, 4, 1)), (ANY, 0, (32, 8, 1))),
@@ -234,7 +234,7 @@ LN_PATHS = [
     (F32, 3, 1028, (VEC, 4, (96, 1, 1)), (VEC, 4, (96, 2, 1))),  # three warps a row
     (F32, 2, 8192, (VEC, 4, (512, 1, 1)), (VEC, 4, (512, 1, 1))),
     (F32, 3, 1023, (ANY, 0, (256, 1, 1)), (ANY, 0, (256, 1, 1))),
-    (F32, 2, 8196, (ANY, 0, (512, 1, 1)), (CHUNK, 0, (512, 1, 1))),  # 2049 chunks: a tail
+    (F32, 2, 8196, (CHUNK, 0, (512, 1, 1)), (CHUNK, 0, (512, 1, 1))),  # 2049 chunks: a tail
     (F32, 2, 8194, (ANY, 0, (512, 1, 1)), (ANY, 0, (512, 1, 1))),  # not whole chunks
     (BF16, 300, 256, (VEC, 1, (32, 4, 1)), (VEC, 1, (32, 8, 1))),
     (BF16, 1, 512, (VEC, 2, (32, 4, 1)), (VEC, 2, (32, 8, 1))),  # one row, seven idle
@@ -243,7 +243,7 @@ LN_PATHS = [
     (BF16, 2, 16384, (VEC, 4, (512, 1, 1)), (VEC, 4, (512, 1, 1))),  # 4 vectors, no prefetch
     (BF16, 3, 8200, (VEC, 4, (288, 1, 1)), (VEC, 4, (288, 1, 1))),  # 1025 chunks: a tail
     (F16, 2, 16384, (VEC, 4, (512, 1, 1)), (VEC, 4, (512, 1, 1))),
-    (BF16, 2, 16392, (ANY, 0, (512, 1, 1)), (CHUNK, 0, (512, 1, 1))),  # over 4 x 512 vectors
+    (BF16, 2, 16392, (CHUNK, 0, (512, 1, 1)), (CHUNK, 0, (512, 1, 1))),  # over 4 x 512 vectors
     (F16, 2, 8201, (ANY, 0, (512, 1, 1)), (ANY, 0, (512, 1, 1))),  # odd cols
     (F16, 5, 1023, (ANY, 0, (256, 1, 1)), (ANY, 0, (256, 1, 1))),
 ]
@@ -285,7 +285,10 @@ LN_TUNED = [
     (BF16, 5, 2048, [1, 512, 1, 128, 0], (VEC, 1, (256, 2, 1)), (VEC, 1, (256, 1, 1))),
     (F32, 7, 512, [1, 64, 4, 64, 1], (VEC, 1, (128, 1, 1)), (VEC, 4, (32, 2, 1))),
     (F16, 3, 8192, [4, 512, 4, 0, 3], (VEC, 4, (256, 2, 1)), (VEC, 2, (512, 1, 1))),
-    (BF16, 2, 16384, [1, 0, 1, 0, 2], (ANY, 0, (512, 1, 1)), (VEC, 4, (512, 1, 1))),
+    (BF16, 2, 16384, [1, 0, 1, 0, 2], (CHUNK, 0, (512, 1, 1)), (VEC, 4, (512, 1, 1))),
+    # stage 4: the forward reads its rows in a loop, with fewer threads a row when told
+    (BF16, 2, 16384, [0, 128, 0, 0, 4], (CHUNK, 0, (128, 1, 1)), (VEC, 4, (512, 1, 1))),
+    (F32, 7, 512, [0, 64, 0, 0, 4], (CHUNK, 0, (32, 2, 1)), (VEC, 4, (32, 8, 1))),
 ]
 NO_TUNING = [0, 0, 0, 0, 0]
 
@@ -308,13 +311,13 @@ def test_layer_norm_launch_overrides(dtype, rows, cols, tuning, fwd, bwd):
     assert built_in == NO_TUNING
     assert _path(launches[0]) == fwd and _path(launches[1]) == bwd
     # Rows staged ahead: the vector kernels only (the forward one at most), with stage 2 or 3.
-    ahead = max(tuning[4] - 1, 0)
+    ahead = tuning[4] - 1 if tuning[4] in (2, 3) else 0
     assert launches[0].params.get("kStages", "0") == str(min(ahead, 1) if fwd[0] == VEC else 0)
     assert launches[1].params.get("kStages", "0") == str(ahead if bwd[0] == VEC else 0)
 
 
 def test_layer_norm_launch_overrides_are_checked():
-    bad_ones = ([3, 0, 0, 0, 0], [0, 100, 0, 0, 0], [0, 0, 0, 1024, 0], [0, 0, 0, 0, 4])
+    bad_ones = ([3, 0, 0, 0, 0], [0, 100, 0, 0, 0], [0, 0, 0, 1024, 0], [0, 0, 0, 0, 5])
     for bad in (*bad_ones, [1, 2, 3], [0, 0, 0, 0]):
         with pytest.raises(RuntimeError, match="layer_norm.tuning"):
             torch.ops.fastformer_emu.layer_norm_tuning(bad)
@@ -425,6 +428,56 @@ def test_staged_rows_equal_the_register_kernels(dtype, rows, cols, mode, sms):
     for config in (STAGED, DEEP):
         for i, (registers, staged) in enumerate(zip(results[1], results[config[4]], strict=True)):
             assert _same_bits(registers, staged), f"stage {config[4]}, result {i}"
+
+
+LOOP = [0, 0, 0, 0, 4]
+
+
+@pytest.mark.parametrize(("dtype", "rows", "cols", "mode", "sms"), STAGED_CASES)
+def test_rows_read_in_a_loop_equal_the_register_kernels(dtype, rows, cols, mode, sms):
+    # layer_norm_tuning's stage 4: the forward reads each row in a loop (ln_fwd_chunk_kernel)
+    # with the register kernel's block and grid, so its sums run in the same order: the same
+    # bits, its outputs and, through the saved statistics, the backward's gradients.
+    x = _make((rows, cols), dtype, scale=1.5, shift=0.5)
+    w, b = _make((cols,), seed=1), _make((cols,), seed=2)
+    fast, reference, extra, extra_names = _staged_op(mode, x)
+    inputs, names = [x, w, b, *extra], ["x", "weight", "bias", *extra_names]
+    device = {"sms": sms, "blocks_per_sm": 1}
+    results, forwards = {}, {}
+    for config in (REGISTERS, LOOP):
+        with _tuned(config):
+            if config is LOOP:  # (the register kernels' parity: the tests above)
+                _parity_in_orders(fast, reference, inputs, names, ATOL_FLOOR[dtype], **device)
+            ce.clear_launches()
+            with ce.device(**device):
+                results[config[4]] = _run_bits(fast, inputs)
+        forwards[config[4]] = ce.launches()[0]
+        assert ce.launches()[1].params["kStages"] == "0"  # the backward as built in
+    held, looped = forwards[1], forwards[4]
+    assert (held.kernel, looped.kernel) == ("ln_fwd_vec_kernel", "ln_fwd_chunk_kernel")
+    assert (looped.block, looped.grid) == (held.block, held.grid)
+    for i, (registers, loop) in enumerate(zip(results[1], results[4], strict=True)):
+        assert _same_bits(registers, loop), f"result {i}"
+
+
+@pytest.mark.parametrize(("dtype", "rows", "cols", "residual"), [
+    (BF16, 7, 2048, True), (F32, 6, 4096, False), (BF16, 3, 16384, True), (F16, 4, 8200, True),
+])  # fmt: skip
+def test_rows_read_in_a_loop_fuse_again_where_pre_is_not_stored(dtype, rows, cols, residual):
+    # Inference without prenorm stores no pre: the loop's later passes fuse dropout and the
+    # residual again from x (the same Philox offsets), and give the register kernel's bits.
+    x = _make((rows, cols), dtype, scale=1.5, shift=0.5, grad=False)
+    w, b = _make((cols,), seed=1, grad=False), _make((cols,), seed=2, grad=False)
+    r = _make((rows, cols), dtype, seed=9, grad=False) if residual else None
+    outs = {}
+    for config in (REGISTERS, LOOP):
+        with _tuned(config):
+            ce.clear_launches()
+            with ce.device(sms=2, blocks_per_sm=1):
+                outs[config[4]] = ce.layer_norm(x, w, b, r, dropout_p=0.2, seed=SEED)
+        kind = "vec" if config is REGISTERS else "chunk"
+        assert ce.launches()[0].kernel == f"ln_fwd_{kind}_kernel"
+    assert _same_bits(outs[1], outs[4])
 
 
 def test_staged_forward_takes_the_register_kernel_where_its_slots_do_not_fit():
@@ -818,12 +871,14 @@ def test_layer_norm_bit_identical_twice_in_any_order():
 
 
 # One case of each forward kernel kind: a warp a row; a block a row with 2 rows a block; 16
-# warps a row; the generic kernel with 2 rows a block and with one row of 8 warps.
+# warps a row; the generic kernel with 2 rows a block and with one row of 8 warps; the generic
+# kernel on 16-byte chunks, 16 warps a row.
 STAT_PATHS = [
     (F32, 64, (VEC, 1, (32, 4, 1))),
     (F32, 1024, (VEC, 4, (64, 2, 1))),
     (F32, 8192, (VEC, 4, (512, 1, 1))),
     (F32, 201, (ANY, 0, (64, 2, 1))),
+    (F32, 8196, (CHUNK, 0, (512, 1, 1))),
     (BF16, 1024, (VEC, 4, (32, 4, 1))),
     (F16, 1023, (ANY, 0, (256, 1, 1))),
 ]
@@ -858,7 +913,7 @@ def test_layer_norm_rows_with_a_large_offset(dtype, cols, path):
     assert _path(launches[0]) == path
 
 
-@pytest.mark.parametrize(("dtype", "cols", "path"), STAT_PATHS[:4], ids=STAT_IDS[:4])
+@pytest.mark.parametrize(("dtype", "cols", "path"), STAT_PATHS[:5], ids=STAT_IDS[:5])
 def test_layer_norm_rows_with_nan_or_inf_stay_nan_beside_overflowing_rows(dtype, cols, path):
     # The rescaled statistics of an overflowing row must not turn a NaN row's rstd finite (a
     # clamp by fmaxf did: its output came out 1e32); the plain rows beside them are unchanged.

@@ -1347,12 +1347,12 @@ def test_cuda_rms_norm_and_fused_parity(hidden):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden", [256, 1024, 4096, 12288, 16384])
-def test_cuda_staged_rows_equal_the_register_kernels(dtype, hidden):
+def test_cuda_staged_and_looped_rows_equal_the_register_kernels(dtype, hidden):
     # layer_norm_tuning's stage 2 and 3 (cp.async rows on a persistent grid, one or two rows
-    # ahead; the sweep's candidates): the same bits as the register kernels, the forward plain
-    # and fused with a residual and dropout, and the unfused backward, on enough rows (2**24
-    # elements) that every block of the one-wave grid loops (~4 times at hidden 1024 and
-    # 16384, more below), with a partial last wave.
+    # ahead) and 4 (the forward reads its rows in a loop; the sweep's candidates): the same bits
+    # as the register kernels, the forward plain and fused with a residual and dropout, and the
+    # unfused backward, on enough rows (2**24 elements) that every block of the one-wave grid
+    # loops (~4 times at hidden 1024 and 16384, more below), with a partial last wave.
     rows = 2**24 // hidden + 5
     x = _make((rows, hidden), dtype, device=CUDA, grad=False)
     r = _make((rows, hidden), dtype, seed=2, device=CUDA, grad=False)
@@ -1370,7 +1370,7 @@ def test_cuda_staged_rows_equal_the_register_kernels(dtype, hidden):
         return [t for t in (*plain, *fused, *grads) if t is not None]
 
     outputs = []
-    for stage in (1, 2, 3):
+    for stage in (1, 2, 3, 4):
         assert ops.layer_norm_tuning([0, 0, 0, 0, stage]) == [0, 0, 0, 0, 0]
         try:
             outputs.append(forward())
@@ -1467,7 +1467,7 @@ def test_launch_overrides_are_set_checked_and_reset():
     tuning = torch.ops.fastformer.layer_norm_tuning
     assert tuning([2, 256, 1, 128, 3]) == [0, 0, 0, 0, 0]
     try:
-        bad_ones = ([3, 0, 0, 0, 0], [0, 96 + 1, 0, 0, 0], [0, 0, 0, 544, 0], [0, 0, 0, 0, 4])
+        bad_ones = ([3, 0, 0, 0, 0], [0, 96 + 1, 0, 0, 0], [0, 0, 0, 544, 0], [0, 0, 0, 0, 5])
         for bad in (*bad_ones, [1, 2, 3], [0, 0, 0, 0]):
             with pytest.raises(RuntimeError, match="layer_norm.tuning"):
                 tuning(bad)
@@ -1502,6 +1502,7 @@ def test_sweep_script_needs_a_gpu_and_prints_a_table():
             (4, 128, True, 0.017, 3600.0),
         )
     ]
+    rows.append(dict(rows[0], block=128, loop=True, ms=0.018, gbps=3300.0, of_copy=0.825))
     bwd = [dict(r, kind="bwd") for r in rows[:2]]
     bwd.append(
         dict(rows[0], kind="bwd", staged=True, ahead=2, ms=0.016, gbps=3700.0, of_copy=0.925)
@@ -1510,7 +1511,7 @@ def test_sweep_script_needs_a_gpu_and_prints_a_table():
     lines = sweep.table({**result, "results": [*rows, *bwd]}).splitlines()
     assert lines[1] == (
         "fwd   1024: built-in 80.0% (0.020 ms); staged 85.0% (0.019 ms); "
-        "best 4/128/staged 90.0% (0.017 ms)"
+        "loop/128 82.5% (0.018 ms); best 4/128/staged 90.0% (0.017 ms)"
     )
     assert lines[2] == (
         "bwd   1024: built-in 80.0% (0.020 ms); staged2 92.5% (0.016 ms); "
@@ -1532,13 +1533,17 @@ def test_sweep_times_each_override_once(monkeypatch):
     assert rows[0]["gbps"] == 3 * 16384 * 1024 * 2 / 0.5 / 1e6  # x, dy, dx of 2 bytes
     calls.clear(), timed.clear()
     # The forward's knobs: each override in registers, then staged with the built-in vectors
-    # and block and with each 4-vector override.
+    # and block and with each 4-vector override, then read in a loop with the built-in block,
+    # 128 and 256 threads.
     fwd_knobs = [[v, b, 0, 0, 0] for v, b in [(0, 0), *sweep.FWD]]
     fwd_knobs += [[v, b, 0, 0, 2] for v, b in [(0, 0), *sweep.FWD] if v in (0, 4)]
+    fwd_knobs += [[0, b, 0, 0, 4] for b in (0, 128, 256)]
     rows = sweep._measure("fused", None, 1024, 2, 4000.0)
     assert timed == calls == fwd_knobs
     assert rows[0]["gbps"] == 4 * 16384 * 1024 * 2 / 0.5 / 1e6  # x, residual, y, pre
     assert [r["staged"] for r in rows] == [k[4] == 2 for k in fwd_knobs]
+    assert [r["loop"] for r in rows] == [k[4] == 4 for k in fwd_knobs]
+    assert [r["ahead"] for r in rows] == [int(k[4] == 2) for k in fwd_knobs]
     calls.clear(), timed.clear()
     rows = sweep._measure("prenorm_bwd", None, 1024, 2, 4000.0)  # the backward's knobs
     assert timed == calls == bwd_knobs
@@ -1567,7 +1572,7 @@ def test_sweep_measures_the_fused_kinds_at_their_sizes_and_saves_each_size(monke
     pairs = sorted({(r["kind"], r["cols"]) for r in result["results"]})
     fused = [(k, 1024) for k in ("fused", "prenorm_bwd")]
     assert pairs == sorted([(k, c) for k in ("fwd", "bwd") for c in (512, 1024)] + fused)
-    assert saved == [27, 79]  # 18 + 9 timings at 512; 18 + 9 + 18 + 7 more at 1024
+    assert saved == [30, 88]  # 21 + 9 timings at 512; 21 + 9 + 21 + 7 more at 1024
 
 
 @pytest.mark.parametrize("backend", ["cpp", "torch"])

@@ -66,10 +66,11 @@ struct LnBwdArgs {
 // Overrides of the launch configurations, for measuring alternatives on a GPU
 // (benchmarks/sweep_layer_norm.py); 0 keeps the built-in choice. vecs: the most 16-byte vectors
 // a thread holds (1, 2 or 4; the backward's 16-bit rows take at most 2 with the next row held);
-// block: threads a block (a multiple of 32, 32 to 512); stage: 1 loads the vector kernels' rows
-// into registers, 2 stages them through shared memory with cp.async (layer_norm_cuda.cu's
-// stage_slot: every vector forward, and the backward of rows too long for its register
-// prefetch). Process-wide, read at each launch.
+// block: threads a block (a multiple of 32, 32 to 512); stage: how the vector kernels' rows
+// arrive. 1 loads them into registers; 2 stages the next row through shared memory with
+// cp.async (layer_norm_cuda.cu's stage_slot), 3 the next two (the unfused backward; the forward
+// one); 4 has the forward read its rows in a loop instead of holding them
+// (ln_fwd_chunk_kernel), the backward as built in. Process-wide, read at each launch.
 struct LnTuning {
   int fwd_vecs = 0;
   int fwd_block = 0;

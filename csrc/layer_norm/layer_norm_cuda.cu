@@ -1,6 +1,6 @@
 // CUDA kernels of LayerNorm, RMSNorm and the fused dropout + residual-add + LayerNorm.
 //
-// Forward, two kernels:
+// Forward, three kernels:
 //   * ln_fwd_vec_kernel: the row lives in registers as kVecs raw 16-byte chunks per thread (in
 //     the input dtype, converted to fp32 at each use: half the registers for 16-bit rows). A warp
 //     per row (4 rows per block) up to 128 vectors (1024 fp16/bf16, 512 fp32 elements), then a
@@ -10,6 +10,10 @@
 //     Staged (kStages 1, opt-in: layer_norm_tuning's stage 2 or 3, until a GPU has timed it):
 //     each row's chunks travel to shared memory by cp.async while the row before it is worked
 //     on, on a persistent grid (stage_slot says why).
+//   * ln_fwd_chunk_kernel: rows of whole aligned 16-byte chunks too long for the registers (and,
+//     opt-in: layer_norm_tuning's stage 4, every row of the vector kernel), read in a loop and
+//     re-read from L2 for the statistics' second pass and for the output; few registers, so
+//     more blocks an SM.
 //   * ln_fwd_any_kernel: any cols and alignment, scalar loads, the row re-read from L1/L2 for
 //     each of its passes.
 // Statistics are fp32 and two-pass (mean, then the mean of squared deviations; "row statistics"
@@ -94,6 +98,9 @@ constexpr bool bwd_may_stage(bool fused) { return !fused; }
 // The most rows a staged kernel keeps in flight (layer_norm_tuning's stage 2: 1, 3: 2; the
 // forward stages one row ahead for both).
 constexpr int kMaxStages = 2;
+// layer_norm_tuning's stage that has the forward read its vector rows in a loop
+// (ln_fwd_chunk_kernel) instead of holding them; the backward keeps its built-in choice.
+constexpr int kStageLoop = kMaxStages + 2;
 constexpr int kBwdLongVecs = 4;
 constexpr int kFinalizeRows = 8;  // row groups of the finalize kernel (each sums a strided slice)
 constexpr size_t kDefaultSmem = 48 * 1024;  // shared memory of a block without opting in
@@ -544,6 +551,94 @@ __global__ void __launch_bounds__(kFwdMaxThreads, kFwdMinBlocks)
       float v[kE];
       unpack<T>(raw[i], v);
       normalize_store<T, W, kE>(a, row, vi * kE, v, mean, rstd);
+    }
+  }
+}
+
+// Rows of whole 16-byte chunks, read in a loop instead of held: too long for the registers, or
+// (layer_norm_tuning's stage 4, opt-in until a GPU has timed it) any rows of the vector kernel,
+// with its block, hence its sums in its order and its bits. The statistics' second pass and the
+// output re-read the row, from L2 on a GPU: the few registers leave room for many resident
+// blocks, whose loads stay in flight while one block reduces (torch.compile's static LayerNorm,
+// usually a looped reduction at this length, reached 92% of copy at bf16 16384 x 16384 on an
+// H200, where the register kernel holds 69%).
+// The fused variant's first pass writes pre when asked, and the later ones read it back with
+// plain loads (written by this kernel: not through the read-only cache).
+// Resident 512-thread blocks an SM the chunk forward asks for: three (40 registers) where that
+// does not spill, two (64) where it did on sm_90: fused (Philox and the residual), and 16-bit
+// rows with fp32 weights (16 floats of weight and bias a chunk).
+template <typename T, typename W, bool kFused>
+constexpr int chunk_min_blocks() {
+  return kFused || sizeof(W) > sizeof(T) ? kFwdMinBlocks : 3;
+}
+
+template <typename T, typename W, bool kRms, bool kFused>
+__global__ void __launch_bounds__(kFwdMaxThreads, chunk_min_blocks<T, W, kFused>())
+    ln_fwd_chunk_kernel(const LnFwdArgs a) {
+  constexpr int kE = 16 / sizeof(T);
+  constexpr int kU = 4;  // chunks a thread loads before it uses them, in the first pass
+  __shared__ float red[kWarp];
+  __shared__ float2 red2[kWarp];
+  const int64_t nvec = a.cols / kE;
+  const float cols = static_cast<float>(a.cols);
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  const T* residual = static_cast<const T*>(a.residual);
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.y; base < a.rows;
+       base += step) {
+    const int64_t row = base + threadIdx.y;
+    const bool row_ok = row < a.rows;
+    const int64_t offset = row_ok ? row * a.cols : 0;
+    const int64_t end = row_ok ? nvec : 0;  // no chunk past the last row
+    const T* x = static_cast<const T*>(a.x) + offset;
+    float sum = 0.f;
+    for (int64_t v0 = threadIdx.x; v0 < end; v0 += int64_t{kU} * blockDim.x) {
+      uint4 raw[kU];
+      [[maybe_unused]] uint4 res[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int64_t vi = v0 + static_cast<int64_t>(u) * blockDim.x;
+        raw[u] = chunk_or_zero(x, vi, vi < end);
+        if constexpr (kFused) {
+          res[u] = chunk_or_zero(residual + offset, vi, vi < end && residual != nullptr);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int64_t vi = v0 + static_cast<int64_t>(u) * blockDim.x;
+        if (vi >= end) continue;
+        if constexpr (kFused) raw[u] = fuse_chunk<T>(a, offset + vi * kE, raw[u], res[u]);
+        float v[kE];
+        unpack<T>(raw[u], v);
+#pragma unroll
+        for (int e = 0; e < kE; ++e) sum += stat_term<kRms>(v[e], 1.f);
+      }
+    }
+    // Chunk vi of the row again: x, or (fused) pre as stored, or fused again where not stored.
+    const auto chunk = [&](int64_t vi) -> uint4 {
+      if constexpr (!kFused) return __ldg(reinterpret_cast<const uint4*>(x) + vi);
+      if (a.pre != nullptr) return static_cast<const uint4*>(a.pre)[offset / kE + vi];
+      const uint4 res = chunk_or_zero(residual + offset, vi, residual != nullptr);
+      return fuse_chunk<T>(a, offset + vi * kE, __ldg(reinterpret_cast<const uint4*>(x) + vi), res);
+    };
+    const auto each = [&](auto&& f) {  // f(v) for this thread's values of the row
+#pragma unroll 1
+      for (int64_t vi = threadIdx.x; vi < end; vi += blockDim.x) {
+        float v[kE];
+        unpack<T>(chunk(vi), v);
+#pragma unroll
+        for (int e = 0; e < kE; ++e) f(v[e]);
+      }
+    };
+    const float2 stats = row_stats<kRms>(sum, each, cols, a.eps, RowSlots{red, red2});
+    if (row_ok && threadIdx.x == 0) {
+      if (a.mean != nullptr) a.mean[row] = stats.x;
+      a.rstd[row] = stats.y;
+    }
+#pragma unroll 1
+    for (int64_t vi = threadIdx.x; vi < end; vi += blockDim.x) {
+      float v[kE];
+      unpack<T>(chunk(vi), v);
+      normalize_store<T, W, kE>(a, row, vi * kE, v, stats.x, stats.y);
     }
   }
 }
@@ -1240,7 +1335,7 @@ struct Config {
   int vecs;             // 16-byte vectors per thread, 0 = generic kernel
   int tpr;              // threads per row (blockDim.x)
   int rpb;              // rows per block (blockDim.y)
-  bool chunks = false;  // backward, generic kernel: rows of 16-byte chunks (ln_bwd_chunk_kernel)
+  bool chunks = false;  // generic kernel on rows of 16-byte chunks (ln_*_chunk_kernel)
   int stages = 0;  // backward, vector kernel: rows staged ahead in shared memory
 };
 
@@ -1292,7 +1387,9 @@ LnTuning current_tuning() {
 // How many rows ahead the vector kernels stage in shared memory (stage_slot), 0 for none. Built
 // in: none yet; staging is the candidate of the sweep (benchmarks/sweep_layer_norm.py) until a
 // GPU has timed it.
-int stages_of(const LnTuning& t) { return t.stage >= 2 ? t.stage - 1 : 0; }
+int stages_of(const LnTuning& t) {
+  return t.stage >= 2 && t.stage <= kMaxStages + 1 ? t.stage - 1 : 0;
+}
 
 // Calls f(std::integral_constant<int, S>) for S = stages (0 to kMaxStages).
 template <typename F>
@@ -1308,8 +1405,14 @@ int or_default(int override_value, int built_in) {
 Config fwd_config(const LnFwdArgs& a, const LnTuning& t) {
   const bool vec_ok = aligned16(a.x) && aligned16(a.residual) && aligned16(a.weight) &&
                       aligned16(a.bias) && aligned16(a.out) && aligned16(a.pre);
-  return pick(a.cols, elem_bytes(a.dtype), vec_ok, or_default(t.fwd_vecs, kFwdMaxVecs),
-              kFwdMaxThreads, or_default(t.fwd_block, 128));
+  const int elem = elem_bytes(a.dtype);
+  Config c = pick(a.cols, elem, vec_ok, or_default(t.fwd_vecs, kFwdMaxVecs), kFwdMaxThreads,
+                  or_default(t.fwd_block, 128));
+  // Rows too long for the registers; with stage 4, every row the vector kernel would take.
+  c.chunks = c.vecs == 0 ? vec_ok && a.cols % (16 / elem) == 0 : t.stage == kStageLoop;
+  // A block a row reads it in a loop: with a block override, fewer threads take the row.
+  if (c.chunks && c.rpb == 1 && t.fwd_block != 0) c.tpr = std::min(c.tpr, t.fwd_block);
+  return c;
 }
 
 // registers: whether the vector kernel may run (not when its shared memory does not fit).
@@ -1513,8 +1616,8 @@ LnTuning set_layer_norm_tuning(const LnTuning& t) {
       throw std::invalid_argument("layer_norm tuning: vecs must be 0, 1, 2 or 4");
     }
   }
-  if (t.stage < 0 || t.stage > kMaxStages + 1) {
-    throw std::invalid_argument("layer_norm tuning: stage must be 0, 1, 2 or 3");
+  if (t.stage < 0 || t.stage > kStageLoop) {
+    throw std::invalid_argument("layer_norm tuning: stage must be 0, 1, 2, 3 or 4");
   }
   static_assert(kFwdMaxThreads == 512 && kBwdMaxThreads == 512, "the message's bound");
   for (const int block : {t.fwd_block, t.bwd_block}) {
@@ -1543,6 +1646,10 @@ void layer_norm_fwd_cuda_launch(const LnFwdArgs& a, int num_sms, cudaStream_t st
     using W = typename decltype(w)::type;
     dispatch_mode(a.rms, a.fused, [&](auto rms, auto fused) {
       constexpr bool kRms = decltype(rms)::value, kFused = decltype(fused)::value;
+      if (c.chunks) {
+        ln_fwd_chunk_kernel<T, W, kRms, kFused><<<grid, block, 0, stream>>>(a);
+        return;
+      }
       dispatch_vecs(c.vecs, [&](auto vecs) {
         constexpr int kVecs = decltype(vecs)::value;
         if constexpr (kVecs == 0) {
