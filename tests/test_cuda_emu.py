@@ -393,23 +393,34 @@ def _staged_op(mode: str, x: torch.Tensor):
     return fast, reference, [_make(tuple(x.shape), x.dtype, seed=9)], ["residual"]
 
 
-@pytest.mark.parametrize(("dtype", "rows", "cols", "mode", "sms"), STAGED_CASES)
-def test_staged_rows_equal_the_register_kernels(dtype, rows, cols, mode, sms):
+def _bits_by_config(dtype, rows, cols, mode: str, sms: int, configs) -> tuple[dict, dict]:
+    """{stage: `_run_bits`} and {stage: launches} of a `_staged_op` case under each tuning
+    config, on a persistent grid of `sms` one-block SMs; every config but REGISTERS also meets
+    the parity rule (the register kernels' parity: the tests above)."""
     x = _make((rows, cols), dtype, scale=1.5, shift=0.5)
     w, b = _make((cols,), seed=1), _make((cols,), seed=2)
     fast, reference, extra, extra_names = _staged_op(mode, x)
     inputs, names = [x, w, b, *extra], ["x", "weight", "bias", *extra_names]
     device = {"sms": sms, "blocks_per_sm": 1}
-    unfused = mode in ("plain", "rms")
-    results = {}
-    for config in (REGISTERS, STAGED, DEEP):
+    results, launches = {}, {}
+    for config in configs:
         with _tuned(config):
-            if config is not REGISTERS:  # (the register kernels' parity: the tests above)
+            if config is not REGISTERS:
                 _parity_in_orders(fast, reference, inputs, names, ATOL_FLOOR[dtype], **device)
             ce.clear_launches()
             with ce.device(**device):
                 results[config[4]] = _run_bits(fast, inputs)
-        fwd, bwd = ce.launches()[0], ce.launches()[1]
+        launches[config[4]] = ce.launches()
+    return results, launches
+
+
+@pytest.mark.parametrize(("dtype", "rows", "cols", "mode", "sms"), STAGED_CASES)
+def test_staged_rows_equal_the_register_kernels(dtype, rows, cols, mode, sms):
+    configs = (REGISTERS, STAGED, DEEP)
+    results, launches = _bits_by_config(dtype, rows, cols, mode, sms, configs)
+    unfused = mode in ("plain", "rms")
+    for config in configs:
+        fwd, bwd = launches[config[4]][:2]
         ahead = config[4] - 1  # rows staged ahead: 0, 1, 2
         assert (fwd.kernel, fwd.params["kStages"]) == ("ln_fwd_vec_kernel", str(min(ahead, 1)))
         bwd_ahead = ahead if unfused else 0
@@ -419,7 +430,7 @@ def test_staged_rows_equal_the_register_kernels(dtype, rows, cols, mode, sms):
         rpb = fwd.block[1]
         if ahead > 0:
             assert fwd.grid == (min(math.ceil(rows / rpb), sms), 1, 1)  # persistent: one wave
-            slots = 2 if extra else 1  # x's chunks, and the residual's
+            slots = 2 if mode == "fused" else 1  # x's chunks, and the residual's
             assert fwd.smem == fwd.block[0] * rpb * int(fwd.params["kVecs"]) * slots * 16
         threads, vecs = bwd.block[0] * bwd.block[1], int(bwd.params["kVecs"])
         per_vec = 16 // dtype.itemsize
@@ -438,24 +449,11 @@ def test_rows_read_in_a_loop_equal_the_register_kernels(dtype, rows, cols, mode,
     # layer_norm_tuning's stage 4: the forward reads each row in a loop (ln_fwd_chunk_kernel)
     # with the register kernel's block and grid, so its sums run in the same order: the same
     # bits, its outputs and, through the saved statistics, the backward's gradients.
-    x = _make((rows, cols), dtype, scale=1.5, shift=0.5)
-    w, b = _make((cols,), seed=1), _make((cols,), seed=2)
-    fast, reference, extra, extra_names = _staged_op(mode, x)
-    inputs, names = [x, w, b, *extra], ["x", "weight", "bias", *extra_names]
-    device = {"sms": sms, "blocks_per_sm": 1}
-    results, forwards = {}, {}
-    for config in (REGISTERS, LOOP):
-        with _tuned(config):
-            if config is LOOP:  # (the register kernels' parity: the tests above)
-                _parity_in_orders(fast, reference, inputs, names, ATOL_FLOOR[dtype], **device)
-            ce.clear_launches()
-            with ce.device(**device):
-                results[config[4]] = _run_bits(fast, inputs)
-        forwards[config[4]] = ce.launches()[0]
-        assert ce.launches()[1].params["kStages"] == "0"  # the backward as built in
-    held, looped = forwards[1], forwards[4]
+    results, launches = _bits_by_config(dtype, rows, cols, mode, sms, (REGISTERS, LOOP))
+    held, looped = launches[1][0], launches[4][0]
     assert (held.kernel, looped.kernel) == ("ln_fwd_vec_kernel", "ln_fwd_chunk_kernel")
     assert (looped.block, looped.grid) == (held.block, held.grid)
+    assert launches[4][1].params["kStages"] == "0"  # the backward as built in
     for i, (registers, loop) in enumerate(zip(results[1], results[4], strict=True)):
         assert _same_bits(registers, loop), f"result {i}"
 
