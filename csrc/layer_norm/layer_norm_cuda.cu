@@ -555,6 +555,14 @@ __global__ void __launch_bounds__(kFwdMaxThreads, kFwdMinBlocks)
   }
 }
 
+// Resident 512-thread blocks an SM the chunk forward asks for: three (40 registers) where that
+// does not spill, two (64) where it did on sm_90: fused (Philox and the residual), and 16-bit
+// rows with fp32 weights (16 floats of weight and bias a chunk).
+template <typename T, typename W, bool kFused>
+constexpr int chunk_min_blocks() {
+  return kFused || sizeof(W) > sizeof(T) ? kFwdMinBlocks : 3;
+}
+
 // Rows of whole 16-byte chunks, read in a loop instead of held: too long for the registers, or
 // (layer_norm_tuning's stage 4, opt-in until a GPU has timed it) any rows of the vector kernel,
 // with its block, hence its sums in its order and its bits. The statistics' second pass and the
@@ -564,14 +572,6 @@ __global__ void __launch_bounds__(kFwdMaxThreads, kFwdMinBlocks)
 // H200, where the register kernel holds 69%).
 // The fused variant's first pass writes pre when asked, and the later ones read it back with
 // plain loads (written by this kernel: not through the read-only cache).
-// Resident 512-thread blocks an SM the chunk forward asks for: three (40 registers) where that
-// does not spill, two (64) where it did on sm_90: fused (Philox and the residual), and 16-bit
-// rows with fp32 weights (16 floats of weight and bias a chunk).
-template <typename T, typename W, bool kFused>
-constexpr int chunk_min_blocks() {
-  return kFused || sizeof(W) > sizeof(T) ? kFwdMinBlocks : 3;
-}
-
 template <typename T, typename W, bool kRms, bool kFused>
 __global__ void __launch_bounds__(kFwdMaxThreads, chunk_min_blocks<T, W, kFused>())
     ln_fwd_chunk_kernel(const LnFwdArgs a) {
@@ -617,8 +617,9 @@ __global__ void __launch_bounds__(kFwdMaxThreads, chunk_min_blocks<T, W, kFused>
     const auto chunk = [&](int64_t vi) -> uint4 {
       if constexpr (!kFused) return __ldg(reinterpret_cast<const uint4*>(x) + vi);
       if (a.pre != nullptr) return static_cast<const uint4*>(a.pre)[offset / kE + vi];
+      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(x) + vi);
       const uint4 res = chunk_or_zero(residual + offset, vi, residual != nullptr);
-      return fuse_chunk<T>(a, offset + vi * kE, __ldg(reinterpret_cast<const uint4*>(x) + vi), res);
+      return fuse_chunk<T>(a, offset + vi * kE, raw, res);
     };
     const auto each = [&](auto&& f) {  // f(v) for this thread's values of the row
 #pragma unroll 1

@@ -421,7 +421,7 @@ OPTIMIZER = "Adam (lr 1e-4, torch's fused kernel)"
 def optimizer(model: torch.nn.Module, graphed: bool = False) -> torch.optim.Adam:
     """The bench's optimizer of `model` (`OPTIMIZER`). graphed: capturable, its step state on
     the device, so that a CUDA graph captures the step. Parameters that torch's fused kernel does
-    not take (not floating point, or on a device without it) get the foreach kernels."""
+    not take (not floating point, or on a device without it) get torch's default Adam."""
     params = list(model.parameters())
     fused = all(p.is_floating_point() and p.device.type in ("cuda", "cpu") for p in params)
     return torch.optim.Adam(params, lr=1e-4, capturable=graphed, fused=fused or None)
