@@ -2513,7 +2513,7 @@ def test_compiled_peers_may_recompile_for_every_shape():
     # through config.patch, which restores it for the tests that compile after this one)
     knob = "recompile_limit" if hasattr(dyn, "recompile_limit") else "cache_size_limit"
     with dyn.patch({knob: 8}):
-        I._compiled(lambda x: x)
+        I.static_compile(lambda x: x)
         limit = getattr(dyn, knob)
     assert limit >= 512
 

@@ -34,7 +34,7 @@ import torch
 from fastformer.cli import cases as C
 from fastformer.cli import env, report, timing
 from fastformer.cli.errors import UsageError, check_settings
-from fastformer.cli.impls import BUILDERS, FAST, runner
+from fastformer.cli.impls import BUILDERS, FAST, runner, static_compile
 from fastformer.cli.progress import Progress
 
 # After this many seconds, repetitions are cut to one (timing.Pacer) so that the default run
@@ -564,17 +564,17 @@ def model_variants(eager, fast, swap_info: dict, device, full: bool) -> dict[str
 def compiled_model(name: str, model) -> tuple[Any, Any]:
     """(training loss, forward) of `model` compiled as variant `name`: the whole model, or
     (COMPILE_LAYERS) its layers, positional encoding and loss in place."""
-    # Static shapes, as the per-op peers (`impls._compiled`): a region that met two sizes
-    # (a source and a target length) would compile its second with dynamic shapes.
+    # Static shapes, as the per-op peers (`static_compile`): a region that met two sizes (a
+    # source and a target length) would compile its second with dynamic shapes.
     if name != COMPILE_LAYERS:
-        return torch.compile(model.loss, dynamic=False), torch.compile(model, dynamic=False)
+        return static_compile(model.loss), static_compile(model)
     from fastformer import reference as R
 
     regions = (R.TransformerEncoderLayer, R.TransformerDecoderLayer, R.PositionalEncoding)
     for module in model.modules():
         if isinstance(module, regions):
             module.compile(dynamic=False)
-    cross_entropy = torch.compile(torch.nn.functional.cross_entropy, dynamic=False)
+    cross_entropy = static_compile(torch.nn.functional.cross_entropy)
 
     def loss(src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         # model.loss with the compiled cross-entropy (the largest activation: tokens x vocab)

@@ -72,7 +72,7 @@ def _randn(shape, device, dtype, gen, requires_grad=True) -> torch.Tensor:
     return t.requires_grad_(requires_grad)
 
 
-def _compiled(fn: Callable) -> Callable:
+def static_compile(fn: Callable) -> Callable:
     """torch.compile of `fn` with static shapes: each case's shapes compile kernels of their
     own, as a user's fixed-shape training compiles them. With torch's default, every case
     after a shape change of the same function was compiled with dynamic shapes (automatic
@@ -161,7 +161,7 @@ def _flex(case: AttentionCase, kpm: torch.Tensor | None, device) -> Callable | s
         block_mask = create_block_mask(
             mask_mod, case.batch, None, case.seq, case.seq, device=device
         )
-    flex = _compiled(flex_attention)
+    flex = static_compile(flex_attention)
     return lambda q, k, v: flex(q, k, v, block_mask=block_mask)
 
 
@@ -197,7 +197,7 @@ def attention_bench(
     impls["reference"] = reference
     mask = _sdpa_mask(case, kpm, device)
     if _gpu_peers(device, gpu_peers):
-        impls["torch.compile"] = _compiled(reference)
+        impls["torch.compile"] = static_compile(reference)
         for backend in SDPA_BACKENDS:
             impls[f"sdpa-{backend}"] = _sdpa(backend, mask, case)
         impls["flex"] = _flex(case, kpm, device)
@@ -262,7 +262,7 @@ def layer_norm_bench(
         impls["reference"] = reference
         impls["torch"] = lambda x, w, b: F.layer_norm(x, n, w, b, 1e-5)
     if _gpu_peers(device, gpu_peers):
-        impls["torch.compile"] = _compiled(reference)
+        impls["torch.compile"] = static_compile(reference)
     backend = which_backend(module, "layer_norm", x)  # the fused op dispatches as layer_norm
     nbytes = lambda mode: case.bytes(mode, elem)
     return OpBench("layer_norm", case, args, impls, bytes=nbytes, backend=backend)
@@ -298,7 +298,7 @@ def ffn_bench(
     # The floor: the two GEMMs alone, no bias, activation or dropout.
     impls["gemm-only"] = lambda x, w1, b1, w2, b2: (x @ w1.t())[:, :f] @ w2.t()
     if _gpu_peers(device, gpu_peers):
-        impls["torch.compile"] = _compiled(reference)
+        impls["torch.compile"] = static_compile(reference)
     elem = torch.finfo(dtype).bits // 8
     backend = which_backend(module, "ffn", x)
     return OpBench(
