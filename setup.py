@@ -157,6 +157,24 @@ class Build(BuildExtension):
         # rebuilds incremental.
         self.build_temp = str(ROOT / "build" / "temp")
 
+    def build_extension(self, ext) -> None:
+        # setuptools sorts the sources by name, and ninja starts them in that order. The
+        # LayerNorm .cu file is a build's critical path (65 s of a 100 s sm_90 build on 2 cores,
+        # started 36 s in): the CUDA files first, the longest first, overlap it with the rest.
+        compile_ = self.compiler.compile
+
+        def longest_first(sources, *args, **kwargs):
+            def cost(path: str) -> tuple[bool, int]:
+                return (not path.endswith(".cu"), -os.path.getsize(path))
+
+            return compile_(sorted(sources, key=cost), *args, **kwargs)
+
+        self.compiler.compile = longest_first
+        try:
+            super().build_extension(ext)
+        finally:
+            self.compiler.compile = compile_
+
     def run(self) -> None:
         sources = _sources_digest()  # what this build compiles, read before it starts
         super().run()
