@@ -71,10 +71,15 @@ TORCH_CUDA_ARCH_LIST=${COMPAT_ARCHS:-9.0} \
 #   machine's arch, sm_90;
 # - the interpreter's extra tile-shape and TMA-twin grids (~90 s of CPU): on CPU they run the
 #   same kernel code through another interpreter, not Triton 3.6's GPU code; the main parity
-#   grid still runs here, and the TMA twins run on the GPU in the GPU suite.
+#   grid still runs here, and the TMA twins run on the GPU in the GPU suite;
+# - the suite's own pytest options (test_conftest.py: pytest in subprocesses, ~24 s of CPU) and
+#   the SASS store check of the built kernels (~12 s): nvcc and pytest are the same in every
+#   stage, the torch and Triton under test do not enter them.
 A=tests/test_attention.py
 "$VENV/bin/python" -m pytest tests --ignore=tests/test_cuda_emu.py \
     --ignore=tests/test_gpu_suite.py --ignore=tests/test_cli.py \
+    --ignore=tests/test_conftest.py \
+    --deselect tests/test_build.py::test_built_vector_kernels_store_whole_16_byte_vectors \
     --deselect "$A::test_compile_report[80]" \
     --deselect "$A::test_parity_other_tile_shapes" \
     --deselect "$A::test_dropout_parity_other_tile_shapes" \
