@@ -30,8 +30,9 @@ def pytest_addoption(parser):
     parser.addoption(
         "--compile-heaviest-only",
         action="store_true",
-        help="the attention compile check builds one config per kernel specialization, its "
-        "heaviest (CI's stage on the newest Triton; kernels.attention.compile_jobs)",
+        help="the attention compile check builds the heaviest feature classes, one config per "
+        "kernel specialization, its heaviest (CI's stage on the newest Triton; "
+        "kernels.attention.compile_jobs)",
     )
 
 

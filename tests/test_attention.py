@@ -2430,9 +2430,23 @@ def test_heaviest_only_compiles_each_specialization_once_at_its_heaviest_config(
     assert set(heaviest) <= set(every) and len(heaviest) < len(every)
     kept = {specialization(job): job for job in heaviest}
     assert len(kept) == len(heaviest)  # one config each
-    assert set(kept) == {specialization(job) for job in every}  # and every one
-    for job in every:
+    # and every one of the heaviest feature classes
+    wanted = [job for job in every if job[4] in kernels.HEAVIEST_CLASSES]
+    assert set(kept) == {specialization(job) for job in wanted}
+    for job in wanted:
         assert per_warp(job) <= per_warp(kept[specialization(job)]), job
+    # whose features hold those of every class left out
+    for name, variant in kernels.CHECK_VARIANTS.items():
+        assert any(
+            _features(variant) <= _features(kernels.CHECK_VARIANTS[c])
+            for c in kernels.HEAVIEST_CLASSES
+        ), name
+
+
+def _features(variant) -> set[str]:
+    on = {"causal": variant.is_causal, "mask": variant.mask_kind != 0, "kpm": variant.has_kpm}
+    on.update(dropout=variant.has_dropout, out32=variant.out32)
+    return {name for name, value in on.items() if value}
 
 
 def test_check_compile_report_flags_problems():
