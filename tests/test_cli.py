@@ -2693,6 +2693,44 @@ def test_cpu_rows_are_timed_in_turns(monkeypatch):
     assert all(row["impls"][name]["ms"] >= 1000.0 for name in timed)
 
 
+def test_default_grid_leaves_attention_s_compiled_reference_to_full(monkeypatch):
+    # Guards DEFAULT_LEFT_OUT: on the default grid the attention row names why torch.compile
+    # was not timed (its compiles took 35 s of the 3-minute bench on an H200); --full times it.
+    from fastformer.cli import impls as I
+
+    monkeypatch.setattr(B.timing, "time_cpu_in_turns", lambda calls, _: dict.fromkeys(calls, 1.0))
+    monkeypatch.setenv("FASTFORMER_BACKEND_ATTENTION", "torch")  # the bench's plumbing, not Triton
+    compiled = []
+
+    def builder(case, device, dtype):
+        bench = I.attention_bench(case, device, dtype)
+        bench.impls["torch.compile"] = lambda *a: compiled.append(1) or bench.impls[I.FAST](*a)
+        return bench
+
+    monkeypatch.setitem(B.BUILDERS, "attention", builder)
+    roof = {"copy_gbps": 1.0, "gemm_tflops": 1.0, "gemm_size": 8}
+    cpu = torch.device("cpu")
+    for full in (False, True):
+        pacer = B.timing.Pacer(B.timing.QUICK)
+        out = B.bench_op(
+            "attention",
+            cpu,
+            torch.float32,
+            True,
+            pacer,
+            roof,
+            lambda o: None,
+            only=[attention_cases("cpu", True)[0].name],
+            full=full,
+        )
+        res = out["cases"][0]["impls"]["torch.compile"]
+        assert ("ms" in res) == full and bool(compiled) == full, res
+    assert (
+        "not in the default grid (--full times it)"
+        in B.DEFAULT_LEFT_OUT["attention"]["torch.compile"]
+    )
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt (Linux)")
 def test_keep_freed_pages_stops_the_page_faults_of_large_outputs():
     # Guards timing.keep_freed_pages in a process of its own (it is process-wide): a 64 MB

@@ -24,6 +24,8 @@ kind that the model runs or that tells the kernels apart (12 cases):
   25% + dropout 0.1 (the decoder's self-attention in training), d128 s2048 non-causal;
 - layer_norm (4): hidden 1024, 4096, 16384, and dropout + residual add at 1024;
 - ffn (3): 512->2048 at dropout 0 and 0.1, 4096->16384 at dropout 0.
+On that grid attention's torch.compile peer is left out (bench.DEFAULT_LEFT_OUT): its compiles
+took 35 s of the default bench on the 12-04 H200 run; --full and the suites time it.
 
 A CPU-only machine gets a reduced grid sized to finish the default `bench` within minutes on
 two cores, the same with or without `full`. `quick` (2 cases an op, on a GPU a subset of the
