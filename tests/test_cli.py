@@ -1236,8 +1236,7 @@ def test_compiled_layers_match_the_eager_model(monkeypatch):
     0), and compiles each kind of layer once for all its copies. Through AOTAutograd's eager
     backend: the regions and their graphs are the bench's; inductor's CPU code for them took
     ~40 s of CI's CPU and is torch's own."""
-    compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="aot_eager", **kw))
+    _compile_through(monkeypatch, "aot_eager")
     eager, src, tgt = _small_model()
     compiled = copy.deepcopy(eager)
     torch._dynamo.reset()
@@ -2020,7 +2019,6 @@ def test_gpu_peers_compute_the_same_function_on_cpu():
 def _static_shape_recorder(monkeypatch) -> list[bool]:
     """torch.compile made to compile through a backend that records, for each graph, whether
     any of its inputs has a symbolic (dynamic) size; the callers' other arguments kept."""
-    compile_ = torch.compile
     graphs: list[bool] = []
 
     def symbolic(value) -> bool:
@@ -2032,8 +2030,15 @@ def _static_shape_recorder(monkeypatch) -> list[bool]:
         graphs.append(any(symbolic(v) for v in values))
         return gm.forward
 
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend=backend, **kw))
+    _compile_through(monkeypatch, backend)
     return graphs
+
+
+def _compile_through(monkeypatch, backend) -> None:
+    """torch.compile (and so Module.compile) made to compile through `backend`, the callers'
+    other arguments kept."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend=backend, **kw))
 
 
 def test_torch_compile_peers_compile_each_shape_static(monkeypatch):
