@@ -71,6 +71,7 @@ import functools
 import itertools
 import math
 import os
+import subprocess
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -694,18 +695,21 @@ def attn_bwd_dkdv(
         any_kept = tl.max(kept.to(tl.int32), 0) > 0  # else a block of padding: dK = dV = 0
         hi = tl.where(any_kept, hi, lo)
         diag_end = tl.where(any_kept, diag_end, lo)
-    dk, dv = _dkdv_loop(
-        dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, lo, diag_end, col0, offs_m,
-        offs_n, offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
-        seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
-        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, ROW_STAT, HAS_DROPOUT, DOT_PREC, True, PART,
-        QK_TILES, BLOCK_M, USE_TMA,
-    )
+    # The query blocks past the diagonal first, then the diagonal's: in the other order ptxas
+    # serialized every wgmma of the kernel (C7515, "non wgmma instructions defining
+    # accumulator registers"; causal, padded, masked and dropout, sm_90, Triton 3.6).
     dk, dv = _dkdv_loop(
         dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, diag_end, hi, col0, offs_m,
         offs_n, offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
         seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, ROW_STAT, HAS_DROPOUT, DOT_PREC, False, PART,
+        QK_TILES, BLOCK_M, USE_TMA,
+    )
+    dk, dv = _dkdv_loop(
+        dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, lo, diag_end, col0, offs_m,
+        offs_n, offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
+        seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
+        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, ROW_STAT, HAS_DROPOUT, DOT_PREC, True, PART,
         QK_TILES, BLOCK_M, USE_TMA,
     )
     if HAS_KPM:
@@ -911,7 +915,7 @@ _SM90 = {
     # shared-memory bytes a FLOP (Q and K both come from shared memory) and it rescales O half
     # as often a score.
     ("fwd", "16bit", 64): ([_C(128, 64, 4, 3), _C(128, 128, 8, 3), _C(64, 128, 4, 2)],
-                           [_C(128, 64, 8, 3)],
+                           [_C(128, 64, 8, 3), _C(128, 32, 8, 3)],
                            [_C(128, 32, 8, 3), _C(64, 32, 4, 3), _C(128, 64, 8, 3)]),
     ("fwd", "16bit", 128): ([_C(128, 64, 8, 3), _C(128, 128, 8, 2)], [_C(128, 64, 8, 3)],
                             [_C(128, 32, 8, 3), _C(64, 32, 4, 3), _C(128, 64, 8, 3)]),
@@ -1052,8 +1056,12 @@ _VERSION_SPILLS = {
     (3, 6): {
         ("dq", 80, 256, "padded", _C(32, 16, 8, 2)),
         ("dkdv", 80, 64, "padded", _C(16, 32, 8, 2)),
+        # 8 bytes each once the diagonal's query blocks came last (ptxas had serialized them).
+        ("dkdv", 90, 64, "dropout", _QK(64, 64, 4, 3)),
+        ("dkdv", 90, 128, "masked_dropout", _C(32, 64, 8, 2)),
     },
     (3, 8): {
+        ("dkdv", 90, 64, "dropout", _QK(64, 64, 4, 3)),  # 8 bytes since the diagonal came last
         ("dkdv", 90, 64, "dropout", _QK(128, 64, 8, 2)),
         ("dkdv", 90, 64, "masked_dropout", _QK(128, 64, 8, 2)),
         ("dkdv", 90, 128, "masked_dropout", _C(32, 64, 8, 2)),
@@ -1304,6 +1312,8 @@ _TMA_SPILLS = {
 # Twins that spill with one Triton version only, where the pointer-load config does not.
 _TMA_VERSION_SPILLS = {
     (3, 9): {
+        # 32 bytes once the diagonal's query blocks came last (ptxas had serialized the kernel).
+        ("dkdv", 64, "masked_dropout", _QK(32, 128, 8, 3)),
         ("dkdv", 128, "dropout", _QK(32, 64, 8, 2)),
         ("dq", 256, "masked_dropout", _C(128, 16, 8, 3)),
     },
@@ -2149,6 +2159,24 @@ def _cubin_usage(cubin: bytes) -> dict:
     return {"registers": usage["REG"], "stack": usage["STACK"], "local": usage["LOCAL"]}
 
 
+def _wgmma_serialized(ptx: str, arch: int) -> bool:
+    """Whether ptxas serializes the kernel's wgmma: its note C7515 ("wgmma.mma_async
+    instructions are serialized due to ..."), after which each wgmma waits for the one before
+    it, in every loop of the kernel. Triton prints ptxas's notes only when it compiles (not on
+    a cache hit), so ptxas runs again here on the PTX, for that note alone (~0.2 s of CPU)."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        cmd = [get_ptxas(arch).path, "-v", f"--gpu-name={sm_arch_from_capability(arch)}"]
+        done = subprocess.run([*cmd, src, "-o", src + ".cubin"], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"ptxas failed on a PTX Triton built: {done.stderr[-2000:]}")
+    return "C7515" in done.stderr
+
+
 def compile_one(
     kernel: str,
     dtype: torch.dtype,
@@ -2188,6 +2216,7 @@ def compile_one(
         "mma_sync": "mma.sync" in ptx,
         # A ws config whose loop the compiler left unspecialized would tune as a duplicate.
         "warp_specialized": "ttg.warp_specialize" in ttgir,
+        "wgmma_serialized": "wgmma" in ptx and _wgmma_serialized(ptx, arch),
         "shared": int(compiled.metadata.shared),
         **_cubin_usage(compiled.asm["cubin"]),
     }
@@ -2288,10 +2317,39 @@ def _compile_report_rows(arch: int, workers: int, heaviest_only: bool) -> Iterat
 # Opt-in shared memory per block: A100 (sm_80) and H100/H200 (sm_90).
 MAX_SHARED = {80: 163 * 1024, 90: 227 * 1024}
 
+# sm_90 configs whose kernels ptxas serializes (C7515: each wgmma waits for the one before it),
+# under Triton 3.6, 3.8 or 3.9, kept as tuning candidates: each one's feature class has a
+# config that is not serialized, and the autotuner times both. (kernel, head-dim bucket,
+# feature class, config less its TMA flag.) Any other serialized kernel fails the compile check.
+SERIALIZED_OK = {
+    # (query x key) dK/dV tiles without causal, padding or masks (3.6 and 3.8; not 3.9): one
+    # loop over the query blocks; with the diagonal's loop after it they are not serialized.
+    ("dkdv", 64, "plain", _QK(128, 64, 8, 2)),
+    ("dkdv", 64, "plain", _QK(128, 128, 8, 2)),
+    ("dkdv", 64, "plain", _QK(128, 128, 8, 3)),
+    # A float mask (3.6 only); (128, 32, 8, 3) is not serialized.
+    ("fwd", 64, "masked", _C(128, 64, 8, 3)),
+    ("fwd", 64, "masked_out32", _C(128, 64, 8, 3)),
+    ("fwd", 64, "masked_dropout", _C(128, 64, 8, 3)),
+    ("fwd", 64, "masked_dropout_out32", _C(128, 64, 8, 3)),
+    ("dq", 64, "masked_dropout", _C(128, 64, 8, 2)),
+    ("dq", 64, "masked_dropout_out32", _C(128, 64, 8, 2)),
+}
+
+
+def _serialized_ok(row: dict) -> bool:
+    config = Config(*row["config"])._replace(tma=False)
+    names = {name: v.name for name, v in CHECK_VARIANTS.items()}
+    return any(
+        (row["kernel"], row["head_dim"], names[fclass], config)
+        == (kernel, bucket, row["variant"], c)
+        for kernel, bucket, fclass, c in SERIALIZED_OK
+    )
+
 
 def check_compile_report(report: list[dict]) -> list[str]:
-    """Problems in a compile report: spills, smem over the arch's limit, and fp16/bf16 matrix
-    products without wgmma on sm_90."""
+    """Problems in a compile report: spills, smem over the arch's limit, fp16/bf16 matrix
+    products without wgmma on sm_90, and wgmma that ptxas serialized (but SERIALIZED_OK)."""
     problems = []
     for r in report:
         name = f"sm_{r['arch']} {r['kernel']} {r['dtype']} d{r['head_dim']} {r['config']} "
@@ -2306,6 +2364,8 @@ def check_compile_report(report: list[dict]) -> list[str]:
             problems.append(f"{name}: no wgmma in the PTX")
         if Config(*r["config"]).ws and not r.get("warp_specialized"):
             problems.append(f"{name}: ws config not warp-specialized by the compiler")
+        if r.get("wgmma_serialized") and not _serialized_ok(r):
+            problems.append(f"{name}: wgmma serialized by ptxas (C7515)")
     return problems
 
 

@@ -2465,6 +2465,24 @@ def test_check_compile_report_flags_problems():
     assert kernels.check_compile_report([ws]) == []
     (problem,) = kernels.check_compile_report([{**ws, "warp_specialized": False}])
     assert "not warp-specialized" in problem
+    (problem,) = kernels.check_compile_report([{**row, "wgmma_serialized": True}])
+    assert "serialized" in problem
+    tolerated = {**row, "variant": "masks", "config": [128, 64, 8, 3, False, True, False]}
+    assert kernels.check_compile_report([{**tolerated, "wgmma_serialized": True}]) == []
+    (problem,) = kernels.check_compile_report(
+        [{**tolerated, "variant": "plain", "wgmma_serialized": True}]
+    )
+    assert "serialized" in problem
+
+
+def test_each_tolerated_serialized_config_has_a_clean_alternative_in_its_list():
+    from fastformer.kernels import attention as kernels
+
+    for kernel, bucket, fclass, config in kernels.SERIALIZED_OK:
+        listed = kernels.listed_configs(kernel, 90, "16bit", bucket, fclass.removesuffix("_out32"))
+        assert config in listed, (kernel, bucket, fclass, config)
+        clean = [c for c in listed if (kernel, bucket, fclass, c) not in kernels.SERIALIZED_OK]
+        assert clean, (kernel, bucket, fclass)
 
 
 # --------------------------------------------------------------------------- TMA twins
