@@ -2162,8 +2162,9 @@ def _cubin_usage(cubin: bytes) -> dict:
 def _wgmma_serialized(ptx: str, arch: int) -> bool:
     """Whether ptxas serializes the kernel's wgmma: its note C7515 ("wgmma.mma_async
     instructions are serialized due to ..."), after which each wgmma waits for the one before
-    it, in every loop of the kernel. Triton prints ptxas's notes only when it compiles (not on
-    a cache hit), so ptxas runs again here on the PTX, for that note alone (~0.2 s of CPU)."""
+    it, in every loop of the kernel. Triton keeps ptxas's notes to itself
+    (TRITON_DUMP_PTXAS_LOG=1 prints them, and only when it compiles, not on a cache hit), so
+    ptxas runs again here on the PTX, for that note alone (~0.2 s of CPU)."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -2339,10 +2340,9 @@ SERIALIZED_OK = {
 
 def _serialized_ok(row: dict) -> bool:
     config = Config(*row["config"])._replace(tma=False)
-    names = {name: v.name for name, v in CHECK_VARIANTS.items()}
     return any(
-        (row["kernel"], row["head_dim"], names[fclass], config)
-        == (kernel, bucket, row["variant"], c)
+        (kernel, bucket, CHECK_VARIANTS[fclass].name, c)
+        == (row["kernel"], row["head_dim"], row["variant"], config)
         for kernel, bucket, fclass, c in SERIALIZED_OK
     )
 
