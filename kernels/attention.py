@@ -695,22 +695,26 @@ def attn_bwd_dkdv(
         any_kept = tl.max(kept.to(tl.int32), 0) > 0  # else a block of padding: dK = dV = 0
         hi = tl.where(any_kept, hi, lo)
         diag_end = tl.where(any_kept, diag_end, lo)
-    # The query blocks past the diagonal first, then the diagonal's: in the other order ptxas
-    # serialized every wgmma of the kernel (C7515, "non wgmma instructions defining
-    # accumulator registers"; causal, padded, masked and dropout, sm_90, Triton 3.6).
+    # 16-bit: the query blocks past the diagonal first, then the diagonal's. In the other order
+    # ptxas serialized every wgmma of the kernel (C7515, "non wgmma instructions defining
+    # accumulator registers"; causal, padded, masked and dropout, sm_90, Triton 3.6). float32
+    # (FMA dots, no wgmma) keeps the diagonal first: the other order spilled 8-88 bytes at d256.
+    lo_a, hi_a, lo_b, hi_b = diag_end, hi, lo, diag_end
+    if DOT_PREC == "ieee":
+        lo_a, hi_a, lo_b, hi_b = lo, diag_end, diag_end, hi
     dk, dv = _dkdv_loop(
-        dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, diag_end, hi, col0, offs_m,
+        dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, lo_a, hi_a, col0, offs_m,
         offs_n, offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
         seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
-        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, ROW_STAT, HAS_DROPOUT, DOT_PREC, False, PART,
-        QK_TILES, BLOCK_M, USE_TMA,
+        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, ROW_STAT, HAS_DROPOUT, DOT_PREC,
+        DOT_PREC == "ieee", PART, QK_TILES, BLOCK_M, USE_TMA,
     )
     dk, dv = _dkdv_loop(
-        dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, lo, diag_end, col0, offs_m,
+        dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, lo_b, hi_b, col0, offs_m,
         offs_n, offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
         seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
-        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, ROW_STAT, HAS_DROPOUT, DOT_PREC, True, PART,
-        QK_TILES, BLOCK_M, USE_TMA,
+        HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, ROW_STAT, HAS_DROPOUT, DOT_PREC,
+        DOT_PREC != "ieee", PART, QK_TILES, BLOCK_M, USE_TMA,
     )
     if HAS_KPM:
         # P was not masked for padding keys here (it is per key, constant over the loop): every
