@@ -699,8 +699,9 @@ def attn_bwd_dkdv(
     # ptxas serialized every wgmma of the kernel (C7515, "non wgmma instructions defining
     # accumulator registers"; causal, padded, masked and dropout, sm_90, Triton 3.6). float32
     # (FMA dots, no wgmma) keeps the diagonal first: the other order spilled 8-88 bytes at d256.
-    # So does the 64 x 64 (query x key) tile, the H200's dropout winner (30% ahead, 12-04): the
-    # other order spilled 8 bytes with dropout (3.6, 3.8); this one is serialized under 3.6 only.
+    # So does the 64 x 64 (query x key) tile, the H200's dropout winner (27-31% less time than
+    # the others, 12-04): the other order spilled 8 bytes with dropout (3.6, 3.8); this one is
+    # serialized under 3.6 only.
     DIAG_FIRST: tl.constexpr = DOT_PREC == "ieee" or (QK_TILES and BLOCK_M == 64 and BLOCK_N == 64)
     lo_a, hi_a, lo_b, hi_b = diag_end, hi, lo, diag_end
     if DIAG_FIRST:
@@ -2334,7 +2335,8 @@ SERIALIZED_OK = {
     ("dkdv", 64, "plain", _QK(128, 128, 8, 2)),
     ("dkdv", 64, "plain", _QK(128, 128, 8, 3)),
     # The 64 x 64 (query x key) tile keeps the diagonal's query blocks first (3.6 only; the
-    # other order spilled): serialized, and still the H200's dropout winner by 30% (12-04).
+    # other order spilled): serialized, and still the H200's dropout winner (27-31% less time,
+    # 12-04).
     ("dkdv", 64, "dropout", _QK(64, 64, 4, 3)),
     # A float mask (3.6 only); (128, 32, 8, 3) is not serialized.
     ("fwd", 64, "masked", _C(128, 64, 8, 3)),
