@@ -2807,6 +2807,31 @@ def test_dropout_kernels_compile_with_an_int32_seed_argument(tmp_path):
     assert _run_sm90(_INT32_SEED_SCRIPT, tmp_path).split() == ["fwd", "dq", "dkdv"]
 
 
+_PTXAS_LOG_SCRIPT = """
+from fastformer.kernels import attention as A
+printed_logs = []
+compile_logged = A._compile_logged
+def spy(*args):
+    compiled, printed = compile_logged(*args)
+    printed_logs.append("ptxas info" in printed)
+    return compiled, printed
+A._compile_logged = spy
+plain = [j for j in A.compile_jobs(90) if j[:3] == ("dkdv", "float16", 64) and j[4] == "plain"]
+# (a tile that ptxas serializes under Triton 3.6 and 3.8, where the table has it)
+tolerated = [j for j in plain if ("dkdv", 64, "plain", A.Config(*j[3])) in A.SERIALIZED_OK]
+job = (tolerated or plain)[0]
+cold, warm = A._compile_job(job), A._compile_job(job)
+print(*printed_logs, cold == warm, cold["wgmma"])
+"""
+
+
+def test_compile_check_reads_ptxas_log_of_the_compile_else_runs_ptxas_again(tmp_path):
+    """The compile check reads ptxas's notes (C7515, serialized wgmma) from the log Triton's own
+    compile printed; on a cache hit, where it prints nothing, from a second ptxas run: both give
+    the same row."""
+    assert _run_sm90(_PTXAS_LOG_SCRIPT, tmp_path).split() == ["True", "False", "True", "True"]
+
+
 def test_device_seed_argument_has_the_type_of_host_seeds():
     # Triton types a do_not_specialize int by its range: capture's -1 was int32 where host
     # seeds are int64, so the first captured call compiled and loaded its own kernels inside
