@@ -73,6 +73,7 @@ import io
 import itertools
 import math
 import os
+import re
 import subprocess
 import tempfile
 import threading
@@ -2167,12 +2168,17 @@ def _cubin_usage(cubin: bytes) -> dict:
     return {"registers": usage["REG"], "stack": usage["STACK"], "local": usage["LOCAL"]}
 
 
+# ptxas -v's line of the kernel's registers ("ptxas info    : Used 138 registers, ..."; Triton
+# 3.9 runs ptxas-blackwell, whose lines begin "ptxas-blackwell info").
+_PTXAS_REGISTERS = re.compile(r" info +: Used \d+ registers")
+
+
 def _ptxas_log(ptx: str, arch: int, printed: str) -> str:
     """ptxas's log (`-v`) of the kernel: the one Triton's compile printed, else, when the compile
     was a cache hit and printed nothing, that of a second ptxas run on the PTX (~0.15 s of CPU).
     That run lacks Triton's -lineinfo and --regAllocOptLevel=2 (3.8); on every sm_90 kernel of
     the check under 3.6 and 3.8 the two logs agreed on C7515."""
-    if "ptxas info" in printed:
+    if _PTXAS_REGISTERS.search(printed):
         return printed
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
@@ -2192,7 +2198,7 @@ def _wgmma_serialized(ptxas_log: str) -> bool:
     instructions are serialized due to ..."), after which each wgmma waits for the one before
     it, in every loop of the kernel. Triton prints ptxas's notes only with
     TRITON_DUMP_PTXAS_LOG=1, and only when it compiles."""
-    if "Used" not in ptxas_log:  # -v always reports the registers: this is not ptxas's log
+    if not _PTXAS_REGISTERS.search(ptxas_log):  # -v always reports them: not ptxas's log
         raise RuntimeError(f"not a ptxas -v log: {ptxas_log[-2000:]!r}")
     return "C7515" in ptxas_log
 

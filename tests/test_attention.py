@@ -2813,7 +2813,7 @@ printed_logs = []
 compile_logged = A._compile_logged
 def spy(*args):
     compiled, printed = compile_logged(*args)
-    printed_logs.append("ptxas info" in printed)
+    printed_logs.append("Used" in printed and "registers" in printed)
     return compiled, printed
 A._compile_logged = spy
 plain = [j for j in A.compile_jobs(90) if j[:3] == ("dkdv", "float16", 64) and j[4] == "plain"]
