@@ -408,6 +408,16 @@ def _fwd_tile(
 
 
 @triton.jit
+def _two_ranges(lo, mid, hi, UPPER_FIRST: tl.constexpr):
+    # The bounds (lo_a, hi_a, lo_b, hi_b) of two loops over [lo, mid) and [mid, hi), in that
+    # order or, UPPER_FIRST, the other: which loop comes first decides, per kernel and config,
+    # whether ptxas serializes its wgmma (C7515) or spills.
+    if UPPER_FIRST:
+        return mid, hi, lo, mid
+    return lo, mid, mid, hi
+
+
+@triton.jit
 def _fwd_loop(
     acc, l_i, m_i, q, k_base, v_base, mask_base, kpm_base, lo, hi, row0, rows_local, offs_n,
     offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
@@ -483,9 +493,7 @@ def attn_fwd(
     # 3.6). Larger heads keep the full tiles first: the other order spilled 48 bytes in the d128
     # (128, 64, 8, 3) (3.9) and 24 in the d256 (128, 16, 8, 2) TMA twin (3.8).
     EDGE_FIRST: tl.constexpr = DOT_PREC != "ieee" and MASK_KIND != 0 and BLOCK_D <= 64
-    lo_a, hi_a, lo_b, hi_b = lo, full_hi, full_hi, hi
-    if EDGE_FIRST:
-        lo_a, hi_a, lo_b, hi_b = full_hi, hi, lo, full_hi
+    lo_a, hi_a, lo_b, hi_b = _two_ranges(lo, full_hi, hi, EDGE_FIRST)
     acc, l_i, m_i = _fwd_loop(
         acc, l_i, m_i, q, k_base, v_base, mask_base, kpm_base, lo_a, hi_a, row0, rows_local,
         offs_n, offs_d, offs_dv, stride_kn, stride_vn, stride_mm, stride_mn, stride_pn,
@@ -714,9 +722,7 @@ def attn_bwd_dkdv(
     # the others, 12-04): the other order spilled 8 bytes with dropout (3.6, 3.8); this one is
     # serialized under 3.6 only.
     DIAG_FIRST: tl.constexpr = DOT_PREC == "ieee" or (QK_TILES and BLOCK_M == 64 and BLOCK_N == 64)
-    lo_a, hi_a, lo_b, hi_b = diag_end, hi, lo, diag_end
-    if DIAG_FIRST:
-        lo_a, hi_a, lo_b, hi_b = lo, diag_end, diag_end, hi
+    lo_a, hi_a, lo_b, hi_b = _two_ranges(lo, diag_end, hi, not DIAG_FIRST)
     dk, dv = _dkdv_loop(
         dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, lo_a, hi_a, col0, offs_m,
         offs_n, offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
@@ -866,9 +872,7 @@ def attn_bwd_dq(
     EDGE_FIRST: tl.constexpr = (
         DOT_PREC != "ieee" and BLOCK_D <= 128 and MASK_KIND != 0 and HAS_DROPOUT
     )
-    lo_a, hi_a, lo_b, hi_b = lo, full_hi, full_hi, hi
-    if EDGE_FIRST:
-        lo_a, hi_a, lo_b, hi_b = full_hi, hi, lo, full_hi
+    lo_a, hi_a, lo_b, hi_b = _two_ranges(lo, full_hi, hi, EDGE_FIRST)
     dq = _dq_loop(
         dq, q, do, lse, lse_lo, delta, k_base, v_base, mask_base, ds_base, kpm_base, lo_a, hi_a,
         row0,
