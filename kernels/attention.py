@@ -701,41 +701,52 @@ def attn_bwd_dkdv(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
+    # Two query loops, over [lo, mid) and [mid, hi). Causal: [lo, mid) are the blocks that cross
+    # the diagonal (masked), and the blocks above the first key are skipped. Not causal, 16-bit,
+    # (query x key) tiles or dropout: [mid, hi) is the partial last block, so that the loop has
+    # a second one beside it. With one loop over every block ptxas serialized the wgmma of 26
+    # non-causal kernels (C7515; sm_90, Triton 3.6), among them every dK/dV tile of the paper's
+    # encoder (d64, key padding, dropout); the loops only split the range. The (key x query)
+    # tiles without dropout keep one loop: there the split serialized the (32, 128, 8, 3).
+    EDGE_LOOP: tl.constexpr = not IS_CAUSAL and DOT_PREC != "ieee" and (
+        QK_TILES or PART != 0 or HAS_DROPOUT
+    )
     lo = 0
-    diag_end = 0
+    mid = 0
     hi = Lq
     if IS_CAUSAL:
-        # Query blocks above the first key never see it; those crossing the diagonal are masked.
         lo = (col0 // BLOCK_M) * BLOCK_M
-        diag_end = tl.minimum(tl.cdiv(col0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, Lq)
-        diag_end = tl.maximum(diag_end, lo)
+        mid = tl.minimum(tl.cdiv(col0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, Lq)
+        mid = tl.maximum(mid, lo)
+    if EDGE_LOOP:
+        mid = (Lq // BLOCK_M) * BLOCK_M
     if HAS_KPM:
         kept = _key_kept(Kpm + off_b * stride_pb, cols, stride_pn, Lk)
         any_kept = tl.max(kept.to(tl.int32), 0) > 0  # else a block of padding: dK = dV = 0
         hi = tl.where(any_kept, hi, lo)
-        diag_end = tl.where(any_kept, diag_end, lo)
-    # 16-bit: the query blocks past the diagonal first, then the diagonal's. In the other order
-    # ptxas serialized every wgmma of the kernel (C7515, "non wgmma instructions defining
+        mid = tl.where(any_kept, mid, lo)
+    # 16-bit: the loop over [mid, hi) first (causal: the blocks past the diagonal). In the other
+    # order ptxas serialized every wgmma of the kernel (C7515, "non wgmma instructions defining
     # accumulator registers"; causal, padded, masked and dropout, sm_90, Triton 3.6). float32
     # (FMA dots, no wgmma) keeps the diagonal first: the other order spilled 8-88 bytes at d256.
     # So does the 64 x 64 (query x key) tile, the H200's dropout winner (27-31% less time than
     # the others, 12-04): the other order spilled 8 bytes with dropout (3.6, 3.8); this one is
-    # serialized under 3.6 only.
-    DIAG_FIRST: tl.constexpr = DOT_PREC == "ieee" or (QK_TILES and BLOCK_M == 64 and BLOCK_N == 64)
-    lo_a, hi_a, lo_b, hi_b = _two_ranges(lo, diag_end, hi, not DIAG_FIRST)
+    # serialized under 3.6 only (causal; not causal it is not).
+    LOWER_FIRST: tl.constexpr = DOT_PREC == "ieee" or (QK_TILES and BLOCK_M == 64 and BLOCK_N == 64)
+    lo_a, hi_a, lo_b, hi_b = _two_ranges(lo, mid, hi, not LOWER_FIRST)
     dk, dv = _dkdv_loop(
         dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, lo_a, hi_a, col0, offs_m,
         offs_n, offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
         seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, ROW_STAT, HAS_DROPOUT, DOT_PREC,
-        DIAG_FIRST, PART, QK_TILES, BLOCK_M, USE_TMA,
+        IS_CAUSAL and LOWER_FIRST, PART, QK_TILES, BLOCK_M, USE_TMA,
     )
     dk, dv = _dkdv_loop(
         dk, dv, k, v, q_base, do_base, Lse, Stat, Delta, mask_base, lo_b, hi_b, col0, offs_m,
         offs_n, offs_d, offs_dv, bh_row0, stride_qm, stride_dom, stride_mm, stride_mn,
         seed, drop_t, out_scale, drop_base, qk_scale, Lq, Lk,
         HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, MASK_KIND, ROW_STAT, HAS_DROPOUT, DOT_PREC,
-        not DIAG_FIRST, PART, QK_TILES, BLOCK_M, USE_TMA,
+        IS_CAUSAL and not LOWER_FIRST, PART, QK_TILES, BLOCK_M, USE_TMA,
     )
     if HAS_KPM:
         # P was not masked for padding keys here (it is per key, constant over the loop): every
@@ -864,13 +875,17 @@ def attn_bwd_dq(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, hi, full_hi = _key_range(KvRange, off_b, row0, Lk, IS_CAUSAL, HAS_KPM, BLOCK_M, BLOCK_N)
-    # With a mask and dropout (16-bit, d <= 128) the edge tiles (the diagonal's, the range's
-    # ends) come first, then the full ones. In the other order ptxas serialized every wgmma of
-    # the d64 (128, 64, 8, 2) tile (C7515, sm_90, Triton 3.6). Elsewhere the full tiles stay
-    # first: the other order spilled 24 bytes in the causal d64 (64, 64, 4, 2) on sm_80 (3.8),
-    # 64 in the 16-bit d256 (128, 16, 8, 3) (3.9) and 8-16 in float32 d128.
+    # With a mask and dropout (16-bit, d <= 128, or not causal) the edge tiles (the diagonal's,
+    # the range's ends) come first, then the full ones. In the other order ptxas serialized
+    # every wgmma of the d64 (128, 64, 8, 2) tile (C7515, sm_90, Triton 3.6), and the d256
+    # (128, 16, 8, 3) spilled 8 bytes not causal (3.9). Elsewhere the full tiles stay first: the
+    # other order spilled 24 bytes in the causal d64 (64, 64, 4, 2) on sm_80 (3.8), 64 in the
+    # causal d256 (128, 16, 8, 3) (3.9) and 8-16 in float32 d128.
     EDGE_FIRST: tl.constexpr = (
-        DOT_PREC != "ieee" and BLOCK_D <= 128 and MASK_KIND != 0 and HAS_DROPOUT
+        DOT_PREC != "ieee"
+        and (BLOCK_D <= 128 or not IS_CAUSAL)
+        and MASK_KIND != 0
+        and HAS_DROPOUT
     )
     lo_a, hi_a, lo_b, hi_b = _two_ranges(lo, full_hi, hi, EDGE_FIRST)
     dq = _dq_loop(
@@ -921,7 +936,7 @@ class Config(NamedTuple):
 # attn_mask / padding / dropout (causal allowed), "padded" = key padding alone, "masked" =
 # attn_mask (with or without key padding), "dropout" = dropout without attn_mask,
 # "masked_dropout" = dropout with attn_mask (the dropout list less _MASKED_DROPOUT_SPILLS);
-# "plain" = base without causal, only where _PLAIN_EXTRA has configs for it. Every entry is
+# "plain" = base without causal, only for _PLAIN_KEYS. Every entry is
 # checked by compile_report() in CI: no stack frame (spills) with Triton 3.6 and 3.8, smem
 # within the arch's limit, wgmma for fp16/bf16 on sm_90.
 INTERPRET_CONFIG = Config(32, 32, 4, 1)
@@ -1092,6 +1107,9 @@ _VERSION_SPILLS = {
         ("dkdv", 80, 64, "padded", _C(16, 32, 8, 2)),
         # 8 bytes once the diagonal's query blocks came last (ptxas had serialized it).
         ("dkdv", 90, 128, "masked_dropout", _C(32, 64, 8, 2)),
+        # fp32, not causal: 216 and 24 bytes.
+        ("fwd", 90, 128, "base", _C(32, 16, 4, 2)),
+        ("dq", 80, 256, "dropout", _C(32, 16, 8, 2)),
     },
     (3, 8): {
         ("dkdv", 90, 64, "dropout", _QK(128, 64, 8, 2)),
@@ -1099,14 +1117,15 @@ _VERSION_SPILLS = {
         ("dkdv", 90, 128, "masked_dropout", _C(32, 64, 8, 2)),
         ("dkdv", 90, 128, "padded", _QK(128, 64, 8, 2)),
         ("dq", 90, 256, "padded", _C(32, 16, 8, 2)),  # fp32, 8 bytes since ROW_STAT
+        # fp32, not causal: 8 bytes each.
+        ("dq", 90, 128, "masked_dropout", _C(16, 16, 4, 2)),
+        ("dkdv", 80, 128, "padded", _C(16, 32, 8, 2)),
     },
     # 8-144 bytes; sm_80 has none under 3.9.
     (3, 9): {
         ("dkdv", 90, 64, "dropout", _QK(64, 64, 4, 3)),
         ("dkdv", 90, 64, "dropout", _QK(128, 64, 8, 2)),
         ("dkdv", 90, 64, "masked_dropout", _QK(128, 64, 8, 2)),
-        ("dkdv", 90, 64, "plain", _QK(128, 128, 8, 2)),
-        ("dkdv", 90, 64, "plain", _QK(128, 128, 8, 3)),
         ("dkdv", 90, 128, "base", _QK(128, 64, 8, 2)),
         ("dkdv", 90, 128, "masked_dropout", _C(32, 64, 8, 2)),
         ("dkdv", 90, 128, "padded", _QK(128, 64, 8, 2)),
@@ -1127,6 +1146,11 @@ def _triton_version() -> tuple[int, int]:
 # 0 spills and wgmma under that version (compile_report). CONFIGS key -> configs. The d256 dq's
 # one 0-spill wgmma tile under 3.9 is deeper and taller: 64-row tiles spilled 56-632 bytes.
 _VERSION_EXTRA = {
+    (3, 6): {
+        ("fwd", 90, "fp32", 128, "base"): [_C(32, 16, 8, 2)],
+        ("dq", 80, "fp32", 256, "dropout"): [_C(16, 16, 8, 2)],
+    },
+    (3, 8): {("dq", 90, "fp32", 128, "masked_dropout"): [_C(16, 16, 8, 2)]},
     (3, 9): {
         ("dq", 90, "16bit", 256, "masked_dropout"): [_C(128, 16, 8, 3)],
         ("fwd", 90, "fp32", 128, "masked_dropout"): [_C(32, 16, 8, 3)],
@@ -1143,13 +1167,10 @@ def _for_this_triton(key: tuple, configs: list[Config]) -> list[Config]:
     return kept + _VERSION_EXTRA.get(version, {}).get(key, [])
 
 
-# Non-causal calls without masks, padding or dropout ("plain") also try these: tiles that spill
-# with the causal diagonal's mask (4-24 bytes) but not without it. (arch, kernel, dclass, bucket)
-# -> configs. dK/dV (128 x 128) query x key tiles: 9.4 SASS instructions a score in the key loop
-# against 12.4 for (64, 128, 8, 2) and 15.9 for (32, 128, 8, 3) (sm_90, Triton 3.6).
-_PLAIN_EXTRA = {
-    (90, "dkdv", "16bit", 64): [_QK(128, 128, 8, 3), _QK(128, 128, 8, 2)],
-}
+# The CONFIGS keys (arch, kernel, dclass, bucket) with a "plain" list, for non-causal calls
+# without masks, padding or dropout: the base configs, and on sm_90 the TMA-only tiles of
+# _TMA_EXTRA[(kernel, bucket, "plain")], which spill with the causal diagonal's mask.
+_PLAIN_KEYS = {(90, "dkdv", "16bit", 64)}
 
 
 def listed_configs(kernel: str, arch: int, dclass: str, bucket: int, fclass: str) -> list[Config]:
@@ -1157,7 +1178,7 @@ def listed_configs(kernel: str, arch: int, dclass: str, bucket: int, fclass: str
     table = _SM90 if arch == 90 else _SM80
     lists = _with_padded(arch, kernel, dclass, bucket, table[(kernel, dclass, bucket)])
     if fclass == "plain":
-        return lists[0] + _PLAIN_EXTRA[(arch, kernel, dclass, bucket)]
+        return lists[0]
     return lists[FEATURE_CLASSES.index(fclass)]
 
 
@@ -1168,7 +1189,7 @@ CONFIGS: dict[tuple[str, int, str, int, str], list[Config]] = {
         for arch, table in ((90, _SM90), (80, _SM80))
         for kernel, dclass, bucket in table
         for fclass in FEATURE_CLASSES
-    ] + [(kernel, arch, dclass, bucket, "plain") for arch, kernel, dclass, bucket in _PLAIN_EXTRA]
+    ] + [(kernel, arch, dclass, bucket, "plain") for arch, kernel, dclass, bucket in _PLAIN_KEYS]
 }
 # fmt: on
 # The most query rows of a dq block: its dS stores (a float mask's gradient) address
@@ -1341,13 +1362,17 @@ _TMA_SPILLS = {
     ("fwd", 256, "padded", _C(128, 64, 8, 2)),
     ("dkdv", 128, "masked_dropout", _QK(32, 64, 8, 2)),
 }
-# Twins that spill with one Triton version only, where the pointer-load config does not.
+# Twins that spill with one Triton version only, where the pointer-load config does not, and
+# TMA-only tiles (_TMA_EXTRA, named with tma=True) that spill with one version only.
 _TMA_VERSION_SPILLS = {
     (3, 9): {
         # 32 bytes once the diagonal's query blocks came last (ptxas had serialized the kernel).
         ("dkdv", 64, "masked_dropout", _QK(32, 128, 8, 3)),
         ("dkdv", 128, "dropout", _QK(32, 64, 8, 2)),
         ("dq", 256, "masked_dropout", _C(128, 16, 8, 3)),
+        # 120 bytes (3.9 spilled with pointer loads too, 168 bytes).
+        ("dkdv", 64, "plain", _QK(128, 128, 8, 2)._replace(tma=True)),
+        ("dkdv", 64, "plain", _QK(128, 128, 8, 3)._replace(tma=True)),
     },
 }
 
@@ -1366,6 +1391,15 @@ _TMA_EXTRA = {
     # 232,448), 0 spills under Triton 3.6, 3.8 and 3.9. d128's forward was 0.70x cuDNN's on the
     # H200 (12-04), where the two d128 twins lost to the pointer loads by 2-10%. Not yet timed.
     ("fwd", 128, "base"): [_C(128, 64, 8, 4, tma=True), _C(128, 128, 8, 3, tma=True)],
+    # dK/dV (128 x 128) query x key tiles of the "plain" list: 9.4 SASS instructions a score in
+    # the query loop against 12.4 for (64, 128, 8, 2) and 15.9 for (32, 128, 8, 3) (sm_90,
+    # Triton 3.6). Causal, they spill (8-104 bytes); not causal, 245-254 registers with TMA,
+    # and 8 bytes of spills with pointer loads since the partial last query block has a loop
+    # of its own (attn_bwd_dkdv: before it, ptxas serialized their wgmma).
+    ("dkdv", 64, "plain"): [
+        _QK(128, 128, 8, 3)._replace(tma=True),
+        _QK(128, 128, 8, 2)._replace(tma=True),
+    ],
 }
 
 # Warp-specialized forward tiles (Triton's automatic warp specialization on sm_90, the shape of
@@ -1397,7 +1431,11 @@ def tma_candidates(
     configs = CONFIGS[(kernel, arch, dclass, bucket, fclass)]
     spills = _TMA_SPILLS | _TMA_VERSION_SPILLS.get(_triton_version(), set())
     twins = [c._replace(tma=True) for c in configs if (kernel, bucket, fclass, c) not in spills]
-    extra = _TMA_EXTRA.get((kernel, bucket, fclass), [])
+    extra = [
+        c
+        for c in _TMA_EXTRA.get((kernel, bucket, fclass), [])
+        if (kernel, bucket, fclass, c) not in spills
+    ]
     return twins + extra + (ws_candidates(kernel, bucket, fclass) if ws else [])
 
 
@@ -2103,8 +2141,15 @@ CHECK_VARIANTS = {
     "plain": Variant("plain", False, MASK_NONE, False, False),
 }
 # The classes `compile_jobs(heaviest_only=True)` keeps: every feature at once (the others are
-# subsets of it), and the unmasked causal and plain paths.
-HEAVIEST_CLASSES = ("masked_dropout", "masked_dropout_out32", "base", "plain")
+# subsets of it), causal or not, and the unmasked causal and plain paths.
+HEAVIEST_CLASSES = (
+    "masked_dropout",
+    "masked_dropout_out32",
+    "masked_dropout_nc",
+    "masked_dropout_out32_nc",
+    "base",
+    "plain",
+)
 # Float-mask classes again with a float32 Out: the fwd and dq specializations of 16-bit calls
 # whose float32 mask needs a gradient (dq loads the float32 O for delta, 2x its registers).
 OUT32_CLASSES = ("masked", "masked_dropout")
@@ -2112,6 +2157,20 @@ CHECK_VARIANTS.update(
     {
         f"{c}_out32": CHECK_VARIANTS[c]._replace(name=CHECK_VARIANTS[c].name + "-out32", out32=True)
         for c in OUT32_CLASSES
+    }
+)
+# Each causal class once more without causal (base's twin is "plain"): a non-causal kernel is
+# not a lighter copy of the causal one. Before they were checked, ptxas serialized the wgmma of
+# 26 non-causal dK/dV kernels (Triton 3.6), and 5 fp32 or d256 kernels spilled 8-216 bytes
+# not causal only (3.6, 3.8, 3.9).
+NONCAUSAL_TWIN = {
+    c: "plain" if c == "base" else f"{c}_nc" for c, v in CHECK_VARIANTS.items() if v.is_causal
+}
+CHECK_VARIANTS.update(
+    {
+        NONCAUSAL_TWIN[c]: v._replace(name=v.name + "-nc", is_causal=False)
+        for c, v in list(CHECK_VARIANTS.items())
+        if v.is_causal and c != "base"
     }
 )
 
@@ -2300,13 +2359,14 @@ def compile_jobs(arch: int = 90, heaviest_only: bool = False) -> list[tuple]:
     first base config of the 128 and 256 buckets is also compiled in bf16 (wgmma there too;
     same code and registers as fp16 but for the MMA type). On sm_90 the TMA candidates too
     (`tma_candidates`). The float-mask classes of fwd and dq once more with a float32 Out
-    (OUT32_CLASSES). Plus the key-range kernel.
+    (OUT32_CLASSES). Each causal variant once more without causal (NONCAUSAL_TWIN). Plus the
+    key-range kernel.
 
     `heaviest_only`: the feature classes of HEAVIEST_CLASSES only, and one config per
     specialization (kernel, dtype, bucket, feature class, dK/dV part, TMA or not), the one with
     the most tile elements per warp, then the most stages (`_heaviest`): each kernel at its
     heaviest feature set, its config most likely to spill or run out of shared memory, and the
-    unmasked paths most calls take (CI's spill canary under the newest Triton, 3.9: 77 sm_90
+    unmasked paths most calls take (CI's spill canary under the newest Triton, 3.9: 145 sm_90
     kernels; every config is checked under the GPU machine's Triton).
     """
     jobs = set()
@@ -2317,13 +2377,13 @@ def compile_jobs(arch: int = 90, heaviest_only: bool = False) -> list[tuple]:
         parts = dkdv_parts(getattr(torch, dtype), bucket, bucket) if kernel == "dkdv" else (0,)
         out32 = dclass == "16bit" and fclass in OUT32_CLASSES and kernel in ("fwd", "dq")
         tma = tma_candidates(kernel, arch, dclass, bucket, fclass, ws=True)
-        for config, part in itertools.product([*configs, *tma], parts):
-            jobs.add((kernel, dtype, bucket, tuple(config), fclass, arch, part))
-            if out32:
-                jobs.add((kernel, dtype, bucket, tuple(config), fclass + "_out32", arch, part))
-        for config, part in itertools.product(configs[:1], parts):
+        classes = [fclass, fclass + "_out32"] if out32 else [fclass]
+        classes += [NONCAUSAL_TWIN[c] for c in classes if c in NONCAUSAL_TWIN]
+        for config, part, vclass in itertools.product([*configs, *tma], parts, classes):
+            jobs.add((kernel, dtype, bucket, tuple(config), vclass, arch, part))
+        for config, part, vclass in itertools.product(configs[:1], parts, ("base", "plain")):
             if dclass == "16bit" and fclass == "base" and bucket > 64:
-                jobs.add((kernel, "bfloat16", bucket, tuple(config), "base", arch, part))
+                jobs.add((kernel, "bfloat16", bucket, tuple(config), vclass, arch, part))
     if heaviest_only:
         jobs = _heaviest({job for job in jobs if job[4] in HEAVIEST_CLASSES})
     else:
@@ -2377,15 +2437,12 @@ MAX_SHARED = {80: 163 * 1024, 90: 227 * 1024}
 # config that is not serialized, and the autotuner times both. (kernel, head-dim bucket,
 # feature class, config less its TMA flag.) Any other serialized kernel fails the compile check.
 SERIALIZED_OK = {
-    # (query x key) dK/dV tiles without causal, padding or masks (3.6 and 3.8; not 3.9): one
-    # loop over the query blocks; with the diagonal's loop after it they are not serialized.
-    ("dkdv", 64, "plain", _QK(128, 64, 8, 2)),
-    ("dkdv", 64, "plain", _QK(128, 128, 8, 2)),
-    ("dkdv", 64, "plain", _QK(128, 128, 8, 3)),
     # The 64 x 64 (query x key) tile keeps the diagonal's query blocks first (3.6 only; the
     # other order spilled): serialized, and still the H200's dropout winner (27-31% less time,
     # 12-04).
     ("dkdv", 64, "dropout", _QK(64, 64, 4, 3)),
+    # Not causal, (key x query) tiles with dropout: serialized (3.6) with one query loop or two.
+    ("dkdv", 64, "dropout_nc", _C(32, 128, 8, 3)),
 }
 
 
