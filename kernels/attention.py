@@ -1110,6 +1110,7 @@ _VERSION_SPILLS = {
         # fp32, not causal: 216 and 24 bytes.
         ("fwd", 90, 128, "base", _C(32, 16, 4, 2)),
         ("dq", 80, 256, "dropout", _C(32, 16, 8, 2)),
+        ("dq", 80, 256, "base", _C(32, 16, 8, 2)),  # fp32, causal: 24 bytes
     },
     (3, 8): {
         ("dkdv", 90, 64, "dropout", _QK(128, 64, 8, 2)),
@@ -1121,7 +1122,7 @@ _VERSION_SPILLS = {
         ("dq", 90, 128, "masked_dropout", _C(16, 16, 4, 2)),
         ("dkdv", 80, 128, "padded", _C(16, 32, 8, 2)),
     },
-    # 8-144 bytes; sm_80 has none under 3.9.
+    # 8-144 bytes.
     (3, 9): {
         ("dkdv", 90, 64, "dropout", _QK(64, 64, 4, 3)),
         ("dkdv", 90, 64, "dropout", _QK(128, 64, 8, 2)),
@@ -1134,6 +1135,9 @@ _VERSION_SPILLS = {
         ("dq", 90, 256, "masked_dropout", _C(64, 16, 8, 2)),
         ("fwd", 90, 128, "masked_dropout", _C(32, 16, 8, 2)),  # fp32
         ("fwd", 90, 256, "dropout", _C(128, 32, 8, 2)),
+        # fp32, not causal: 8 bytes each.
+        ("dkdv", 80, 128, "masked", _C(16, 16, 4, 2)),
+        ("dkdv", 80, 128, "padded", _C(16, 32, 8, 2)),
     },
 }
 
@@ -1149,12 +1153,14 @@ _VERSION_EXTRA = {
     (3, 6): {
         ("fwd", 90, "fp32", 128, "base"): [_C(32, 16, 8, 2)],
         ("dq", 80, "fp32", 256, "dropout"): [_C(16, 16, 8, 2)],
+        ("dq", 80, "fp32", 256, "base"): [_C(32, 16, 8, 3)],
     },
     (3, 8): {("dq", 90, "fp32", 128, "masked_dropout"): [_C(16, 16, 8, 2)]},
     (3, 9): {
         ("dq", 90, "16bit", 256, "masked_dropout"): [_C(128, 16, 8, 3)],
         ("fwd", 90, "fp32", 128, "masked_dropout"): [_C(32, 16, 8, 3)],
         ("dkdv", 90, "fp32", 256, "base"): [_C(16, 16, 4, 1)],
+        ("dkdv", 80, "fp32", 128, "masked"): [_C(32, 16, 8, 2)],
     },
 }
 
