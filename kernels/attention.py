@@ -488,11 +488,23 @@ def attn_fwd(
         tl.static_assert(USE_TMA and MASK_KIND == 0)
         tl.static_assert(not HAS_KPM and not HAS_DROPOUT)
         full_hi = lo
-    # With a mask (16-bit, d <= 64) the edge tiles come first, then the full ones: in the other
-    # order ptxas serialized every wgmma of the d64 (128, 64, 8, 3) tile (C7515, sm_90, Triton
-    # 3.6). Larger heads keep the full tiles first: the other order spilled 48 bytes in the d128
-    # (128, 64, 8, 3) (3.9) and 24 in the d256 (128, 16, 8, 2) TMA twin (3.8).
-    EDGE_FIRST: tl.constexpr = DOT_PREC != "ieee" and MASK_KIND != 0 and BLOCK_D <= 64
+    # With a mask (16-bit, d <= 64) and key padding the edge tiles come first, then the full
+    # ones: in the other order ptxas serialized every wgmma of the d64 (128, 64, 8, 3) tile
+    # (C7515, sm_90, Triton 3.6). Without key padding that order serialized the (128, 32, 8, 3)
+    # and (64, 32, 4, 3) (3.6), and the full tiles first the (128, 64, 8, 3) not causal: each
+    # takes the order that ptxas did not serialize. Larger heads keep the full tiles first: the
+    # other order spilled 48 bytes in the d128 (128, 64, 8, 3) (3.9) and 24 in the d256
+    # (128, 16, 8, 2) TMA twin (3.8); with it serialized every d128 tile causal without key
+    # padding (3.6). But not causal, with dropout and no key padding, the full tiles first
+    # spilled 8-32 bytes in the d128 (128, 64, 8, 3) (3.6, 3.9).
+    EDGE_FIRST: tl.constexpr = (
+        DOT_PREC != "ieee"
+        and MASK_KIND != 0
+        and (
+            (BLOCK_D <= 64 and (HAS_KPM or (not IS_CAUSAL and BLOCK_N == 64)))
+            or (BLOCK_D == 128 and not IS_CAUSAL and not HAS_KPM and HAS_DROPOUT)
+        )
+    )
     lo_a, hi_a, lo_b, hi_b = _two_ranges(lo, full_hi, hi, EDGE_FIRST)
     acc, l_i, m_i = _fwd_loop(
         acc, l_i, m_i, q, k_base, v_base, mask_base, kpm_base, lo_a, hi_a, row0, rows_local,
@@ -703,13 +715,15 @@ def attn_bwd_dkdv(
 
     # Two query loops, over [lo, mid) and [mid, hi). Causal: [lo, mid) are the blocks that cross
     # the diagonal (masked), and the blocks above the first key are skipped. Not causal, 16-bit,
-    # (query x key) tiles or dropout: [mid, hi) is the partial last block, so that the loop has
-    # a second one beside it. With one loop over every block ptxas serialized the wgmma of 26
-    # non-causal kernels (C7515; sm_90, Triton 3.6), among them every dK/dV tile of the paper's
-    # encoder (d64, key padding, dropout); the loops only split the range. The (key x query)
-    # tiles without dropout keep one loop: there the split serialized the (32, 128, 8, 3).
+    # (query x key) tiles, dropout or a mask at d > 64: [mid, hi) is the partial last block, so
+    # that the loop has a second one beside it. With one loop over every block ptxas serialized
+    # the wgmma of 26 non-causal kernels (C7515; sm_90, Triton 3.6), among them every dK/dV tile
+    # of the paper's encoder (d64, key padding, dropout), and the d128 masked (32, 64, 8, 2)
+    # without key padding (3.6, 3.8) or with a bool mask (3.8); the loops only split the range.
+    # The d64 (key x query) tiles without dropout keep one loop: there the split serialized the
+    # (32, 128, 8, 3) (without a mask; with a bool mask and no key padding).
     EDGE_LOOP: tl.constexpr = not IS_CAUSAL and DOT_PREC != "ieee" and (
-        QK_TILES or PART != 0 or HAS_DROPOUT
+        QK_TILES or PART != 0 or HAS_DROPOUT or (MASK_KIND != 0 and BLOCK_D > 64)
     )
     lo = 0
     mid = 0
@@ -875,17 +889,21 @@ def attn_bwd_dq(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, hi, full_hi = _key_range(KvRange, off_b, row0, Lk, IS_CAUSAL, HAS_KPM, BLOCK_M, BLOCK_N)
-    # With a mask and dropout (16-bit, d <= 128, or not causal) the edge tiles (the diagonal's,
-    # the range's ends) come first, then the full ones. In the other order ptxas serialized
-    # every wgmma of the d64 (128, 64, 8, 2) tile (C7515, sm_90, Triton 3.6), and the d256
-    # (128, 16, 8, 3) spilled 8 bytes not causal (3.9). Elsewhere the full tiles stay first: the
-    # other order spilled 24 bytes in the causal d64 (64, 64, 4, 2) on sm_80 (3.8), 64 in the
-    # causal d256 (128, 16, 8, 3) (3.9) and 8-16 in float32 d128.
+    # With a mask, dropout and key padding (16-bit, d <= 128, or not causal) the edge tiles (the
+    # diagonal's, the range's ends) come first, then the full ones. In the other order ptxas
+    # serialized every wgmma of the d64 (128, 64, 8, 2) tile (C7515, sm_90, Triton 3.6), and
+    # the d256 (128, 16, 8, 3) spilled 8 bytes not causal (3.9). Without key padding this order
+    # serialized the d64 and d128 tiles (3.6), but for the d128 (64, 32, 4, 3), which spilled
+    # 8-16 bytes the other way (3.6, 3.8), as did the d256 not causal (32 bytes, 3.9).
+    # Elsewhere the full tiles stay first: the other order spilled 24 bytes in the causal d64
+    # (64, 64, 4, 2) on sm_80 (3.8), 64 in the causal d256 (128, 16, 8, 3) (3.9) and 8-16 in
+    # float32 d128.
     EDGE_FIRST: tl.constexpr = (
         DOT_PREC != "ieee"
         and (BLOCK_D <= 128 or not IS_CAUSAL)
         and MASK_KIND != 0
         and HAS_DROPOUT
+        and (HAS_KPM or BLOCK_D > 128 or (BLOCK_D == 128 and BLOCK_M == 64))
     )
     lo_a, hi_a, lo_b, hi_b = _two_ranges(lo, full_hi, hi, EDGE_FIRST)
     dq = _dq_loop(
@@ -1134,6 +1152,9 @@ _VERSION_SPILLS = {
         ("dq", 90, 64, "masked_dropout", _C(128, 64, 8, 2)),
         ("dq", 90, 256, "masked_dropout", _C(64, 16, 8, 2)),
         ("fwd", 90, 128, "masked_dropout", _C(32, 16, 8, 2)),  # fp32
+        # causal without key padding (16-32 and 16 bytes; `compile_jobs(twins=True)`)
+        ("fwd", 90, 128, "masked_dropout", _C(128, 64, 8, 3)),
+        ("fwd", 90, 128, "masked_dropout", _C(64, 32, 4, 3)),
         ("fwd", 90, 256, "dropout", _C(128, 32, 8, 2)),
         # fp32, not causal: 8 bytes each.
         ("dkdv", 80, 128, "masked", _C(16, 16, 4, 2)),
@@ -2181,6 +2202,28 @@ CHECK_VARIANTS.update(
 )
 
 
+def _feature_twins(c: str, v: Variant) -> dict[str, Variant]:
+    twins = {}
+    if v.has_kpm and (v.mask_kind != MASK_NONE or v.has_dropout):
+        twins[f"{c}_nokpm"] = v._replace(name=v.name + "-nokpm", has_kpm=False)
+    if v.mask_kind == MASK_FLOAT and not v.out32:  # a bool mask has no gradient
+        bool_mask = v._replace(name=v.name + "-bool", mask_kind=MASK_BOOL)
+        twins[f"{c}_bool"] = bool_mask
+        twins[f"{c}_bool_nokpm"] = bool_mask._replace(name=v.name + "-bool-nokpm", has_kpm=False)
+    return twins
+
+
+# Each class with a mask or dropout once more without key padding, and with a bool mask: the
+# classes hold key padding and a float mask (the heaviest), yet a kernel without them is not a
+# lighter copy either. Compiled for every config (3.6, sm_90), they found 67 serialized kernels
+# and 13 spills (fwd and dq with a mask and no key padding among them, the calls of most
+# torch users), before the key loops' orders took key padding into account. Not in CI's check
+# (`compile_jobs(twins=True)`, `--twins`; ~600 more sm_90 kernels): their problems under 3.6,
+# 3.8 and 3.9 are listed in benchmarks/NOTES.md.
+FEATURE_TWINS = {c: _feature_twins(c, v) for c, v in CHECK_VARIANTS.items()}
+CHECK_VARIANTS.update({t: v for twins in FEATURE_TWINS.values() for t, v in twins.items()})
+
+
 def _compile_inputs(
     kernel: str, dtype: torch.dtype, head_dim: int, config: Config, variant: Variant, part: int = 0
 ) -> tuple[dict, dict, dict]:
@@ -2355,7 +2398,7 @@ def _compile_job(job: tuple) -> dict:
     )
 
 
-def compile_jobs(arch: int = 90, heaviest_only: bool = False) -> list[tuple]:
+def compile_jobs(arch: int = 90, heaviest_only: bool = False, twins: bool = False) -> list[tuple]:
     """Every kernel specialization the compile check builds for the `arch` config table.
 
     Each (kernel, head-dim bucket, config, dK/dV part, feature class) is compiled in fp16 (fp32
@@ -2366,7 +2409,8 @@ def compile_jobs(arch: int = 90, heaviest_only: bool = False) -> list[tuple]:
     same code and registers as fp16 but for the MMA type). On sm_90 the TMA candidates too
     (`tma_candidates`). The float-mask classes of fwd and dq once more with a float32 Out
     (OUT32_CLASSES). Each causal variant once more without causal (NONCAUSAL_TWIN). Plus the
-    key-range kernel.
+    key-range kernel. `twins`: also each class without key padding and with a bool mask
+    (FEATURE_TWINS).
 
     `heaviest_only`: the feature classes of HEAVIEST_CLASSES only, and one config per
     specialization (kernel, dtype, bucket, feature class, dK/dV part, TMA or not), the one with
@@ -2385,6 +2429,8 @@ def compile_jobs(arch: int = 90, heaviest_only: bool = False) -> list[tuple]:
         tma = tma_candidates(kernel, arch, dclass, bucket, fclass, ws=True)
         classes = [fclass, fclass + "_out32"] if out32 else [fclass]
         classes += [NONCAUSAL_TWIN[c] for c in classes if c in NONCAUSAL_TWIN]
+        if twins:
+            classes += [t for c in classes for t in FEATURE_TWINS[c]]
         for config, part, vclass in itertools.product([*configs, *tma], parts, classes):
             jobs.add((kernel, dtype, bucket, tuple(config), vclass, arch, part))
         for config, part, vclass in itertools.product(configs[:1], parts, ("base", "plain")):
@@ -2414,20 +2460,24 @@ def _heaviest(jobs: set[tuple]) -> list[tuple]:
     return sorted(max(group, key=weight) for group in groups.values())
 
 
-def compile_report(arch: int = 90, workers: int = 2, heaviest_only: bool = False) -> list[dict]:
+def compile_report(
+    arch: int = 90, workers: int = 2, heaviest_only: bool = False, twins: bool = False
+) -> list[dict]:
     """Compile every config of the `arch` table (see compile_jobs; `heaviest_only`: one config
     per kernel specialization) without a GPU: registers, stack frame (spills), smem and whether
     wgmma was used, one dict per compiled kernel. Needs TRITON_INTERPRET unset and cuobjdump
     (Triton's wheel ships it)."""
-    return list(_compile_report_rows(arch, workers, heaviest_only))
+    return list(_compile_report_rows(arch, workers, heaviest_only, twins))
 
 
-def _compile_report_rows(arch: int, workers: int, heaviest_only: bool) -> Iterator[dict]:
+def _compile_report_rows(
+    arch: int, workers: int, heaviest_only: bool, twins: bool = False
+) -> Iterator[dict]:
     # Row by row as they are done: `main` prints each, and the test waiting for it reads a job
     # that prints nothing for minutes as stalled.
     from concurrent.futures import ProcessPoolExecutor
 
-    jobs = compile_jobs(arch, heaviest_only)
+    jobs = compile_jobs(arch, heaviest_only, twins)
     if workers <= 1:
         yield from map(_compile_job, jobs)
         return
@@ -2440,30 +2490,55 @@ MAX_SHARED = {80: 163 * 1024, 90: 227 * 1024}
 
 # sm_90 configs whose kernels ptxas serializes (C7515: each wgmma waits for the one before it),
 # under Triton 3.6, 3.8 or 3.9, kept as tuning candidates: each one's feature class has a
-# config that is not serialized, and the autotuner times both. (kernel, head-dim bucket,
-# feature class, config less its TMA flag.) Any other serialized kernel fails the compile check.
+# config that is not serialized (check_compile_report makes sure), and the autotuner times
+# both. (kernel, head-dim bucket, check class, config less its TMA flag); an entry holds for
+# the class's FEATURE_TWINS too. Any other serialized kernel fails the compile check.
 SERIALIZED_OK = {
     # The 64 x 64 (query x key) tile keeps the diagonal's query blocks first (3.6 only; the
     # other order spilled): serialized, and still the H200's dropout winner (27-31% less time,
-    # 12-04).
+    # 12-04). Without key padding not causal too.
     ("dkdv", 64, "dropout", _QK(64, 64, 4, 3)),
-    # Not causal, (key x query) tiles with dropout: serialized (3.6) with one query loop or two.
+    ("dkdv", 64, "dropout_nc", _QK(64, 64, 4, 3)),
+    # Not causal, (key x query) tiles with dropout: serialized (3.6) with one query loop or two;
+    # with a mask too, when it is bool.
     ("dkdv", 64, "dropout_nc", _C(32, 128, 8, 3)),
+    ("dkdv", 64, "masked_dropout_nc", _C(32, 128, 8, 3)),
+    # A mask and dropout without key padding: serialized with the edge tiles first (3.6), 8-16
+    # bytes of spills with the full ones first (3.6, 3.8; attn_bwd_dq's EDGE_FIRST).
+    ("dq", 128, "masked_dropout", _C(64, 32, 4, 3)),
+    ("dq", 128, "masked_dropout_out32", _C(64, 32, 4, 3)),
 }
+_CLASS_OF = {v.name: c for c, v in CHECK_VARIANTS.items()}
 
 
 def _serialized_ok(row: dict) -> bool:
     config = Config(*row["config"])._replace(tma=False)
+    fclass = _CLASS_OF[row["variant"]]
     return any(
-        (kernel, bucket, CHECK_VARIANTS[fclass].name, c)
-        == (row["kernel"], row["head_dim"], row["variant"], config)
-        for kernel, bucket, fclass, c in SERIALIZED_OK
+        (kernel, bucket, c) == (row["kernel"], row["head_dim"], config)
+        and (fclass == ok_class or fclass in FEATURE_TWINS[ok_class])
+        for kernel, bucket, ok_class, c in SERIALIZED_OK
     )
+
+
+def _without_clean_config(report: list[dict]) -> list[str]:
+    # The kernels whose every config is serialized (the tolerated ones, SERIALIZED_OK). A kernel
+    # compiled with one config only (`heaviest_only`) is judged by the full check.
+    groups: dict[tuple, list[dict]] = {}
+    for r in report:
+        key = (r["arch"], r["kernel"], r["dtype"], r["head_dim"], r["variant"], r.get("part", 0))
+        groups.setdefault(key, []).append(r)
+    return [
+        f"sm_{key[0]} {key[1]} {key[2]} d{key[3]} {key[4]} part {key[5]}: every config serialized"
+        for key, rows in groups.items()
+        if len(rows) > 1 and all(r.get("wgmma_serialized") for r in rows)
+    ]
 
 
 def check_compile_report(report: list[dict]) -> list[str]:
     """Problems in a compile report: spills, smem over the arch's limit, fp16/bf16 matrix
-    products without wgmma on sm_90, and wgmma that ptxas serialized (but SERIALIZED_OK)."""
+    products without wgmma on sm_90, and wgmma that ptxas serialized (but SERIALIZED_OK, and
+    not in every config of a kernel)."""
     problems = []
     for r in report:
         name = f"sm_{r['arch']} {r['kernel']} {r['dtype']} d{r['head_dim']} {r['config']} "
@@ -2480,20 +2555,20 @@ def check_compile_report(report: list[dict]) -> list[str]:
             problems.append(f"{name}: ws config not warp-specialized by the compiler")
         if r.get("wgmma_serialized") and not _serialized_ok(r):
             problems.append(f"{name}: wgmma serialized by ptxas (C7515)")
-    return problems
+    return problems + _without_clean_config(report)
 
 
 def main() -> None:
-    """`python -m fastformer.kernels.attention [--heaviest-only] [arch ...]` (default 90): print
-    the compile report of each arch table as JSON lines (`compile_jobs`)."""
+    """`python -m fastformer.kernels.attention [--heaviest-only] [--twins] [arch ...]` (default
+    90): print the compile report of each arch table as JSON lines (`compile_jobs`)."""
     import json
     import sys
 
+    flags = {"--heaviest-only", "--twins"}
     args = sys.argv[1:]
-    heaviest_only = "--heaviest-only" in args
-    archs = [int(a) for a in args if a != "--heaviest-only"] or [90]
+    archs = [int(a) for a in args if a not in flags] or [90]
     for arch in archs:
-        for row in _compile_report_rows(arch, 2, heaviest_only):
+        for row in _compile_report_rows(arch, 2, "--heaviest-only" in args, "--twins" in args):
             print(json.dumps(row), flush=True)
 
 

@@ -161,6 +161,10 @@ CASES = {
     # float32 keeps one dK/dV launch at every head dim; 16-bit inputs take the two (dkdv_parts).
     "fp16_d160_split_dkdv": Case(b=1, lq=33, lk=40, d=160, dv=136, causal=True, dtype=F16),
     "fp16_causal_kpm": Case(lq=97, lk=97, d=64, causal=True, kpm="random", dtype=F16),
+    # 16-bit masks without key padding: their own key and query loop orders (EDGE_FIRST,
+    # EDGE_LOOP), the partial last query block a loop of its own not causal at d > 64.
+    "fp16_float_mask_causal": Case(lq=97, lk=97, d=64, causal=True, mask="float", dtype=F16),
+    "fp16_bool_mask_d96": Case(lq=47, lk=65, d=96, mask="bool", dtype=F16),
     "fp16_fp32_mask_gqa": Case(
         h=4, hkv=2, lq=33, lk=65, d=64, mask="float", mask_dtype=F32, dtype=F16
     ),
@@ -2448,6 +2452,28 @@ def test_heaviest_only_compiles_each_specialization_once_at_its_heaviest_config(
         ), name
 
 
+def test_compile_jobs_twins_add_each_masked_or_dropout_class_without_padding_and_bool():
+    from fastformer.kernels import attention as kernels
+
+    every, twins = kernels.compile_jobs(90), kernels.compile_jobs(90, twins=True)
+    assert set(every) < set(twins)
+    added = {job[4] for job in set(twins) - set(every)}
+    variants = {job[4]: kernels.CHECK_VARIANTS[job[4]] for job in every}
+    for name, v in variants.items():
+        nokpm = v._replace(has_kpm=False)
+        bool_mask = v._replace(mask_kind=kernels.MASK_BOOL)
+        wanted = [nokpm] if v.has_kpm and (v.mask_kind or v.has_dropout) else []
+        if v.mask_kind == kernels.MASK_FLOAT and not v.out32:
+            wanted += [bool_mask, bool_mask._replace(has_kpm=False)]
+        got = [kernels.CHECK_VARIANTS[t]._replace(name="") for t in kernels.FEATURE_TWINS[name]]
+        assert got == [w._replace(name="") for w in wanted], name
+        assert set(kernels.FEATURE_TWINS[name]) <= added
+        # each twin compiled for every config of its class
+        for twin in kernels.FEATURE_TWINS[name]:
+            configs = {job[:4] + job[5:] for job in every if job[4] == name}
+            assert configs == {job[:4] + job[5:] for job in twins if job[4] == twin}, twin
+
+
 def _features(variant) -> set[str]:
     on = {"causal": variant.is_causal, "mask": variant.mask_kind != 0, "kpm": variant.has_kpm}
     on.update(dropout=variant.has_dropout, out32=variant.out32)
@@ -2479,6 +2505,15 @@ def test_check_compile_report_flags_problems():
         [{**tolerated, "variant": "all", "wgmma_serialized": True}]
     )
     assert "serialized" in problem
+    # a tolerance holds for the class's twins, and only beside a config that is not serialized
+    twin = {**tolerated, "variant": "dropout-nokpm", "wgmma_serialized": True}
+    other = {**twin, "config": [32, 128, 8, 3, True, False, False], "wgmma_serialized": False}
+    assert kernels.check_compile_report([twin, other]) == []
+    problems = kernels.check_compile_report([twin, {**other, "wgmma_serialized": True}])
+    assert ["C7515" in p for p in problems] == [True, False]  # (32, 128, 8, 3): not tolerated
+    assert "every config serialized" in problems[1]
+    (problem,) = kernels.check_compile_report([twin, {**twin, "config": [64, 64, 4, 3, True]}])
+    assert "every config serialized" in problem
 
 
 def test_each_tolerated_serialized_config_has_a_clean_alternative_in_its_list():
