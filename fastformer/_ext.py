@@ -53,6 +53,13 @@ def _load() -> tuple[ModuleType | None, str | None]:
             RuntimeWarning,
             stacklevel=3,
         )
+    if info is not None and info.get("cuda_check_build") and torch.cuda.is_available():
+        warnings.warn(
+            "fastformer._C is a check build (FASTFORMER_CUDA=check): its CUDA kernels are "
+            f"unoptimized PTX, built only to check that the sources compile; rebuild: {BUILD_HINT}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     if sources_match() is False:
         warnings.warn(
             "fastformer._C was built from other sources than csrc/ holds now (edited or pulled "

@@ -151,6 +151,25 @@ def test_torch_mismatch_warns(monkeypatch):
     assert any("built against torch 0.0.0-other" in m and "make install" in m for m in messages)
 
 
+def test_a_check_build_warns_where_a_gpu_would_run_it(monkeypatch):
+    check = {"torch": torch.__version__, "cuda_compiled": True, "cuda_check_build": True}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    messages = _load_warnings(monkeypatch, check)
+    assert any("check build (FASTFORMER_CUDA=check)" in m and "make install" in m for m in messages)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _load_warnings(monkeypatch, {**check, "cuda_check_build": False}) == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # CI's CPU stages
+    assert _load_warnings(monkeypatch, check) == []
+
+
+def _machine_code_built() -> bool:
+    # A check build (FASTFORMER_CUDA=check: CI's stages on other torch versions) holds PTX of
+    # its device code, not machine code; `make test` reads the full build's.
+    return fastformer.cuda_kernels_compiled() and not fastformer.build_info().get(
+        "cuda_check_build"
+    )
+
+
 def test_missing_extension_says_how_to_build():
     code = (
         "import sys, importlib.abc\n"
@@ -215,8 +234,8 @@ def test_built_cuda_kernels_have_no_spills():
 
     Read from the binary the build made, with its flags: a separate compile of each .cu without
     the build's --use_fast_math passed while the build's sm_80 fused LayerNorm forward spilled."""
-    if not fastformer.cuda_kernels_compiled():
-        pytest.skip("this build has no CUDA kernels")
+    if not _machine_code_built():
+        pytest.skip("this build has no CUDA machine code")
     assert _cuobjdump.cuobjdump_path() is not None, "cuobjdump not found (CUDA toolkit or Triton)"
     usage = _cuobjdump.resource_usage(fastformer._C.__file__)
     arch_list = fastformer.build_info()["arch_list"].replace("+PTX", "")
@@ -266,8 +285,8 @@ def vector_store_problems(stores: dict) -> list[str]:
 def test_built_vector_kernels_store_whole_16_byte_vectors():
     """The vector kernels of the built fastformer._C write their data with 16-byte stores only
     (STG.E.128), on every arch: see _VECTOR_KERNELS."""
-    if not fastformer.cuda_kernels_compiled():
-        pytest.skip("this build has no CUDA kernels")
+    if not _machine_code_built():
+        pytest.skip("this build has no CUDA machine code")
     assert _cuobjdump.cuobjdump_path() is not None, "cuobjdump not found (CUDA toolkit or Triton)"
     problems = vector_store_problems(_cuobjdump.global_stores(fastformer._C.__file__))
     assert not problems, "narrow stores in vector kernels:\n" + "\n".join(problems)
