@@ -2,7 +2,7 @@
 
 C++ sources are always built; CUDA sources (csrc/**/*.cu) when nvcc and a CUDA build of torch
 are present. FASTFORMER_CUDA=auto|0|1|check (1: fail loudly when CUDA cannot be built; check: see
-_CHECK_NVCC), TORCH_CUDA_ARCH_LIST (default "8.0;9.0"), MAX_JOBS and NVCC_THREADS (default 2)
+_check_nvcc), TORCH_CUDA_ARCH_LIST (default "8.0;9.0"), MAX_JOBS and NVCC_THREADS (default 2)
 are respected.
 """
 
@@ -101,7 +101,7 @@ def _check_nvcc() -> list[str]:
     versions: the CUDA sources' host code is compiled as in a full build, against that torch's
     headers; their device code only to unoptimized PTX (cicc -O0, no ptxas) of the list's first
     arch. `make test` builds the same device code in full with the same nvcc. The LayerNorm .cu
-    file took 13 s of CPU instead of 61 (cicc 33 s, ptxas 22 s; 2-core VM, sm_90). Such a build's
+    file took 15 s instead of 62 (cicc 33 s, ptxas 22 s; 2-core VM, sm_90). Such a build's
     kernels are for no GPU: fastformer warns when one is loaded where a GPU is."""
     first = os.environ["TORCH_CUDA_ARCH_LIST"].replace("+PTX", "").split(";")[0].strip()
     arch = first.replace(".", "")

@@ -61,7 +61,7 @@ cd "$SRC"
 # The GPU machine is an H200: its arch alone (`make test` builds and checks sm_80 and sm_90). A
 # check build (setup.py's _check_nvcc): the CUDA sources' host code against this torch, their
 # device code to unoptimized PTX only; `make test` compiled it in full with the same nvcc. It
-# took ~50 s of CPU off each stage's build (of ~120). COMPAT_CUDA=1 builds in full.
+# took 53 s of CPU off each stage's build (of 164). COMPAT_CUDA=1 builds in full.
 TORCH_CUDA_ARCH_LIST=${COMPAT_ARCHS:-9.0} FASTFORMER_CUDA=${COMPAT_CUDA:-check} \
     "$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps -e .
 # Left out, to keep CI within its time (each is run by `make test`):
@@ -80,8 +80,8 @@ TORCH_CUDA_ARCH_LIST=${COMPAT_ARCHS:-9.0} FASTFORMER_CUDA=${COMPAT_CUDA:-check} 
 # - the spill and store checks of the built kernels' machine code: a check build has none.
 A=tests/test_attention.py
 # COMPAT_COMPILE_FIRST=1 (CI): the sm_90 compile check first, alone (its 2 compile processes),
-# then the tests without it. Beside the tests, 3-4 processes on 2 cores, the compat stage's tests
-# took 477 s; apart, the check took 280 s and the tests 120 s (2-core VM, 2026-12-06).
+# then the tests without it, not 3-4 processes on 2 cores: on a 2-core VM the compat stage's tests
+# took 477 s with the check beside them, and 310 + 129 s apart (2026-12-06; ~1 s of CPU a kernel).
 if [ "${COMPAT_COMPILE_FIRST:-0}" = 1 ]; then
     "$VENV/bin/python" -m pytest "$A::test_compile_report[90]" "$@" -n 0
     set -- "$@" --deselect "$A::test_compile_report[90]"
