@@ -68,6 +68,14 @@ def resource_usage(binary: str | os.PathLike) -> dict[tuple[str, str, str], dict
     return parse(_cuobjdump("-res-usage", binary))
 
 
+_PTX_FILE = re.compile(r"^PTX file\s+\d+: .*\.(sm_\d+a?)\.ptx$", re.M)
+
+
+def ptx_archs(binary: str | os.PathLike) -> set[str]:
+    """The archs ("sm_90") whose PTX `binary` embeds (`cuobjdump -lptx`)."""
+    return set(_PTX_FILE.findall(_cuobjdump("-lptx", binary)))
+
+
 _STORE = re.compile(r"\bSTG(\.[A-Z0-9]+)*")
 
 

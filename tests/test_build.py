@@ -170,6 +170,15 @@ def _machine_code_built() -> bool:
     )
 
 
+def test_a_check_build_records_the_arch_it_holds():
+    if not fastformer.build_info().get("cuda_check_build"):
+        pytest.skip("not a check build (FASTFORMER_CUDA=check)")
+    assert _cuobjdump.cuobjdump_path() is not None, "cuobjdump not found (CUDA toolkit or Triton)"
+    recorded = fastformer.build_info()["arch_list"]
+    held = _cuobjdump.ptx_archs(fastformer._C.__file__)
+    assert held == {"sm_" + recorded.replace("+PTX", "").replace(".", "")}, (recorded, held)
+
+
 def test_missing_extension_says_how_to_build():
     code = (
         "import sys, importlib.abc\n"
