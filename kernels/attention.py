@@ -1016,23 +1016,28 @@ _SM90 = {
     ("dq", "16bit", 256): ([_C(64, 32, 8, 2)], [_C(64, 16, 8, 2)], [_C(64, 16, 8, 2)]),
     # fp32 runs "ieee" dots on FMA units, whose operand layouts need many registers: small tiles.
     # (fwd with dropout: 8 warps; with 4 the dropout tile assembly spilled, up to 2.5 KB at D256.)
-    ("fwd", "fp32", 64): ([_C(32, 16, 4, 2)], [_C(32, 16, 4, 2)], [_C(32, 16, 8, 2)]),
-    ("fwd", "fp32", 128): ([_C(32, 16, 4, 2)], [_C(32, 16, 4, 2)], [_C(32, 16, 8, 2)]),
+    # Where a list's tile spilled 8-24 bytes in a feature twin (FEATURE_TWINS; sm_90 or sm_80,
+    # Triton 3.6, 3.8 or 3.9), it holds the one candidate that compiled cleanly in every class it
+    # serves, twins included, on both archs under all three versions: fwd d64/d128 dropout one
+    # stage (as sm_80's d256 masked dropout), dK/dV d64/d128 4 warps and one stage.
+    ("fwd", "fp32", 64): ([_C(32, 16, 4, 2)], [_C(32, 16, 4, 2)], [_C(32, 16, 8, 1)]),
+    ("fwd", "fp32", 128): ([_C(32, 16, 4, 2)], [_C(32, 16, 4, 2)], [_C(32, 16, 8, 1)]),
     ("fwd", "fp32", 256): ([_C(32, 16, 4, 2)], [_C(32, 16, 4, 2)], [_C(32, 16, 8, 2)]),
     # dkdv masked / dropout: the base configs spilled 4-260 bytes with a float mask or the
     # transposed 32-column keep-mask tile (sm_90 or sm_80, Triton 3.6 or 3.8); these do not.
     # dropout: (16, 32, 8, 2) spilled 8 bytes without a mask (Triton 3.8).
-    ("dkdv", "fp32", 64): ([_C(16, 32, 4, 2)], [_C(16, 32, 4, 2)], [_C(16, 16, 8, 2)]),
+    ("dkdv", "fp32", 64): ([_C(16, 32, 4, 2)], [_C(16, 32, 4, 2)], [_C(16, 16, 4, 1)]),
     # masked: (16, 16, 8, 2) spilled 16 bytes with Triton 3.8 (sm_90) once the grid gave batch
     # and head a dim each, at 80 registers; 4 warps do not (128-142 registers, 3.6 and 3.8).
-    ("dkdv", "fp32", 128): ([_C(16, 32, 8, 2)], [_C(16, 16, 4, 2)], [_C(16, 16, 8, 2)]),
+    ("dkdv", "fp32", 128): ([_C(16, 32, 8, 2)], [_C(16, 16, 4, 1)], [_C(16, 16, 4, 1)]),
+    # dropout: no candidate of seven compiled every twin cleanly under 3.6 (sm_90, 8 bytes).
     ("dkdv", "fp32", 256): ([_C(16, 16, 4, 2)], [_C(16, 16, 8, 2)], [_C(16, 16, 8, 2)]),
-    ("dq", "fp32", 64): ([_C(16, 16, 4, 2)],) * 3,
-    ("dq", "fp32", 128): ([_C(16, 16, 4, 2)],) * 3,
+    ("dq", "fp32", 64): ([_C(16, 16, 4, 2)], [_C(16, 16, 4, 2)], [_C(16, 16, 8, 2)]),
+    ("dq", "fp32", 128): ([_C(16, 16, 4, 2)], [_C(16, 16, 8, 2)], [_C(16, 16, 8, 1)]),
     # masked: (16, 16, 4, 2) spilled 16 bytes with the float mask's row statistics (_row_lse);
     # dropout: 16 with Triton 3.6 once float32 kept them too (ROW_STAT), where (16, 16, 8, 2)
     # compiles cleanly for every class, sm_90 and sm_80, 3.6 and 3.8 (75-171 registers).
-    ("dq", "fp32", 256): ([_C(16, 16, 4, 2)], [_C(32, 16, 8, 2)], [_C(16, 16, 8, 2)]),
+    ("dq", "fp32", 256): ([_C(16, 16, 4, 2)], [_C(16, 16, 4, 3)], [_C(16, 16, 8, 2)]),
 }
 # sm_80 (and the fallback for other archs): mma.sync, 164 KB smem on A100 (99 KB on sm_86/89;
 # the autotuner drops configs that do not fit).
@@ -1058,19 +1063,21 @@ _SM80 = {
     ("dq", "16bit", 256): ([_C(64, 32, 8, 2)], [_C(64, 16, 8, 2)],
                            [_C(64, 32, 8, 2), _C(64, 16, 8, 2)]),
     **{key: lists for key, lists in _SM90.items() if key[1] == "fp32"},
+    # dropout: (32, 16, 8, 1) spilled 8 bytes with Triton 3.9 (sm_80 only).
+    ("fwd", "fp32", 128): ([_C(32, 16, 4, 2)], [_C(32, 16, 4, 2)], [_C(32, 16, 8, 2)]),
     # sm_80 spilled 4-8 bytes with these sm_90 configs: dkdv d64 (16, 32, 4, 2) causal and
     # (16, 32, 8, 2) with a float mask, d256 (16, 16, 4, 2) causal; dq d256 (16, 16, 4, 2) and
     # (16, 16, 8, 2) causal (Triton 3.6 or 3.8). dkdv d64 dropout: (16, 32, 8, 2) spilled 8
     # bytes in Triton 3.6's own compile (its cubin), (16, 32, 4, 2) 8-16 with either version.
-    ("dkdv", "fp32", 64): ([_C(16, 32, 8, 2)], [_C(16, 32, 4, 2)], [_C(16, 16, 8, 2)]),
+    ("dkdv", "fp32", 64): ([_C(16, 32, 8, 2)], [_C(16, 32, 4, 2)], [_C(16, 16, 4, 1)]),
     # d256 dropout: (16, 16, 8, 2) spilled 8 bytes with Triton 3.8 once the grid gave batch
     # and head a dim each (3.8 held it at 128 registers); (16, 16, 4, 1) takes 216, 3.6 and 3.8.
     ("dkdv", "fp32", 256): ([_C(16, 16, 8, 2)], [_C(16, 16, 8, 2)], [_C(16, 16, 4, 1)]),
-    # (32, 16, 8, 2) spills 20 bytes with key padding and Triton 3.6 (_VERSION_SPILLS), where
-    # (16, 16, 8, 2) compiles cleanly with either version ((16, 16, 4, 2) spilled 8 bytes with
-    # 3.6 once float32 kept the row statistics, ROW_STAT).
-    ("dq", "fp32", 256): ([_C(32, 16, 8, 2)], [_C(32, 16, 8, 2), _C(16, 16, 8, 2)],
-                          [_C(32, 16, 8, 2)]),
+    # (32, 16, 8, 2) spills 20 bytes with key padding and Triton 3.6 (_VERSION_SPILLS); masked
+    # and dropout: (32, 16, 8, 2) and (16, 16, 8, 2) spilled 8-24 bytes in feature twins (3.6,
+    # 3.8 or 3.9), these did in none ((16, 16, 4, 2) spilled 8 bytes with 3.6 once float32 kept
+    # the row statistics, ROW_STAT).
+    ("dq", "fp32", 256): ([_C(32, 16, 8, 2)], [_C(16, 16, 4, 3)], [_C(16, 32, 8, 2)]),
 }
 
 
@@ -1127,7 +1134,6 @@ _VERSION_SPILLS = {
         ("dkdv", 90, 128, "masked_dropout", _C(32, 64, 8, 2)),
         # fp32, not causal: 216 and 24 bytes.
         ("fwd", 90, 128, "base", _C(32, 16, 4, 2)),
-        ("dq", 80, 256, "dropout", _C(32, 16, 8, 2)),
         ("dq", 80, 256, "base", _C(32, 16, 8, 2)),  # fp32, causal: 24 bytes
     },
     (3, 8): {
@@ -1135,9 +1141,7 @@ _VERSION_SPILLS = {
         ("dkdv", 90, 64, "masked_dropout", _QK(128, 64, 8, 2)),
         ("dkdv", 90, 128, "masked_dropout", _C(32, 64, 8, 2)),
         ("dkdv", 90, 128, "padded", _QK(128, 64, 8, 2)),
-        ("dq", 90, 256, "padded", _C(32, 16, 8, 2)),  # fp32, 8 bytes since ROW_STAT
-        # fp32, not causal: 8 bytes each.
-        ("dq", 90, 128, "masked_dropout", _C(16, 16, 4, 2)),
+        # fp32, not causal: 8 bytes.
         ("dkdv", 80, 128, "padded", _C(16, 32, 8, 2)),
     },
     # 8-144 bytes.
@@ -1151,13 +1155,11 @@ _VERSION_SPILLS = {
         ("dkdv", 90, 256, "base", _C(16, 16, 4, 2)),  # fp32
         ("dq", 90, 64, "masked_dropout", _C(128, 64, 8, 2)),
         ("dq", 90, 256, "masked_dropout", _C(64, 16, 8, 2)),
-        ("fwd", 90, 128, "masked_dropout", _C(32, 16, 8, 2)),  # fp32
         # causal without key padding (16-32 and 16 bytes; `compile_jobs(twins=True)`)
         ("fwd", 90, 128, "masked_dropout", _C(128, 64, 8, 3)),
         ("fwd", 90, 128, "masked_dropout", _C(64, 32, 4, 3)),
         ("fwd", 90, 256, "dropout", _C(128, 32, 8, 2)),
-        # fp32, not causal: 8 bytes each.
-        ("dkdv", 80, 128, "masked", _C(16, 16, 4, 2)),
+        # fp32, not causal: 8 bytes.
         ("dkdv", 80, 128, "padded", _C(16, 32, 8, 2)),
     },
 }
@@ -1173,15 +1175,11 @@ def _triton_version() -> tuple[int, int]:
 _VERSION_EXTRA = {
     (3, 6): {
         ("fwd", 90, "fp32", 128, "base"): [_C(32, 16, 8, 2)],
-        ("dq", 80, "fp32", 256, "dropout"): [_C(16, 16, 8, 2)],
         ("dq", 80, "fp32", 256, "base"): [_C(32, 16, 8, 3)],
     },
-    (3, 8): {("dq", 90, "fp32", 128, "masked_dropout"): [_C(16, 16, 8, 2)]},
     (3, 9): {
         ("dq", 90, "16bit", 256, "masked_dropout"): [_C(128, 16, 8, 3)],
-        ("fwd", 90, "fp32", 128, "masked_dropout"): [_C(32, 16, 8, 3)],
         ("dkdv", 90, "fp32", 256, "base"): [_C(16, 16, 4, 1)],
-        ("dkdv", 80, "fp32", 128, "masked"): [_C(32, 16, 8, 2)],
     },
 }
 
