@@ -1159,6 +1159,7 @@ _VERSION_SPILLS = {
         ("fwd", 90, 128, "masked_dropout", _C(128, 64, 8, 3)),
         ("fwd", 90, 128, "masked_dropout", _C(64, 32, 4, 3)),
         ("fwd", 90, 256, "dropout", _C(128, 32, 8, 2)),
+        ("dkdv", 90, 256, "masked_dropout", _C(16, 64, 8, 2)),  # bool mask (a twin): 8 bytes
         # fp32, not causal: 8 bytes.
         ("dkdv", 80, 128, "padded", _C(16, 32, 8, 2)),
     },
@@ -1179,6 +1180,7 @@ _VERSION_EXTRA = {
     },
     (3, 9): {
         ("dq", 90, "16bit", 256, "masked_dropout"): [_C(128, 16, 8, 3)],
+        ("dkdv", 90, "16bit", 256, "masked_dropout"): [_C(16, 64, 8, 3)],
         ("dkdv", 90, "fp32", 256, "base"): [_C(16, 16, 4, 1)],
     },
 }
