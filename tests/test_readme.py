@@ -1,4 +1,5 @@
-"""The README's Python examples run as written, given the tensors they leave to the reader."""
+"""The README's Python examples run as written, given the tensors they leave to the reader; the
+README's and docs' links and file names point at files that exist."""
 
 import pathlib
 import re
@@ -7,7 +8,14 @@ import torch
 
 import fastformer
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks/results/README.md"]
+# A file name in backticks under one of the tree's folders, e.g. `kernels/attention.py`.
+_TREE_PATH = re.compile(
+    r"`((?:csrc|kernels|fastformer|tests|benchmarks|scripts|docs|\.ci)/[^`\s*<]*)`"
+)
+_BUILT = {"fastformer/_build_info.json"}  # written by the build, not tracked
 
 
 def _python_blocks() -> list[str]:
@@ -56,3 +64,33 @@ def test_multi_gpu_example_compiles_and_its_imports_exist():
     compile(block, "README.md", "exec")
     from torch.distributed.fsdp import fully_shard  # noqa: F401
     from torch.nn.parallel import DistributedDataParallel  # noqa: F401
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_docs_links_reach_existing_files_and_headings():
+    broken = []
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if "://" in target:
+                continue
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            if not file.is_file():
+                broken.append(f"{doc.name}: {target} (no such file)")
+            elif anchor:
+                headings = re.findall(r"^#+ (.*)$", file.read_text(), flags=re.M)
+                if anchor not in {_anchor(h) for h in headings}:
+                    broken.append(f"{doc.name}: {target} (no such heading)")
+    assert not broken, broken
+
+
+def test_docs_name_files_that_exist():
+    named = {m for doc in DOCS for m in _TREE_PATH.findall(doc.read_text())}
+    assert len(named) > 20, "the pattern no longer finds the docs' file names"
+    files = {p.split("::")[0].rstrip("/") for p in named}  # a pytest node id names its file
+    missing = sorted(p for p in files if p not in _BUILT and not (ROOT / p).exists())
+    assert not missing, missing
