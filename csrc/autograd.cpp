@@ -6,13 +6,16 @@
 // kernels' launches. These nodes run the ops' compiled kernels (layer_norm_fwd / _bwd,
 // ffn_forward / _backward, redispatched so that CPU, CUDA and dispatch modes see them) and save
 // what the Python Functions they replace saved; the Python wrappers still check the inputs,
-// draw the dropout seed and choose the FFN's epilogue. torch.compile keeps using the custom ops
-// fastformer::layer_norm and fastformer::ffn.
+// draw the dropout seed and choose the FFN's epilogue. Under create_graph=True their backward
+// calls Python after all: the ops' *_grads_by_reference, whose gradients a second backward can
+// differentiate. torch.compile keeps using the custom ops fastformer::layer_norm and
+// fastformer::ffn.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -25,52 +28,17 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Identity on a backward's results, tied to the tensors they depend on; a second backward
-// that reaches it raises (fastformer/ops/_autograd.py's first_order, for the C++ nodes).
-struct FirstOrderOnly : public torch::autograd::Function<FirstOrderOnly> {
-  static variable_list forward(AutogradContext* ctx, const std::string& op, int64_t n_tied,
-                               at::TensorList tensors) {
-    ctx->saved_data["op"] = op;
-    variable_list out;
-    for (size_t i = static_cast<size_t>(n_tied); i < tensors.size(); ++i) {
-      out.push_back(tensors[i].clone());
-    }
-    return out;
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list /*grads*/) {
-    TORCH_CHECK(false, "fastformer's ", ctx->saved_data["op"].toStringRef(),
-                " kernels compute first-order gradients only, and a second derivative (a "
-                "backward through gradients taken with create_graph=True) was asked for; use "
-                "the torch.nn / torch.nn.functional op where double backward is needed");
-  }
-};
-
-// `results` as they are outside create_graph=True; inside, passed through FirstOrderOnly tied
-// to whatever of `grads`, `saved` and `kept` (an input kept outside the saved variables)
-// requires grad.
-variable_list first_order(const std::string& op, variable_list results,
-                          const variable_list& grads, const variable_list& saved,
-                          const at::Tensor& kept = at::Tensor()) {
-  if (!at::GradMode::is_enabled()) return results;
-  const variable_list extra{kept};
-  variable_list all;
-  for (const auto* list : {&grads, &saved, &extra}) {
-    for (const at::Tensor& t : *list) {
-      if (t.defined() && t.requires_grad()) all.push_back(t);
-    }
-  }
-  const int64_t n_tied = static_cast<int64_t>(all.size());
-  if (n_tied == 0) return results;
-  for (const at::Tensor& r : results) {
-    if (r.defined()) all.push_back(r);
-  }
-  variable_list tied = FirstOrderOnly::apply(op, n_tied, at::TensorList(all));
-  auto next = tied.begin();
-  for (at::Tensor& r : results) {
-    if (r.defined()) r = *next++;
-  }
-  return results;
+// Whether a backward runs under create_graph=True with something its gradients depend on
+// (`grads`, `saved`, or `kept`: an input kept outside the saved variables) requiring grad:
+// then the kernels' results, which carry no graph, would look constant to a second backward
+// (zeros, partial sums), and the nodes call the ops' *_grads_by_reference ops instead
+// (fastformer/ops/_autograd.py's twice_differentiable, for the C++ nodes).
+bool differentiable(const variable_list& grads, const variable_list& saved,
+                    const at::Tensor& kept = at::Tensor()) {
+  if (!at::GradMode::is_enabled()) return false;
+  auto needs_grad = [](const at::Tensor& t) { return t.defined() && t.requires_grad(); };
+  return std::any_of(grads.begin(), grads.end(), needs_grad) ||
+         std::any_of(saved.begin(), saved.end(), needs_grad) || needs_grad(kept);
 }
 
 struct LnBwd {
@@ -78,6 +46,15 @@ struct LnBwd {
   using Sig = Tensors4(const at::Tensor&, const OptTensor&, const at::Tensor&, const OptTensor&,
                        const OptTensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                        double, bool, bool, bool, bool, bool);
+};
+
+// fastformer/ops/layer_norm.py's norm_grads_by_reference: the needed gradients among (x,
+// weight, bias, residual), in that order.
+struct LnByReference {
+  static constexpr const char* name = "fastformer::layer_norm_grads_by_reference";
+  using Sig = std::vector<at::Tensor>(const OptTensor&, const OptTensor&, const at::Tensor&,
+                                      const OptTensor&, const OptTensor&, const at::Tensor&,
+                                      double, double, bool, bool, bool, bool, bool, bool);
 };
 
 OptTensor optional(const at::Tensor& t) { return t.defined() ? OptTensor(t) : c10::nullopt; }
@@ -99,6 +76,7 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     const bool use_pre = fused && pre.sym_numel() != 0;
     ctx->save_for_backward({use_pre ? pre : x, weight.value_or(at::Tensor()),
                             bias.value_or(at::Tensor()), mean, rstd, seed});
+    ctx->saved_data["eps"] = eps;
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["rms"] = rms;
     ctx->saved_data["fused"] = fused;
@@ -128,22 +106,32 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     const bool out_used = grads[0].defined();
     const bool need_x = ctx->needs_input_grad(0), need_w = out_used && needs("weight_edge");
     const bool need_b = out_used && needs("bias_edge"), need_res = needs("residual_edge");
-    const at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(xin);
     const OptTensor dpre = grads[1].defined() && grads[1].sym_numel() != 0 ? OptTensor(grads[1])
                                                                         : c10::nullopt;
+    const double dropout_p = ctx->saved_data["dropout_p"].toDouble();
+    const bool rms = ctx->saved_data["rms"].toBool(), fused = ctx->saved_data["fused"].toBool();
     variable_list results(9);
-    {
-      const at::NoGradGuard no_grad;
-      auto [dx, dres, dweight, dbias] = handle<LnBwd>().call(
-          dout, dpre, xin, optional(weight), optional(bias), saved[3], saved[4], saved[5],
-          ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["rms"].toBool(),
-          ctx->saved_data["fused"].toBool(), need_res, need_w, need_b);
-      if (need_x) results[0] = dx;
-      if (need_w) results[1] = dweight;
-      if (need_b) results[2] = dbias;
-      if (need_res) results[3] = dres;
+    const bool needed[4] = {need_x, need_w, need_b, need_res};
+    if (differentiable(grads, saved)) {
+      const std::vector<at::Tensor> found = handle<LnByReference>().call(
+          optional(grads[0]), dpre, xin, optional(weight), optional(bias), saved[5],
+          ctx->saved_data["eps"].toDouble(), dropout_p, rms, fused, need_x, need_w, need_b,
+          need_res);
+      auto next = found.begin();
+      for (int i = 0; i < 4; ++i) {
+        if (needed[i]) results[i] = *next++;
+      }
+      return results;
     }
-    return first_order("LayerNorm / RMSNorm", std::move(results), grads, saved);
+    const at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(xin);
+    auto [dx, dres, dweight, dbias] =
+        handle<LnBwd>().call(dout, dpre, xin, optional(weight), optional(bias), saved[3],
+                             saved[4], saved[5], dropout_p, rms, fused, need_res, need_w, need_b);
+    const at::Tensor kernels[4] = {dx, dweight, dbias, dres};
+    for (int i = 0; i < 4; ++i) {
+      if (needed[i]) results[i] = kernels[i];
+    }
+    return results;
   }
 };
 
@@ -175,6 +163,15 @@ struct FfnBwd {
       const at::Tensor&, c10::string_view, double, int64_t, const OptTensor&);
 };
 
+// fastformer/ops/ffn.py's ffn_grads_by_reference: the gradients of (x, w1, b1, w2, b2), an
+// empty tensor for those not computed.
+struct FfnByReference {
+  static constexpr const char* name = "fastformer::ffn_grads_by_reference";
+  using Sig = std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const OptTensor&, const at::Tensor&, const OptTensor&,
+                                      int64_t, c10::string_view, double, bool, int64_t);
+};
+
 // Saves x, the weights and the forward's saved activation (the pre-activation, or for relu
 // the dropped activation); the dropout mask is regenerated from the seed.
 struct FfnFunction : public torch::autograd::Function<FfnFunction> {
@@ -185,12 +182,13 @@ struct FfnFunction : public torch::autograd::Function<FfnFunction> {
     auto [out, saved] = handle<FfnFwd>().call(x.contiguous(), w1, b1, w2, b2, activation,
                                               dropout_p, seed, fused_epilogue, device_seed);
     ctx->save_for_backward({x, w1, w2, saved, device_seed.value_or(at::Tensor())});
-    // b1 only for first_order to tie the gradients to: with x, w1 and w2 frozen, a
-    // create_graph=True db1 came back as a constant (a gradient penalty silently dropped).
-    // db2 is grad_out summed: a constant then, correctly. Kept outside save_for_backward: db1
-    // never reads it, and an in-place update of b1 after the forward must not fail the
-    // backward (torch's linear does not save its bias either).
+    // b1 kept outside save_for_backward: the kernels' backward never reads it, and an in-place
+    // update of b1 after the forward must not fail it (torch's linear does not save its bias
+    // either). A create_graph=True backward reads it (ffn_grads_by_reference, which refuses an
+    // update since the forward by its version), and `differentiable` looks at it: with x, w1
+    // and w2 frozen, db1 came back as a constant there (a gradient penalty silently dropped).
     ctx->saved_data["b1"] = b1.value_or(at::Tensor());
+    ctx->saved_data["b1_version"] = b1.has_value() ? int64_t(b1->_version()) : int64_t{-1};
     ctx->saved_data["activation"] = std::string(activation);
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["seed"] = seed;
@@ -204,20 +202,32 @@ struct FfnFunction : public torch::autograd::Function<FfnFunction> {
     variable_list results(10);
     if (!grads[0].defined()) return results;  // nothing flowed into the output
     const variable_list saved = ctx->get_saved_variables();
-    {
-      const at::NoGradGuard no_grad;
-      auto [dx, dw1, db1, dw2, db2] = handle<FfnBwd>().call(
-          grads[0].contiguous(), saved[0], saved[1], saved[2], saved[3],
-          ctx->saved_data["activation"].toStringRef(), ctx->saved_data["dropout_p"].toDouble(),
-          ctx->saved_data["seed"].toInt(), optional(saved[4]));
-      results[0] = dx;
-      results[1] = dw1;
-      results[3] = dw2;
-      if (ctx->saved_data["has_b1"].toBool()) results[2] = db1;
-      if (ctx->saved_data["has_b2"].toBool()) results[4] = db2;
+    const at::Tensor b1 = ctx->saved_data["b1"].toTensor();
+    const std::string activation = ctx->saved_data["activation"].toStringRef();
+    const double dropout_p = ctx->saved_data["dropout_p"].toDouble();
+    const int64_t seed = ctx->saved_data["seed"].toInt();
+    const bool has_b1 = ctx->saved_data["has_b1"].toBool();
+    const bool has_b2 = ctx->saved_data["has_b2"].toBool();
+    std::vector<at::Tensor> found;
+    if (differentiable(grads, saved, b1)) {
+      found = handle<FfnByReference>().call(grads[0], saved[0], saved[1], optional(b1), saved[2],
+                                            optional(saved[4]), seed, activation, dropout_p,
+                                            has_b2, ctx->saved_data["b1_version"].toInt());
+      for (at::Tensor& g : found) {
+        if (g.sym_numel() == 0) g = at::Tensor();  // not computed (or empty: no gradient)
+      }
+    } else {
+      auto [dx, dw1, db1, dw2, db2] =
+          handle<FfnBwd>().call(grads[0].contiguous(), saved[0], saved[1], saved[2], saved[3],
+                                activation, dropout_p, seed, optional(saved[4]));
+      found = {dx, dw1, db1, dw2, db2};
     }
-    return first_order("FFN", std::move(results), grads, saved,
-                       ctx->saved_data["b1"].toTensor());
+    results[0] = found[0];
+    results[1] = found[1];
+    results[3] = found[3];
+    if (has_b1) results[2] = found[2];
+    if (has_b2) results[4] = found[4];
+    return results;
   }
 };
 

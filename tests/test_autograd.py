@@ -1,15 +1,19 @@
-"""Second derivatives through the ops raise (fastformer.ops._autograd.first_order).
+"""Second derivatives through the ops (fastformer.ops._autograd.twice_differentiable).
 
-The eager autograd Functions' backwards run kernels whose results carry no graph: before
-`first_order`, a backward through gradients taken with create_graph=True returned zeros (the
-LayerNorm ops) or partial sums (the FFN) without an error. First-order gradients taken with
-create_graph=True must stay exactly the usual ones.
+The eager autograd Functions' backwards run kernels whose results carry no graph: a backward
+through gradients taken with create_graph=True returned zeros (the LayerNorm ops) or partial sums
+(the FFN) without an error, and then raised. Under create_graph=True the ops now compute their
+gradients through the reference's operations (torch.func.vjp), which a second backward
+differentiates; those gradients must equal the kernels' (the parity rule's reference), and the
+second derivatives torch's own ops'.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fastformer.ops import attention, ffn, layer_norm
 
@@ -33,6 +37,11 @@ def _dropout_add_layer_norm(x, w, r):
     return layer_norm.dropout_add_layer_norm(x, r, w, None, dropout_p=0.2)
 
 
+def _prenorm(x, w, r):  # both outputs used: pre's gradient joins out's
+    out, pre = layer_norm.dropout_add_layer_norm(x, r, w, None, dropout_p=0.2, prenorm=True)
+    return out + pre.sin()
+
+
 def _ffn(x, w1, w2):
     return ffn.ffn(x, w1, None, w2, None, "gelu", dropout_p=0.2)
 
@@ -45,6 +54,11 @@ def _attention(q, k, v):
     return attention.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True)
 
 
+def _attention_lse(q, k, v, mask):  # lse's gradient and a float mask's
+    out, lse = attention.scaled_dot_product_attention_with_lse(q, k, v, mask, dropout_p=0.2)
+    return out.sum(-1) + lse.cos()
+
+
 # op -> (function, shapes of its differentiable inputs)
 OPS = {
     "layer_norm": (_layer_norm, [(6, 8), (8,)]),
@@ -54,68 +68,154 @@ OPS = {
     "gated_ffn": (_gated_ffn, [(6, 8), (32, 8), (8, 16)]),
     "attention": (_attention, [(1, 2, 6, 4), (1, 2, 5, 4), (1, 2, 5, 4)]),
 }
+SECOND = {
+    **OPS,
+    "prenorm": (_prenorm, [(6, 8), (8,), (6, 8)]),
+    "attention_lse": (_attention_lse, [(1, 2, 6, 4), (1, 2, 5, 4), (1, 2, 5, 4), (6, 5)]),
+}
 
 
-NORMS = ("layer_norm", "rms_norm", "dropout_add_layer_norm")
+def _use_backend(monkeypatch, backend: str) -> None:
+    for name in ("ATTENTION", "LAYER_NORM", "FFN"):
+        monkeypatch.delenv(f"FASTFORMER_BACKEND_{name}", raising=False)
+        if backend == "torch":
+            monkeypatch.setenv(f"FASTFORMER_BACKEND_{name}", "torch")
 
 
-def _first_grads(op: str, create_graph: bool, square: bool):
-    fn, shapes = OPS[op]
-    inputs = [_randn(*shape, seed=i) for i, shape in enumerate(shapes)]
+def _first_grads(op: str, create_graph: bool, square: bool, dtype=torch.float32):
+    fn, shapes = SECOND[op]
+    inputs = [_randn(*shape, seed=i).detach().to(dtype).requires_grad_() for i, shape in
+              enumerate(shapes)]  # fmt: skip
     torch.manual_seed(0)  # the same dropout mask in every call
     out = fn(*inputs)
     loss = (out * out).sum() if square else out.sum()
     return inputs, torch.autograd.grad(loss, inputs, create_graph=create_graph)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 @pytest.mark.parametrize("backend", ["default", "torch"])
 @pytest.mark.parametrize("square", [True, False], ids=["loss_x_squared", "loss_sum"])
-@pytest.mark.parametrize("op", OPS)
-def test_second_derivative_raises(monkeypatch, op, square, backend):
-    # square: the incoming gradient depends on the inputs; sum: it is a constant, and the tie
-    # to the inputs goes through the tensors the forward saved. The norms' torch backend is
-    # the reference's plain torch ops: its second derivative is autograd's own.
-    for name in ("ATTENTION", "LAYER_NORM", "FFN"):
-        monkeypatch.delenv(f"FASTFORMER_BACKEND_{name}", raising=False)
-        if backend == "torch":
-            monkeypatch.setenv(f"FASTFORMER_BACKEND_{name}", "torch")
-    inputs, grads = _first_grads(op, create_graph=True, square=square)
-    _, plain = _first_grads(op, create_graph=False, square=square)
+@pytest.mark.parametrize("op", SECOND)
+def test_create_graph_gradients_equal_the_kernels(monkeypatch, op, square, backend, dtype):
+    # square: the incoming gradient depends on the inputs; sum: it is a constant, and what
+    # the gradients depend on are the tensors the forward saved. float32: the reference's
+    # rounding against the kernels' (their parity bound at these sizes is looser still).
+    _use_backend(monkeypatch, backend)
+    _, grads = _first_grads(op, create_graph=True, square=square, dtype=dtype)
+    _, plain = _first_grads(op, create_graph=False, square=square, dtype=dtype)
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
     for got, want in zip(grads, plain):
-        assert torch.equal(got, want)
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     assert any(g.requires_grad for g in grads)
-    second = sum((g * g).sum() for g in grads)
-    if backend == "torch" and op in NORMS:  # plain torch ops (the reference): differentiable
-        assert all(torch.isfinite(g).all() for g in torch.autograd.grad(second, inputs))
-        return
-    with pytest.raises(RuntimeError, match="first-order gradients only"):
-        torch.autograd.grad(second, inputs)
+    assert not any(g.requires_grad for g in plain)
+
+
+@pytest.mark.parametrize("backend", ["default", "torch"])
+@pytest.mark.parametrize("op", SECOND)
+def test_second_derivatives_pass_gradgradcheck(monkeypatch, op, backend):
+    # float64 on CPU (the kernels' gradcheck dtype); a fixed seed: one dropout mask a call
+    _use_backend(monkeypatch, backend)
+    fn, shapes = SECOND[op]
+    inputs = [_randn(*s, seed=i).detach().cpu().double().requires_grad_() for i, s in
+              enumerate(shapes)]  # fmt: skip
+
+    def seeded(*args):
+        torch.manual_seed(0)
+        return fn(*args)
+
+    assert torch.autograd.gradgradcheck(seeded, inputs)
+
+
+def _hessian_vector_products(fn, inputs):
+    out = fn(*inputs)
+    grads = torch.autograd.grad((out * out).sum(), inputs, create_graph=True)
+    penalty = sum((g * g).sum() for g in grads)
+    return (*grads, *torch.autograd.grad(penalty, inputs))
+
+
+def _torch_ops(op: str):
+    """The op without dropout in torch's own functions, and the fastformer call."""
+    d = 8
+    if op == "layer_norm":
+        return (lambda x, w, b: F.layer_norm(x, (d,), w, b)), (
+            lambda x, w, b: layer_norm.layer_norm(x, d, w, b)
+        )
+    if op == "dropout_add_layer_norm":  # x and the residual: the node saves only their sum
+        return (lambda x, w, b, r: F.layer_norm(x + r, (d,), w, b)), (
+            lambda x, w, b, r: layer_norm.dropout_add_layer_norm(x, r, w, b)
+        )
+    if op == "ffn":
+        return (lambda x, w1, b1, w2, b2: F.linear(F.silu(F.linear(x, w1, b1)), w2, b2)), (
+            lambda x, w1, b1, w2, b2: ffn.ffn(x, w1, b1, w2, b2, "silu")
+        )
+
+    # self-attention from one projection: q, k and v depend on the same weight (their
+    # gradients must be the node's partial derivatives, not total ones)
+    def split(x, w):
+        q, k, v = (x @ w).view(1, 6, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        return q, k * 2 + q, v
+
+    def math_sdpa(x, w):  # torch's math backend differentiates twice (its CPU flash does not)
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(*split(x, w), is_causal=True)
+
+    return math_sdpa, (
+        lambda x, w: attention.scaled_dot_product_attention(*split(x, w), is_causal=True)
+    )
+
+
+TORCH_SHAPES = {
+    "layer_norm": [(6, 8), (8,), (8,)],
+    "dropout_add_layer_norm": [(6, 8), (8,), (8,), (6, 8)],
+    "ffn": [(6, 8), (16, 8), (16,), (8, 16), (8,)],
+    "attention": [(1, 6, 8), (8, 24)],
+}
+
+
+@pytest.mark.parametrize("backend", ["default", "torch"])
+@pytest.mark.parametrize("op", TORCH_SHAPES)
+def test_second_derivatives_equal_torchs(monkeypatch, op, backend):
+    _use_backend(monkeypatch, backend)
+    inputs = [_randn(*s, seed=i).detach().cpu().double().requires_grad_() for i, s in
+              enumerate(TORCH_SHAPES[op])]  # fmt: skip
+    expected_fn, fn = _torch_ops(op)
+    got = _hessian_vector_products(fn, inputs)
+    expected = _hessian_vector_products(expected_fn, inputs)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("backend", ["default", "torch"])
 @pytest.mark.parametrize("biases", [("b1",), ("b1", "b2")])
-def test_ffn_second_derivative_raises_when_only_biases_train(monkeypatch, backend, biases):
+def test_ffn_gradient_penalty_when_only_biases_train(monkeypatch, backend, biases):
     # Nothing the backward saved required grad and the cotangent was a constant: db1 came back
     # as a constant, and a gradient penalty on it was silently dropped (a found fault).
-    monkeypatch.delenv("FASTFORMER_BACKEND_FFN", raising=False)
-    if backend == "torch":
-        monkeypatch.setenv("FASTFORMER_BACKEND_FFN", "torch")
+    _use_backend(monkeypatch, backend)
     x, w1, w2 = (_randn(*s, seed=i).detach() for i, s in enumerate([(4, 8), (16, 8), (8, 16)]))
-    b = {"b1": torch.zeros(16, device=DEVICE), "b2": torch.zeros(8, device=DEVICE)}
-    for name in biases:
-        b[name].requires_grad_()
-    out = ffn.ffn(x, w1, b["b1"], w2, b["b2"], "gelu")
-    grads = torch.autograd.grad(out.sum(), [b[n] for n in biases], create_graph=True)
-    with pytest.raises(RuntimeError, match="first-order gradients only"):
-        (out.sum() + sum(g.pow(2).sum() for g in grads)).backward()
+
+    def penalty(fn):
+        b = {"b1": torch.zeros(16, device=DEVICE), "b2": torch.zeros(8, device=DEVICE)}
+        for name in biases:
+            b[name].requires_grad_()
+        out = fn(x, w1, b["b1"], w2, b["b2"])
+        grads = torch.autograd.grad(out.sum(), [b[n] for n in biases], create_graph=True)
+        loss = out.square().sum() + sum(g.pow(2).sum() for g in grads)
+        return torch.autograd.grad(loss, [b[n] for n in biases])
+
+    got = penalty(lambda *args: ffn.ffn(*args, "gelu"))
+    expected = penalty(lambda x, w1, b1, w2, b2: F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2))
+    assert got[0].abs().amax() > 0
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("path", ["default", "torch", "custom_op"])
 def test_ffn_backward_allows_an_in_place_update_of_b1(monkeypatch, path):
     # torch's linear does not save its bias, so updating b1 in place between the forward and the
-    # backward (an EMA, a bias tied elsewhere) leaves torch's backward alone. The FFN kept b1 for
-    # the create_graph tie above only, but saved it for backward, which then raised "modified by
-    # an inplace operation". w1, which the backward reads, still makes it raise, as in torch.
+    # backward (an EMA, a bias tied elsewhere) leaves torch's backward alone. The FFN kept b1
+    # for its create_graph=True backward, but saved it for backward, which then raised
+    # "modified by an inplace operation". w1, which the backward reads, still makes it raise,
+    # as in torch; so does b1 under create_graph=True, where the reference reads it.
     monkeypatch.delenv("FASTFORMER_BACKEND_FFN", raising=False)
     if path == "torch":
         monkeypatch.setenv("FASTFORMER_BACKEND_FFN", "torch")
@@ -136,20 +236,30 @@ def test_ffn_backward_allows_an_in_place_update_of_b1(monkeypatch, path):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     out = run()
     with torch.no_grad():
+        b1.add_(1.0)
+    with pytest.raises(RuntimeError, match="b1 of fastformer's FFN is at version"):
+        torch.autograd.grad(out.sum(), inputs, create_graph=True)
+    out = run()
+    with torch.no_grad():
         w1.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         torch.autograd.grad(out.sum(), inputs)
 
 
-def test_raw_layer_norm_op_second_derivative_raises():
-    # fastformer::layer_norm's backward calls layer_norm_bwd, which has no autograd: torch
-    # warned and a second derivative came back as zeros.
+def test_raw_layer_norm_op_second_derivative_equals_torchs():
+    # fastformer::layer_norm's Python autograd formula (the path torch.compile traces): its
+    # backward calls layer_norm_bwd, which has no autograd; a second derivative came back as
+    # zeros, then raised.
     x = _randn(3, 8, seed=0).detach().double().requires_grad_()
-    w, b = torch.randn(8, dtype=torch.double, device=DEVICE), torch.zeros(8, device=DEVICE)
-    out = torch.ops.fastformer.layer_norm(x, w, b.double(), None, 1e-5, 0.0, False, False)[0]
-    (g,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="LayerNorm kernels compute first-order gradients"):
-        torch.autograd.grad(g.pow(2).sum(), x)
+    w, b = _randn(8, seed=1).detach().double(), _randn(8, seed=2).detach().double()
+
+    def second(fn):
+        (g,) = torch.autograd.grad(fn(x).pow(2).sum(), x, create_graph=True)
+        return torch.autograd.grad(g.pow(2).sum(), x)[0]
+
+    got = second(lambda x: torch.ops.fastformer.layer_norm(x, w, b, None, 1e-5, 0.0, False,
+                                                            False)[0])  # fmt: skip
+    torch.testing.assert_close(got, second(lambda x: F.layer_norm(x, (8,), w, b)))
 
 
 # --------------------------------------------------------------------------- torch.func, forward AD

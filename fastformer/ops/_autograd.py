@@ -1,12 +1,14 @@
-"""Wrappers of the ops' implementations: first-order gradients only, said loudly (the backward
-of the ops' eager autograd Functions), autocast kept out of their plain-PyTorch backends, and
-the test that sends calls under torch.func transforms or forward-mode AD to plain PyTorch.
+"""Wrappers of the ops' implementations: their backward made differentiable again under
+``create_graph=True``, autocast kept out of their plain-PyTorch backends, and the test that sends
+calls under torch.func transforms or forward-mode AD to plain PyTorch.
 
-Their backward runs compiled kernels (C++/CUDA, Triton) whose results carry no autograd graph.
+The ops' backward runs compiled kernels (C++/CUDA, Triton) whose results carry no autograd graph.
 Taken with ``create_graph=True`` (a gradient penalty, a Hessian-vector product), those gradients
 would look constant to a second backward, which would then return zeros or partial sums in
-silence. ``first_order(op)`` makes the second backward raise instead, naming the op. (The C++
-autograd nodes of the LayerNorm and FFN kernels, csrc/autograd.cpp, do the same in C++.)
+silence. ``twice_differentiable(by_reference)`` computes them there instead through the
+reference's operations, with the kernels' dropout mask: the same gradients (within the parity
+rule), differentiable to any order, at the reference's cost. (The C++ autograd nodes of the
+LayerNorm and FFN kernels, csrc/autograd.cpp, call the ops' ``*_grads_by_reference`` ops.)
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
@@ -24,51 +26,63 @@ from torch._functorch.pyfunctorch import coerce_cinterpreter
 _TRANSFORMS = torch._C._functorch.peek_interpreter_stack
 
 
-class _SecondDerivative(torch.autograd.Function):
-    """Identity on a backward's results, tied to the tensors they depend on; raises when a
-    second backward reaches it."""
+def twice_differentiable(by_reference: Callable) -> Callable:
+    """Decorator of an autograd.Function's backward whose kernels' results carry no graph.
 
-    @staticmethod
-    def forward(ctx, op: str, n_inputs: int, *args):
-        ctx.op = op
-        return tuple(None if r is None else r.clone() for r in args[n_inputs:])
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(
-            f"fastformer's {ctx.op} kernels compute first-order gradients only, and a second "
-            "derivative (a backward through gradients taken with create_graph=True) was asked "
-            "for; use the torch.nn / torch.nn.functional op where double backward is needed"
-        )
-
-
-def first_order(op: str) -> Callable:
-    """Decorator of an autograd.Function's backward whose results are not differentiable.
-
-    Outside ``create_graph=True`` it only calls the backward. Inside, it runs the backward
-    without recording a graph and returns its results through a node that depends on the
-    incoming gradients and the saved tensors that require grad (and ``ctx.tied``, inputs kept
-    for the tie alone, outside save_for_backward and its in-place checks), so that
-    differentiating them raises a RuntimeError naming `op` rather than giving wrong second
-    derivatives.
+    Outside ``create_graph=True``, or when nothing its results depend on requires grad (the
+    incoming gradients, the saved tensors, and ``ctx.tied``: inputs kept for this test alone,
+    outside save_for_backward and its in-place checks), it calls the backward. Inside,
+    ``by_reference(ctx, *grads)`` gives the results: the same gradients by the reference's
+    operations (`differentiable_vjp`), which a second backward differentiates.
     """
 
     def wrap(backward: Callable) -> Callable:
         @functools.wraps(backward)
         def run(ctx, *grads):
-            if not torch.is_grad_enabled():
-                return backward(ctx, *grads)
+            if torch.is_grad_enabled():
+                candidates = (*grads, *ctx.saved_tensors, *getattr(ctx, "tied", ()))
+                if any(isinstance(t, Tensor) and t.requires_grad for t in candidates):
+                    return by_reference(ctx, *grads)
             with torch.no_grad():
-                results = backward(ctx, *grads)
-            candidates = (*grads, *ctx.saved_tensors, *getattr(ctx, "tied", ()))
-            tied = [t for t in candidates if isinstance(t, Tensor) and t.requires_grad]
-            if not tied:
-                return results
-            return _SecondDerivative.apply(op, len(tied), *tied, *results)
+                return backward(ctx, *grads)
 
         return run
 
     return wrap
+
+
+def differentiable_vjp(
+    fn: Callable[..., Sequence[Tensor]],
+    primals: Sequence[Tensor | None],
+    cotangents: Sequence[Tensor | None],
+) -> list[Tensor | None]:
+    """The vector-Jacobian product of ``fn(*primals)`` (a sequence of tensors) with
+    `cotangents` (None: zero), by torch.func.vjp over the primals that require grad, the others
+    held constant; recorded by autograd where it records (a backward under create_graph=True),
+    so differentiable again. None for the primals that do not require grad.
+
+    torch.func rather than torch.autograd.grad: inside a node's backward, autograd.grad with
+    respect to tensors of the graph being differentiated went on down that graph (to the
+    weights, through the node's own saved output: the C++ nodes' backward ran again and hung),
+    and would have given total derivatives where a primal depends on another.
+    """
+    wanted = [i for i, t in enumerate(primals) if t is not None and t.requires_grad]
+    grads: list[Tensor | None] = [None] * len(primals)
+    if not wanted:
+        return grads
+
+    def partial(*args: Tensor) -> tuple[Tensor, ...]:
+        full = list(primals)
+        for i, arg in zip(wanted, args):
+            full[i] = arg
+        return tuple(fn(*full))
+
+    outputs, pullback = torch.func.vjp(partial, *(primals[i] for i in wanted))
+    zero = torch.zeros_like
+    cots = tuple(zero(o) if c is None else c for o, c in zip(outputs, cotangents))
+    for i, g in zip(wanted, pullback(cots)):
+        grads[i] = g
+    return grads
 
 
 def _autocast_devices() -> tuple[str, ...]:

@@ -54,10 +54,11 @@ from fastformer.ops._autograd import (
     DRAWS_A_SEED,
     autocast_off,
     check_dense,
-    first_order,
+    differentiable_vjp,
     positive_float,
     refuse_compiled_vmap_dropout,
     traced,
+    twice_differentiable,
     type_name,
     under_transform,
 )
@@ -187,6 +188,13 @@ def _transformed(q, k, v, attn_mask, kpm, dropout_p, is_causal, scale):
         seed = rng.host_call_seed(q.device, dropout_p, "attention")
         b, h, lq, _ = q.shape
         keep = dropout_keep_mask(seed, b, h, lq, k.shape[2], dropout_p, device=q.device)
+    return _by_reference(q, k, v, attn_mask, kpm, keep, dropout_p, is_causal, scale)
+
+
+@autocast_off
+def _by_reference(q, k, v, attn_mask, kpm, keep, dropout_p, is_causal, scale):
+    """(out, lse) by the reference's operations with the keep-mask `keep`, in float32 for
+    16-bit inputs as the kernels compute; differentiable (to any order) where autograd records."""
     wq, wk, wv, wmask = _wide(q, k, v, attn_mask)
     gqa = k.shape[1] != q.shape[1]
     out, lse = reference.scaled_dot_product_attention(
@@ -1130,6 +1138,33 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
+def _grads_by_reference(ctx, grad_out, grad_lse) -> tuple:
+    """`_grads` under create_graph=True: by autograd through the reference's operations with
+    the kernels' keep-mask, so that they are differentiable again (a gradient penalty, a
+    Hessian-vector product). The reference's (B, H, Lq, Lk) memory and speed."""
+    query, key, value, _, _, _, _, attn_mask, key_padding_mask, seed = ctx.saved_tensors
+    keep = None
+    if ctx.dropout_p > 0:
+        b, h, lq, _ = query.shape
+        host = rng.host_seed(seed, _OP_NAME)
+        keep = dropout_keep_mask(host, b, h, lq, key.shape[2], ctx.dropout_p, query.device)
+    mask = attn_mask if ctx.float_mask and ctx.needs_input_grad[3] else None
+
+    def forward(q, k, v, m):
+        m = attn_mask if m is None else m
+        args = (key_padding_mask, keep, ctx.dropout_p, ctx.is_causal, ctx.scale)
+        return _by_reference(q, k, v, m, *args)
+
+    dq, dk, dv, dmask = differentiable_vjp(forward, (query, key, value, mask), (grad_out, grad_lse))
+    # as `_grads`: no value gradient when only lse was used
+    return dq, dk, dv if grad_out is not None else None, dmask, None, None, None, None
+
+
+def _op_grads_by_reference(ctx, grad_out, grad_lse, *_) -> tuple:
+    return *_grads_by_reference(ctx, grad_out, grad_lse), None  # needs_grad
+
+
+@twice_differentiable(_op_grads_by_reference)
 def _backward(ctx, grad_out, grad_lse, _grad_seed, _grad_stat, _grad_out32):
     grads = _grads(ctx, grad_out, grad_lse, torch.ops.fastformer.attention_backward)
     return *grads, None  # needs_grad
@@ -1190,7 +1225,7 @@ class _AttentionFunction(torch.autograd.Function):
         return output[0], output[1]
 
     @staticmethod
-    @first_order("attention")
+    @twice_differentiable(_grads_by_reference)
     def backward(ctx, grad_out, grad_lse):
         def run(*args):
             return _backward_kernels(

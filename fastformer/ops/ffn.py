@@ -60,9 +60,10 @@ from fastformer.ops._autograd import (
     autocast_off,
     check_dense,
     check_devices,
-    first_order,
+    differentiable_vjp,
     refuse_compiled_vmap_dropout,
     traced,
+    twice_differentiable,
     type_name,
     under_transform,
 )
@@ -558,12 +559,11 @@ def _keep_options(ctx, activation: str, dropout_p: float, b1, b2) -> None:
     ctx.set_materialize_grads(False)
     ctx.activation, ctx.dropout_p = activation, dropout_p
     ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
-    # b1 only so that first_order ties the gradients to it: with everything else frozen, a
-    # create_graph=True db1 came back as a constant (a silently dropped penalty); db2 is
-    # grad_out summed, a constant then, correctly. Not saved for backward: db1 never reads it,
-    # and an in-place update of b1 after the forward must not fail the backward (torch's
-    # linear does not save its bias either).
+    # b1 kept outside save_for_backward, as in csrc/autograd.cpp's FfnFunction (which says why),
+    # for a create_graph=True backward to read (with its version, to refuse an update since)
+    # and for twice_differentiable to look at.
     ctx.tied = () if b1 is None else (b1,)
+    ctx.b1_version = -1 if b1 is None else b1._version
 
 
 def _input_grads(ctx, grads: tuple[Tensor, ...]) -> tuple:
@@ -579,7 +579,25 @@ def _check_saved(saved: Tensor) -> None:
         )
 
 
-@first_order("FFN")  # _ffn_grad_op has no autograd
+def _grads_by_reference(ctx, grad_out: Tensor | None, seed: int | Tensor) -> tuple:
+    """`_input_grads` under create_graph=True (`ffn_grads_by_reference`)."""
+    if grad_out is None:
+        return (None,) * 7
+    x, w1, w2 = ctx.saved_tensors[:3]
+    b1 = ctx.tied[0] if ctx.tied else None
+    options = (ctx.activation, ctx.dropout_p, ctx.has_b2, ctx.b1_version)
+    return _input_grads(ctx, ffn_grads_by_reference(grad_out, x, w1, b1, w2, seed, *options))
+
+
+def _op_grads_by_reference(ctx, grad_out, _grad_saved, _grad_seed) -> tuple:
+    return (*_grads_by_reference(ctx, grad_out, ctx.saved_tensors[4]), None)
+
+
+def _function_grads_by_reference(ctx, grad_out) -> tuple:
+    return _grads_by_reference(ctx, grad_out, ctx.seed)
+
+
+@twice_differentiable(_op_grads_by_reference)  # _ffn_grad_op has no autograd
 def _backward(ctx, grad_out, _grad_saved, _grad_seed):
     if grad_out is None:  # grads are not materialized: nothing flowed into `out`
         return (None,) * 8
@@ -606,7 +624,7 @@ class _FfnFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @first_order("FFN")
+    @twice_differentiable(_function_grads_by_reference)
     def backward(ctx, grad_out):
         if grad_out is None:
             return (None,) * 7
@@ -614,6 +632,64 @@ class _FfnFunction(torch.autograd.Function):
         _check_saved(saved)
         args = (grad_out, x, w1, w2, saved, ctx.seed, ctx.activation, ctx.dropout_p)
         return _input_grads(ctx, _grad(*args, backend="torch"))
+
+
+def ffn_grads_by_reference(
+    grad_out: Tensor,
+    x: Tensor,
+    w1: Tensor,
+    b1: Tensor | None,
+    w2: Tensor,
+    seed: int | Tensor,
+    activation: str,
+    dropout_p: float,
+    has_b2: bool,
+    b1_version: int = -1,
+) -> list[Tensor | None]:
+    """The gradients of (x, w1, b1, w2, b2) of an ffn call, by autograd through the reference's
+    operations with the call's keep-mask (regenerated from `seed`): under create_graph=True,
+    differentiable again. None for the inputs that do not require grad and absent biases.
+
+    b1 is not saved for backward (an in-place update of it must not fail a first-order
+    backward, as for torch's linear); here it is read, so an update since the forward
+    (`b1_version`, its version then) raises as autograd does for a saved tensor.
+    """
+    if b1 is not None and b1._version != b1_version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: b1 of fastformer's FFN is at version {b1._version}; expected "
+            f"version {b1_version} instead (a create_graph=True backward reads it)"
+        )
+    keep = None
+    if dropout_p > 0:
+        keep = _keep_mask_like(rng.host_seed(seed, "ffn"), x, w2.shape[1], dropout_p)
+
+    def forward(x, w1, b1, w2):
+        return (reference.ffn(x, w1, b1, w2, None, activation, dropout_p, keep_mask=keep),)
+
+    grads = differentiable_vjp(forward, (x, w1, b1, w2), (grad_out,))
+    db2 = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if has_b2 else None
+    return [*grads, db2]
+
+
+# The C++ autograd node's call of `ffn_grads_by_reference` (csrc/autograd.cpp), through the
+# dispatcher: a CompositeImplicitAutograd kernel, so that autograd records its operations.
+_LIBRARY = torch.library.Library("fastformer", "FRAGMENT")
+_LIBRARY.define(
+    "ffn_grads_by_reference(Tensor grad_out, Tensor x, Tensor w1, Tensor? b1, Tensor w2, "
+    "Tensor? device_seed, int seed, str activation, float dropout_p, bool has_b2, "
+    "int b1_version) -> Tensor[]"
+)
+
+
+def _grads_by_reference_op(grad_out, x, w1, b1, w2, device_seed, seed, *options) -> list[Tensor]:
+    """The 5 gradients of (x, w1, b1, w2, b2); an empty tensor for those not computed."""
+    seed = seed if device_seed is None else device_seed
+    grads = ffn_grads_by_reference(grad_out, x, w1, b1, w2, seed, *options)
+    return [x.new_empty(0) if g is None else g for g in grads]
+
+
+_LIBRARY.impl("ffn_grads_by_reference", _grads_by_reference_op, "CompositeImplicitAutograd")
 
 
 # --------------------------------------------------------------------------- torch backend

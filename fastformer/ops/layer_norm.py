@@ -50,10 +50,11 @@ from fastformer.ops._autograd import (
     DRAWS_A_SEED,
     check_dense,
     check_devices,
-    first_order,
+    differentiable_vjp,
     positive_float,
     refuse_compiled_vmap_dropout,
     traced,
+    twice_differentiable,
     type_name,
     under_transform,
 )
@@ -290,6 +291,7 @@ def _save(ctx, inputs, output) -> None:
     use_pre = ctx.fused and pre.numel() != 0
     ctx.save_for_backward(pre if use_pre else x, weight, bias, mean, rstd, seed)
     ctx.dropout_p, ctx.rms, ctx.has_residual = dropout_p, rms, residual is not None
+    ctx.eps = eps
     ctx.set_materialize_grads(False)  # an unused pre gets no zero gradient tensor
 
 
@@ -298,7 +300,29 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(*output[2:])  # mean, rstd, seed
 
 
-@first_order("LayerNorm")  # layer_norm_bwd has no autograd: a second backward gave zeros
+def _needs(ctx, dout: Tensor | None, weight, bias) -> tuple[bool, bool, bool, bool]:
+    """Which of (x, weight, bias, residual) get a gradient: weight and bias none when only pre
+    was used (dout None: they did not shape it; None, as torch gives)."""
+    need_x, need_w, need_b, need_res = ctx.needs_input_grad[:4]
+    out_used = dout is not None
+    return (
+        need_x,
+        weight is not None and need_w and out_used,
+        bias is not None and need_b and out_used,
+        ctx.has_residual and need_res,
+    )
+
+
+def _grads_by_reference(ctx, dout, dpre, _dmean, _drstd, _dseed):
+    """`_backward` under create_graph=True (`norm_grads_by_reference`)."""
+    xin, weight, bias, _, _, seed = ctx.saved_tensors
+    needs = _needs(ctx, dout, weight, bias)
+    args = (seed, ctx.eps, ctx.dropout_p, ctx.rms, ctx.fused, *needs)
+    grads = norm_grads_by_reference(dout, dpre, xin, weight, bias, *args)
+    return (*grads, None, None, None, None)
+
+
+@twice_differentiable(_grads_by_reference)  # layer_norm_bwd has no autograd
 def _backward(ctx, dout, dpre, _dmean, _drstd, _dseed):
     return _grads(ctx, dout, dpre)
 
@@ -306,9 +330,9 @@ def _backward(ctx, dout, dpre, _dmean, _drstd, _dseed):
 def _grads(ctx, dout: Tensor | None, dpre: Tensor | None) -> tuple:
     """Gradients of (x, weight, bias, residual, and None for the 4 non-tensor arguments)."""
     xin, weight, bias, mean, rstd, seed = ctx.saved_tensors
-    need_x, need_w, need_b, need_res = ctx.needs_input_grad[:4]
-    if dout is None:  # only pre was used: weight and bias did not shape it (None, as torch)
-        dout, need_w, need_b = torch.zeros_like(xin), False, False
+    need_x, need_w, need_b, need_res = _needs(ctx, dout, weight, bias)
+    if dout is None:  # only pre was used
+        dout = torch.zeros_like(xin)
     if dpre is not None and dpre.numel() == 0:
         dpre = None
     dx, dres, dweight, dbias = torch.ops.fastformer.layer_norm_bwd(
@@ -323,20 +347,94 @@ def _grads(ctx, dout: Tensor | None, dpre: Tensor | None) -> tuple:
         ctx.dropout_p,
         ctx.rms,
         ctx.fused,
-        ctx.has_residual and need_res,
-        weight is not None and need_w,
-        bias is not None and need_b,
+        need_res,
+        need_w,
+        need_b,
     )
     return (
         dx if need_x else None,
-        dweight if weight is not None and need_w else None,
-        dbias if bias is not None and need_b else None,
-        dres if ctx.has_residual and need_res else None,
+        dweight if need_w else None,
+        dbias if need_b else None,
+        dres if need_res else None,
         None,
         None,
         None,
         None,
     )
+
+
+def norm_grads_by_reference(
+    dout: Tensor | None,
+    dpre: Tensor | None,
+    xin: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    seed: Tensor,
+    eps: float,
+    dropout_p: float,
+    rms: bool,
+    fused: bool,
+    need_x: bool,
+    need_w: bool,
+    need_b: bool,
+    need_res: bool,
+) -> list[Tensor | None]:
+    """The gradients of (x, weight, bias, residual) of a LayerNorm / RMSNorm call, by autograd
+    through the reference's operations: under create_graph=True, differentiable again.
+
+    From the backward's saved tensors: `xin` is x, or pre = residual + dropout(x) when `fused`
+    (then x's gradient is pre's through the call's keep-mask, regenerated from `seed`, and the
+    residual's is pre's). `dout` (None: only pre was used) and `dpre` are the cotangents of
+    the normalized output and of pre. None where a gradient is not needed.
+    """
+    if dpre is not None and dpre.numel() == 0:
+        dpre = None
+    shape = (xin.shape[-1],)
+
+    def forward(xin, weight, bias):
+        if rms:
+            return (reference.rms_norm(xin, shape, weight, eps).to(xin.dtype),)
+        return (reference.layer_norm(xin, shape, weight, bias, eps).to(xin.dtype),)
+
+    dxin = dweight = dbias = None
+    if dout is not None:  # else only pre was used
+        dxin, dweight, dbias = differentiable_vjp(forward, (xin, weight, bias), (dout,))
+    if dpre is not None:
+        dxin = dpre if dxin is None else dxin + dpre
+    if dxin is None:
+        dxin = torch.zeros_like(xin)
+    dx = dxin
+    if fused and dropout_p > 0 and need_x:
+        host = rng.host_seed(seed, "dropout_add_layer_norm")
+        keep = dropout_add_layer_norm_keep_mask(host, xin.shape, dropout_p, device=xin.device)
+        dx = reference._apply_keep_mask(dxin, keep, dropout_p, "keep_mask")
+    return [
+        dx if need_x else None,
+        dweight if need_w else None,
+        dbias if need_b else None,
+        dxin if need_res else None,
+    ]
+
+
+# The C++ autograd node's call of `norm_grads_by_reference` (csrc/autograd.cpp), through the
+# dispatcher: a CompositeImplicitAutograd kernel, so that autograd records its operations.
+_LIBRARY = torch.library.Library("fastformer", "FRAGMENT")
+_LIBRARY.define(
+    "layer_norm_grads_by_reference(Tensor? dout, Tensor? dpre, Tensor xin, Tensor? weight, "
+    "Tensor? bias, Tensor seed, float eps, float dropout_p, bool rms, bool fused, bool need_x, "
+    "bool need_w, bool need_b, bool need_res) -> Tensor[]"
+)
+
+
+def _grads_by_reference_op(dout, dpre, xin, weight, bias, *args) -> list[Tensor]:
+    """The needed gradients among (x, weight, bias, residual), in that order."""
+    grads = norm_grads_by_reference(dout, dpre, xin, weight, bias, *args)
+    needs, likes = args[-4:], (xin, weight, bias, xin)
+    found = zip(grads, needs, likes)
+    return [torch.zeros_like(like) if g is None else g for g, need, like in found if need]
+
+
+_LIBRARY.impl("layer_norm_grads_by_reference", _grads_by_reference_op, "CompositeImplicitAutograd")
 
 
 _layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
