@@ -155,11 +155,7 @@ def _torch_ops(op: str):
         q, k, v = (x @ w).view(1, 6, 3, 2, 4).permute(2, 0, 3, 1, 4)
         return q, k * 2 + q, v
 
-    def math_sdpa(x, w):  # torch's math backend differentiates twice (its CPU flash does not)
-        with sdpa_kernel(SDPBackend.MATH):
-            return F.scaled_dot_product_attention(*split(x, w), is_causal=True)
-
-    return math_sdpa, (
+    return (lambda x, w: _math_sdpa(*split(x, w), is_causal=True)), (
         lambda x, w: attention.scaled_dot_product_attention(*split(x, w), is_causal=True)
     )
 
@@ -183,6 +179,41 @@ def test_second_derivatives_equal_torchs(monkeypatch, op, backend):
     expected = _hessian_vector_products(expected_fn, inputs)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("vectorize", [False, True])  # True: a batched create_graph backward
+@pytest.mark.parametrize("op", ["layer_norm", "ffn", "attention"])
+def test_hessians_equal_torchs(op, vectorize):
+    w, w1, w2 = (_randn(*s, seed=i).detach().cpu().double() for i, s in
+                 enumerate([(8,), (16, 8), (8, 16)]))  # fmt: skip
+    x = _randn(3, 8, seed=3).detach().cpu().double()
+    fns = {
+        "layer_norm": (
+            lambda x: layer_norm.layer_norm(x, 8, w),
+            lambda x: F.layer_norm(x, (8,), w),
+        ),
+        "ffn": (
+            lambda x: ffn.ffn(x, w1, None, w2, None, "gelu"),
+            lambda x: F.linear(F.gelu(F.linear(x, w1)), w2),
+        ),
+        "attention": (
+            lambda x: attention.scaled_dot_product_attention(*[x.view(1, 1, 3, 8)] * 3),
+            lambda x: _math_sdpa(*[x.view(1, 1, 3, 8)] * 3),
+        ),
+    }
+    fn, expected_fn = fns[op]
+
+    def hessian(f):
+        return torch.autograd.functional.hessian(
+            lambda x: f(x).pow(3).sum(), x, vectorize=vectorize
+        )
+
+    torch.testing.assert_close(hessian(fn), hessian(expected_fn), rtol=1e-9, atol=1e-9)
+
+
+def _math_sdpa(q, k, v, **kwargs):  # torch's math backend differentiates twice (CPU flash not)
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 @pytest.mark.parametrize("backend", ["default", "torch"])
