@@ -30,8 +30,8 @@ def twice_differentiable(by_reference: Callable) -> Callable:
     """Decorator of an autograd.Function's backward whose kernels' results carry no graph.
 
     Outside ``create_graph=True``, or when nothing its results depend on requires grad (the
-    incoming gradients, the saved tensors, and ``ctx.tied``: inputs kept for this test alone,
-    outside save_for_backward and its in-place checks), it calls the backward. Inside,
+    incoming gradients, the saved tensors, and ``ctx.tied``: inputs kept outside
+    save_for_backward and its in-place checks), it calls the backward. Inside,
     ``by_reference(ctx, *grads)`` gives the results: the same gradients by the reference's
     operations (`differentiable_vjp`), which a second backward differentiates.
     """
