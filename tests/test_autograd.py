@@ -110,6 +110,22 @@ def test_create_graph_gradients_equal_the_kernels(monkeypatch, op, square, backe
     assert not any(g.requires_grad for g in plain)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("op", SECOND)
+def test_cuda_create_graph_gradients_equal_the_kernels(op):
+    # The kernels' gradients against the reference's on the device, to bf16 rounding, and a
+    # second backward through the latter. (bf16 only: each dtype compiles attention kernels
+    # anew, in a GPU suite stage with a time box.)
+    dtype, tol = torch.bfloat16, 3e-2
+    inputs, grads = _first_grads(op, create_graph=True, square=True, dtype=dtype)
+    _, plain = _first_grads(op, create_graph=False, square=True, dtype=dtype)
+    for got, want in zip(grads, plain):
+        scale = want.float().abs().amax().item() + 1.0
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * scale)
+    second = torch.autograd.grad(sum(g.float().square().sum() for g in grads), inputs)
+    assert all(s.dtype == t.dtype and torch.isfinite(s).all() for s, t in zip(second, inputs))
+
+
 @pytest.mark.parametrize("backend", ["default", "torch"])
 @pytest.mark.parametrize("op", SECOND)
 def test_second_derivatives_pass_gradgradcheck(monkeypatch, op, backend):
