@@ -48,8 +48,8 @@ struct LnBwd {
                        double, bool, bool, bool, bool, bool);
 };
 
-// fastformer/ops/layer_norm.py's norm_grads_by_reference: the needed gradients among (x,
-// weight, bias, residual), in that order.
+// fastformer/ops/layer_norm.py's norm_grads_by_reference: the gradients of (x, weight, bias,
+// residual); an empty tensor for those not needed (the need_* arguments).
 struct LnByReference {
   static constexpr const char* name = "fastformer::layer_norm_grads_by_reference";
   using Sig = std::vector<at::Tensor>(const OptTensor&, const OptTensor&, const at::Tensor&,
@@ -110,26 +110,23 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
                                                                         : c10::nullopt;
     const double dropout_p = ctx->saved_data["dropout_p"].toDouble();
     const bool rms = ctx->saved_data["rms"].toBool(), fused = ctx->saved_data["fused"].toBool();
-    variable_list results(9);
-    const bool needed[4] = {need_x, need_w, need_b, need_res};
+    std::vector<at::Tensor> found;  // of (x, weight, bias, residual)
     if (differentiable(grads, saved)) {
-      const std::vector<at::Tensor> found = handle<LnByReference>().call(
+      found = handle<LnByReference>().call(
           optional(grads[0]), dpre, xin, optional(weight), optional(bias), saved[5],
           ctx->saved_data["eps"].toDouble(), dropout_p, rms, fused, need_x, need_w, need_b,
           need_res);
-      auto next = found.begin();
-      for (int i = 0; i < 4; ++i) {
-        if (needed[i]) results[i] = *next++;
-      }
-      return results;
+    } else {
+      const at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(xin);
+      auto [dx, dres, dweight, dbias] = handle<LnBwd>().call(
+          dout, dpre, xin, optional(weight), optional(bias), saved[3], saved[4], saved[5],
+          dropout_p, rms, fused, need_res, need_w, need_b);
+      found = {dx, dweight, dbias, dres};
     }
-    const at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(xin);
-    auto [dx, dres, dweight, dbias] =
-        handle<LnBwd>().call(dout, dpre, xin, optional(weight), optional(bias), saved[3],
-                             saved[4], saved[5], dropout_p, rms, fused, need_res, need_w, need_b);
-    const at::Tensor kernels[4] = {dx, dweight, dbias, dres};
+    variable_list results(9);
+    const bool needed[4] = {need_x, need_w, need_b, need_res};
     for (int i = 0; i < 4; ++i) {
-      if (needed[i]) results[i] = kernels[i];
+      if (needed[i]) results[i] = found[i];
     }
     return results;
   }
@@ -213,8 +210,10 @@ struct FfnFunction : public torch::autograd::Function<FfnFunction> {
       found = handle<FfnByReference>().call(grads[0], saved[0], saved[1], optional(b1), saved[2],
                                             optional(saved[4]), seed, activation, dropout_p,
                                             has_b2, ctx->saved_data["b1_version"].toInt());
-      for (at::Tensor& g : found) {
-        if (g.sym_numel() == 0) g = at::Tensor();  // not computed (or empty: no gradient)
+      // An input that does not require grad got an empty tensor: no gradient.
+      const at::Tensor inputs[4] = {saved[0], saved[1], b1, saved[2]};
+      for (int i = 0; i < 4; ++i) {
+        if (!inputs[i].defined() || !inputs[i].requires_grad()) found[i] = at::Tensor();
       }
     } else {
       auto [dx, dw1, db1, dw2, db2] =

@@ -85,6 +85,12 @@ def differentiable_vjp(
     return grads
 
 
+def tensor_list(grads: Sequence[Tensor | None], like: Tensor) -> list[Tensor]:
+    """`grads` as a custom op's Tensor[] result: an empty tensor for each None (a gradient the
+    C++ node does not ask for, or of an input that does not require grad)."""
+    return [like.new_empty(0) if g is None else g for g in grads]
+
+
 def _autocast_devices() -> tuple[str, ...]:
     names = ("cpu", "cuda", "xpu", "hpu", "mps", "mtia", "maia", "xla", "ipu", "privateuseone")
     found = [d for d in names if torch.amp.is_autocast_available(d)]

@@ -62,6 +62,7 @@ from fastformer.ops._autograd import (
     check_devices,
     differentiable_vjp,
     refuse_compiled_vmap_dropout,
+    tensor_list,
     traced,
     twice_differentiable,
     type_name,
@@ -685,8 +686,7 @@ _LIBRARY.define(
 def _grads_by_reference_op(grad_out, x, w1, b1, w2, device_seed, seed, *options) -> list[Tensor]:
     """The 5 gradients of (x, w1, b1, w2, b2); an empty tensor for those not computed."""
     seed = seed if device_seed is None else device_seed
-    grads = ffn_grads_by_reference(grad_out, x, w1, b1, w2, seed, *options)
-    return [x.new_empty(0) if g is None else g for g in grads]
+    return tensor_list(ffn_grads_by_reference(grad_out, x, w1, b1, w2, seed, *options), x)
 
 
 _LIBRARY.impl("ffn_grads_by_reference", _grads_by_reference_op, "CompositeImplicitAutograd")

@@ -53,6 +53,7 @@ from fastformer.ops._autograd import (
     differentiable_vjp,
     positive_float,
     refuse_compiled_vmap_dropout,
+    tensor_list,
     traced,
     twice_differentiable,
     type_name,
@@ -427,11 +428,8 @@ _LIBRARY.define(
 
 
 def _grads_by_reference_op(dout, dpre, xin, weight, bias, *args) -> list[Tensor]:
-    """The needed gradients among (x, weight, bias, residual), in that order."""
-    grads = norm_grads_by_reference(dout, dpre, xin, weight, bias, *args)
-    needs, likes = args[-4:], (xin, weight, bias, xin)
-    found = zip(grads, needs, likes)
-    return [torch.zeros_like(like) if g is None else g for g, need, like in found if need]
+    """The gradients of (x, weight, bias, residual); an empty tensor for those not needed."""
+    return tensor_list(norm_grads_by_reference(dout, dpre, xin, weight, bias, *args), xin)
 
 
 _LIBRARY.impl("layer_norm_grads_by_reference", _grads_by_reference_op, "CompositeImplicitAutograd")
