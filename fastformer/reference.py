@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 __all__ = [
     "ACTIVATIONS",
@@ -235,7 +236,8 @@ def scaled_dot_product_attention(
         key: ``(B, Hkv, Lk, D)``; ``Hkv == H`` unless ``enable_gqa``.
         value: ``(B, Hkv, Lk, Dv)``.
         attn_mask: bool (True = attend) or float (added to the scores), broadcastable to
-            ``(B, H, Lq, Lk)``.
+            ``(B, H, Lq, Lk)``; or a ``torch.nn.attention.bias.CausalBias``, applied as its
+            bool mask (not with ``is_causal``, as in SDPA).
         dropout_p: dropout probability on the attention probabilities. If > 0,
             ``dropout_mask`` is required (ValueError otherwise); ignored when 0.
         is_causal: apply the top-left aligned causal mask (key ``j <= `` query ``i``). May be
@@ -258,6 +260,8 @@ def scaled_dot_product_attention(
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (B, H, L, D), got shape {tuple(t.shape)}")
     _check_dropout_p(dropout_p)
+    if isinstance(attn_mask, CausalBias):
+        attn_mask = _causal_bias_mask(attn_mask, is_causal, query.device)
     if dropout_p > 0.0 and dropout_mask is None:
         raise ValueError(
             f"dropout_p={dropout_p} > 0 needs an explicit bool dropout_mask (True = keep): "
@@ -273,6 +277,30 @@ def scaled_dot_product_attention(
     if lse.dtype in (torch.float16, torch.bfloat16):
         lse = lse.float()
     return out, lse
+
+
+def _causal_bias_mask(bias: CausalBias, is_causal: bool, device: torch.device) -> Tensor:
+    """The bool (Lq, Lk) mask of torch's CausalBias: key j visible from query i iff
+    j <= i (upper left) or j <= i + Lk - Lq (lower right)."""
+    if is_causal:
+        raise ValueError("a CausalBias attn_mask with is_causal=True: pass one of them")
+    lq, lk = bias.seq_len_q, bias.seq_len_kv
+    offset = lk - lq if bias.variant == CausalVariant.LOWER_RIGHT else 0
+    return torch.ones(lq, lk, dtype=torch.bool, device=device).tril(offset)
+
+
+def refuse_causal_bias(attn_mask: Tensor | None) -> None:
+    """TypeError for torch's CausalBias as a MultiheadAttention mask: a mask for SDPA only,
+    elsewhere a float tensor of uninitialized values (torch.nn's module adds them)."""
+    if isinstance(attn_mask, CausalBias):
+        raise TypeError(
+            "attn_mask (a Transformer layer's src_mask, tgt_mask or memory_mask) is a "
+            "torch.nn.attention.bias.CausalBias, a mask for "
+            "scaled_dot_product_attention only: MultiheadAttention would add its uninitialized "
+            "values to the scores. Pass is_causal=True without attn_mask (causal, top-left), or "
+            "a bool (L, S) mask, True = not allowed: torch.ones(L, S, dtype=torch.bool)"
+            ".triu(1), or .triu(S - L + 1) for causal_lower_right"
+        )
 
 
 # --------------------------------------------------------------------------- normalization
@@ -625,6 +653,7 @@ class MultiheadAttention(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """query ``(L, B, E)`` (``(B, L, E)`` if batch_first, ``(L, E)`` unbatched), key/value
         ``(S, B, E)`` -> ``(out like query, weights (B, L, S) or (B, H, L, S) or None)``."""
+        refuse_causal_bias(attn_mask)
         unbatched = query.dim() == 2
         if unbatched:
             query, key, value = (t.unsqueeze(1) for t in (query, key, value))

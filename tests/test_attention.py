@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 from fastformer import reference as ref
 from fastformer.ops import _dispatch, rng
@@ -198,6 +199,49 @@ def test_parity_with_lse(monkeypatch, backend):
     # The lse output is differentiable too: its cotangent enters the backward through delta.
     _use_backend(monkeypatch, backend)
     _parity(Case(lq=33, lk=65, d=32, causal=True, mask="float", kpm="random"), with_lse=True)
+
+
+# torch's CausalBias masks: upper left runs as is_causal, lower right as is_causal where square,
+# else as its bool mask; (65, 33) leaves the first 32 rows without a key, which are 0.
+CAUSAL_BIASES = {
+    "upper_left": (causal_upper_left, 33, 65),
+    "lower_right_decoding": (causal_lower_right, 1, 65),
+    "lower_right_lq_lt_lk": (causal_lower_right, 33, 65),
+    "lower_right_square": (causal_lower_right, 47, 47),
+    "lower_right_lq_gt_lk": (causal_lower_right, 65, 33),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Lower right causal bias will produce NaNs")
+@pytest.mark.parametrize("backend", ["default", "torch"])
+@pytest.mark.parametrize("name", list(CAUSAL_BIASES))
+def test_parity_with_a_causal_bias(monkeypatch, name, backend):
+    _use_backend(monkeypatch, backend)
+    make, lq, lk = CAUSAL_BIASES[name]
+    q, k, v = _qkv(Case(lq=lq, lk=lk, d=32))
+    bias = make(lq, lk)
+    results = compare_with_reference(
+        lambda q, k, v: attn.scaled_dot_product_attention(q, k, v, bias),
+        lambda q, k, v: ref.scaled_dot_product_attention(q, k, v, bias),
+        [q, k, v],
+        names=["q", "k", "v"],
+    )
+    assert_parity(results)
+
+
+@pytest.mark.filterwarnings("ignore:Lower right causal bias will produce NaNs")
+@pytest.mark.parametrize("name", list(CAUSAL_BIASES))
+def test_reference_reads_a_causal_bias_as_torch_s_sdpa(name):
+    # The reference against torch's own meaning of the bias, on the rows that see a key (torch's
+    # math leaves a row without one NaN; the reference and the op make it 0).
+    make, lq, lk = CAUSAL_BIASES[name]
+    q, k, v = (t.double().detach() for t in _qkv(Case(lq=lq, lk=lk, d=32)))
+    bias = make(lq, lk)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    got = ref.scaled_dot_product_attention(q, k, v, bias)
+    seen = slice(max(lq - lk, 0) if make is causal_lower_right else 0, None)
+    torch.testing.assert_close(got[:, :, seen], want[:, :, seen], rtol=1e-12, atol=1e-12)
+    assert torch.all(got[:, :, : seen.start] == 0)
 
 
 @pytest.mark.parametrize("use", ["out", "lse"])
@@ -2047,6 +2091,23 @@ ERRORS = {
     ),
     # True is a numbers.Real: it would run as a scale of 1.0
     "scale_bool": (_bad(scale=True), TypeError, "scale must be a float or None, got bool$"),
+    # torch's CausalBias: its values are uninitialized memory, wrong as a float mask
+    "causal_bias_and_is_causal": (
+        _bad(attn_mask=causal_lower_right(5, 6), is_causal=True),
+        ValueError,
+        "attn_mask is a CausalBias and is_causal=True",
+    ),
+    "causal_bias_size": (
+        _bad(attn_mask=causal_upper_left(5, 7)),
+        ValueError,
+        r"CausalBias of size \(seq_len_q, seq_len_kv\) = \(5, 7\), expected \(seq_q, seq_k\) "
+        r"= \(5, 6\)",
+    ),
+    "causal_bias_causal_int": (
+        _bad(attn_mask=causal_upper_left(5, 6), is_causal=1),
+        TypeError,
+        "is_causal must be a bool",
+    ),
 }
 
 
@@ -2121,6 +2182,11 @@ _REASONS_BAD = {  # name: (q, k, v -> args, kwargs), error, the op's message
         ValueError,
         r"key_padding_mask must have shape \(batch, seq_k\)",
     ),
+    "causal bias": (
+        lambda q, k, v: ((q, k, v, causal_upper_left(q.shape[2], k.shape[2] + 1)), {}),
+        ValueError,
+        r"attn_mask is a CausalBias of size",
+    ),
 }
 
 
@@ -2143,6 +2209,11 @@ def test_backend_reasons_reads_only_the_tensors_and_mask():
     others = dict(dropout_p=0.3, is_causal=True, scale=0.5, key_padding_mask=kpm)
     assert attn.backend_reasons(q, k, v, **others) == plain
     assert attn.backend_reasons(q, k[:, :2], v[:, :2], enable_gqa=True) == plain
+    lq, lk = q.shape[2], k.shape[2]
+    assert attn.backend_reasons(q, k, v, causal_upper_left(lq, lk)) == plain
+    lower_right = torch.ones(lq, lk, dtype=torch.bool, device=DEVICE).tril(lk - lq)
+    want = attn.backend_reasons(q, k, v, lower_right)
+    assert attn.backend_reasons(q, k, v, causal_lower_right(lq, lk)) == want
 
 
 # --------------------------------------------------------------------------- compile check

@@ -703,6 +703,31 @@ def test_errors_name_the_argument(case, error, words):
         assert word in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("kind", ["fastformer", "reference", "swapped_encoder", "decoder_layer"])
+def test_a_causal_bias_mask_is_refused(kind, need_weights):
+    # torch's CausalBias is an SDPA mask whose tensor values are uninitialized memory; torch.nn's
+    # MultiheadAttention adds them to the scores without an error (need_weights or not).
+    from torch.nn.attention.bias import causal_upper_left
+
+    x, mask = torch.randn(B, T, E), causal_upper_left(T, T)
+    mods = {
+        "fastformer": lambda: fnn.MultiheadAttention(E, H, batch_first=True),
+        "reference": lambda: reference.MultiheadAttention(E, H, batch_first=True),
+    }
+    if kind in mods:
+        call = lambda: mods[kind]()(x, x, x, attn_mask=mask, need_weights=need_weights)  # noqa: E731
+    elif kind == "swapped_encoder":
+        enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, 32, batch_first=True), 2)
+        fastformer.swap(enc)
+        call = lambda: enc(x, mask=mask)  # noqa: E731
+    else:
+        layer = fnn.TransformerDecoderLayer(E, H, 32, batch_first=True)
+        call = lambda: layer(x, x, memory_mask=mask)  # noqa: E731
+    with pytest.raises(TypeError, match=r"^attn_mask .*is a torch.nn.attention.bias.CausalBias"):
+        call()
+
+
 # --------------------------------------------------------------------------- autocast
 
 

@@ -296,6 +296,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         allowed here and means causal attention. With `attn_mask`, is_causal is torch.nn's hint
         that attn_mask is the causal mask: attn_mask is not read, except with a
         key_padding_mask, where attn_mask is applied as given and is_causal ignored."""
+        reference.refuse_causal_bias(attn_mask)
         plain = (
             not need_weights
             and self.bias_k is None

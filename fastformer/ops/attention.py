@@ -47,6 +47,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from fastformer import reference
 from fastformer.ops import rng
@@ -107,7 +108,10 @@ def scaled_dot_product_attention(
         key: (B, Hkv, Lk, D), same dtype and device; Hkv == H unless enable_gqa.
         value: (B, Hkv, Lk, Dv), 1 <= Dv <= 256.
         attn_mask: bool (True = attend) or float (added to the scores; the query dtype or
-            float32, differentiable), broadcastable to (B, H, Lq, Lk).
+            float32, differentiable), broadcastable to (B, H, Lq, Lk); or torch's
+            `torch.nn.attention.bias.CausalBias` of size (Lq, Lk): `causal_upper_left` runs
+            as is_causal, `causal_lower_right` (key j visible from query i iff
+            j <= i + Lk - Lq) as is_causal where Lq == Lk, else as its bool mask.
         dropout_p: probability in [0, 0.99237] of dropping an attention probability (closer
             to 1 the 16-bit keep threshold would bias the output; see the README).
         is_causal: key j is visible from query i iff j <= i (top-left aligned).
@@ -154,6 +158,7 @@ def scaled_dot_product_attention_with_lse(
         (float32; float64 for float64 inputs), natural log, -inf for a row with every key
         masked. Both are differentiable.
     """
+    attn_mask, is_causal = _causal_bias(query, key, value, attn_mask, is_causal, enable_gqa)
     scale = _check_inputs(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
     )
@@ -304,13 +309,46 @@ def _check_inputs(
     _check_dropout_p(_OP_NAME, dropout_p)
     if dropout_p > 0:
         _check_dropout_size(_OP_NAME, query.shape[2], key.shape[2])
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"{_OP_NAME}: is_causal must be a bool, got {type_name(is_causal)}")
+    _check_is_causal(is_causal)
     if scale is None:
         return None
     if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
         raise TypeError(f"{_OP_NAME}: scale must be a float or None, got {type_name(scale)}")
     return positive_float(_OP_NAME, "scale", scale)
+
+
+def _check_is_causal(is_causal) -> None:
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"{_OP_NAME}: is_causal must be a bool, got {type_name(is_causal)}")
+
+
+def _causal_bias(query, key, value, attn_mask, is_causal, enable_gqa):
+    """(attn_mask, is_causal) for the op: a CausalBias as what it stands for, else as given.
+
+    A CausalBias is a tensor of uninitialized values to anything but torch's SDPA: read as a
+    float mask it would give a wrong answer without an error.
+    """
+    if not isinstance(attn_mask, CausalBias):
+        return attn_mask, is_causal
+    _check_qkv(query, key, value, enable_gqa)
+    _check_is_causal(is_causal)
+    if is_causal:
+        raise ValueError(
+            f"{_OP_NAME}: attn_mask is a CausalBias and is_causal=True: pass one of them "
+            "(torch's SDPA refuses both too)"
+        )
+    lq, lk = query.shape[2], key.shape[2]
+    size = (attn_mask.seq_len_q, attn_mask.seq_len_kv)
+    if size != (lq, lk):
+        raise ValueError(
+            f"{_OP_NAME}: attn_mask is a CausalBias of size (seq_len_q, seq_len_kv) = {size}, "
+            f"expected (seq_q, seq_k) = {(lq, lk)} of query and key"
+        )
+    if attn_mask.variant == CausalVariant.UPPER_LEFT or lq == lk:
+        return None, True
+    # The kernels' causal tiles are aligned top-left: lower right of Lq != Lk is a mask they
+    # read (no tile skipped; a decoding step's few queries see nearly every key anyway).
+    return torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(lk - lq), False
 
 
 def _check_qkv(query, key, value, enable_gqa) -> None:
@@ -480,6 +518,7 @@ def backend_reasons(
     shapes, the mask's layout): dropout_p, is_causal, scale, enable_gqa and key_padding_mask
     never change it (every backend takes them all).
     """
+    attn_mask, is_causal = _causal_bias(query, key, value, attn_mask, is_causal, enable_gqa)
     _check_inputs(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
     )
