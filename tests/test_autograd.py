@@ -10,11 +10,14 @@ second derivatives torch's own ops'.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import fastformer
 from fastformer.ops import attention, ffn, layer_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -234,6 +237,34 @@ def test_hessians_equal_torchs(op, vectorize):
 def _math_sdpa(q, k, v, **kwargs):  # torch's math backend differentiates twice (CPU flash not)
     with sdpa_kernel(SDPBackend.MATH):
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_gradient_penalty_of_a_swapped_decoder_layer_equals_torch_nn(norm_first):
+    # Every op of a layer at once (causal self-attention, cross-attention with key padding, the
+    # fused residual + LayerNorm, the FFN): the gradients of a gradient penalty, which go
+    # through the create_graph backward of each.
+    torch.manual_seed(0)
+    eager = torch.nn.TransformerDecoderLayer(
+        16, 2, 32, dropout=0.0, batch_first=True, norm_first=norm_first, device=DEVICE
+    )
+    fast = copy.deepcopy(eager)
+    fastformer.swap(fast)
+    assert isinstance(fast, fastformer.nn.TransformerDecoderLayer) and not fast.fallback_reasons
+    x, memory = _randn(2, 5, 16, seed=0), _randn(2, 7, 16, seed=1).detach()
+    kpm = torch.zeros(2, 7, dtype=torch.bool, device=DEVICE)
+    kpm[0, 5:] = True
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(5, device=DEVICE)
+
+    def penalty_grads(layer):
+        inputs = [x, *layer.parameters()]
+        with sdpa_kernel(SDPBackend.MATH):
+            out = layer(x, memory, causal, None, None, kpm, tgt_is_causal=True)
+            grads = torch.autograd.grad(out.pow(2).sum(), inputs, create_graph=True)
+            return torch.autograd.grad(sum(g.pow(2).sum() for g in grads), inputs)
+
+    for got, want in zip(penalty_grads(fast), penalty_grads(eager)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("backend", ["default", "torch"])
