@@ -26,6 +26,7 @@ load_extension()
 # `import fastformer.swap` anywhere would bind the submodule to fastformer.swap and the call
 # fastformer.swap(model) would fail; imported here, the function wins (no Triton import).
 from fastformer.explain import explain  # noqa: E402
+from fastformer.patch import SdpaPatch, patch_sdpa  # noqa: E402
 from fastformer.swap import SwapReport, swap  # noqa: E402
 
 # Heavier parts load on first use, so `import fastformer` stays light (no Triton import).
@@ -51,6 +52,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "SdpaPatch",
     "SwapReport",
     "__version__",
     "build_info",
@@ -59,6 +61,7 @@ __all__ = [
     "extension_error",
     "nn",
     "ops",
+    "patch_sdpa",
     "reference",
     "scaled_dot_product_attention",
     "swap",

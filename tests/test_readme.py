@@ -3,6 +3,7 @@ README's and docs' links and file names point at files that exist."""
 
 import pathlib
 import re
+import types
 
 import torch
 
@@ -37,7 +38,16 @@ def _names_the_api_example_leaves_to_the_reader() -> dict:
         x=randn(B, L, E), residual=randn(B, L, E), weight=randn(E), bias=randn(E),
         w1=randn(F, E), b1=randn(F), w2=randn(E, F), b2=randn(E),
         model=model, src=randn(B, L, E), tgt=randn(B, L - 1, E),
+        hf_model=_CallsSdpa(), batch=dict(q=randn(B, H, L, D), k=randn(B, H, L, D)),
     )  # fmt: skip
+
+
+class _CallsSdpa(torch.nn.Module):
+    """Stands for a model that calls F.scaled_dot_product_attention itself."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> types.SimpleNamespace:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True)
+        return types.SimpleNamespace(loss=out.square().mean())
 
 
 def test_readme_has_the_examples_this_file_runs():
@@ -54,6 +64,7 @@ def test_api_example_runs(monkeypatch, capsys):
     assert isinstance(model.encoder.layers[0], fastformer.nn.TransformerEncoderLayer)
     assert names["out"].shape == names["q"].shape and names["h"].shape == names["x"].shape
     assert names["y"].shape == names["x"].shape
+    assert names["loss"].dim() == 0 and torch.isfinite(names["loss"])
     printed = capsys.readouterr().out
     assert str(names["report"]) in printed and "attention" in printed
 

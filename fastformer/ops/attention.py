@@ -72,6 +72,8 @@ __all__ = [
     "lse_dtype",
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_with_lse",
+    "sdpa_call",
+    "takes_sdpa_call",
 ]
 
 OP = "attention"
@@ -162,6 +164,13 @@ def scaled_dot_product_attention_with_lse(
     scale = _check_inputs(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
     )
+    return _checked_call(
+        query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale
+    )
+
+
+def _checked_call(query, key, value, attn_mask, key_padding_mask, dropout_p, is_causal, scale):
+    """(out, lse) of arguments `_check_inputs` accepted, `scale` as it returned it."""
     args = (query, key, value, attn_mask, key_padding_mask, float(dropout_p), bool(is_causal))
     needs_grad = torch.is_grad_enabled() and _any_requires_grad(query, key, value, attn_mask)
     if traced() and not under_transform():
@@ -523,6 +532,77 @@ def backend_reasons(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
     )
     return explain(OP, AttentionInputs(query, key=key, value=value, attn_mask=attn_mask))
+
+
+def takes_sdpa_call(
+    query: object,
+    key: object,
+    value: object,
+    attn_mask: object = None,
+    dropout_p: object = 0.0,
+    is_causal: object = False,
+    scale: object = None,
+    enable_gqa: object = False,
+) -> bool:
+    """Whether `torch.nn.functional.scaled_dot_product_attention` with these arguments may run
+    as this op (`fastformer.patch_sdpa`): the same result, from the Triton kernel.
+
+    False where torch's SDPA means something else or something more: tensor subclasses
+    (nested, DTensor: their own dispatch; a CausalBias mask is this op's), other than 4-D
+    inputs, is_causal with a mask (torch raises), arguments the op refuses (a scale <= 0, say,
+    which torch takes), and, outside torch.compile, where the op would not pick its Triton
+    kernel (CPU tensors, head dims past 256). Inside torch.compile the op picks at run time.
+    """
+    args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return _sdpa_call_args(*args) is not None
+
+
+def sdpa_call(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor | None:
+    """`torch.nn.functional.scaled_dot_product_attention(...)` computed by this op, or None
+    where the op does not take the call (`takes_sdpa_call`); its arguments checked once."""
+    args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    checked = _sdpa_call_args(*args)
+    if checked is None:
+        return None
+    mask, causal, scale = checked
+    return _checked_call(query, key, value, mask, None, dropout_p, causal, scale)[0]
+
+
+def _sdpa_call_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """(attn_mask, is_causal, scale) of torch's SDPA call for `_checked_call`, or None where
+    the op does not take it (`takes_sdpa_call`)."""
+    tensors = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
+    if not _plain_tensors(*tensors[:3]) or not all(t.dim() == 4 for t in tensors[:3]):
+        return None
+    if not (attn_mask is None or isinstance(attn_mask, CausalBias) or _plain_tensors(attn_mask)):
+        return None
+    if is_causal is not False and attn_mask is not None:
+        return None
+    try:
+        mask, causal = _causal_bias(query, key, value, attn_mask, is_causal, enable_gqa)
+        scale = _check_inputs(query, key, value, mask, dropout_p, causal, scale, enable_gqa, None)
+    except (TypeError, ValueError):
+        return None
+    if not torch.compiler.is_compiling() and _backend(query, key, value, mask) != "triton":
+        return None
+    return mask, causal, scale
+
+
+def _plain_tensors(*tensors: object) -> bool:
+    # FakeTensor and dynamo's tensors have no __torch_function__ of their own; CausalBias,
+    # DTensor and the masked and nested subclasses do, or are nested.
+    return all(
+        isinstance(t, Tensor) and not t.is_nested for t in tensors
+    ) and not torch.overrides.has_torch_function(tensors)
 
 
 def _as_inputs(inputs) -> AttentionInputs | None:
