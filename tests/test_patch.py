@@ -16,6 +16,9 @@ import fastformer
 from fastformer.ops import attention as attn
 from fastformer.testing import assert_parity, compare_with_reference
 
+# On a GPU these compare the Triton kernel with torch's own CUDA SDPA: the GPU suite runs them.
+pytestmark = pytest.mark.gpu_too
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TORCH_SDPA = F.scaled_dot_product_attention
 
