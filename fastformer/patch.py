@@ -4,7 +4,7 @@ Triton kernel.
 Attention code that calls `F.scaled_dot_product_attention` itself (Hugging Face's, timm's,
 nanoGPT's, torch.nn.MultiheadAttention's own path without weights) has no module for
 `fastformer.swap` to replace. The patch replaces the function: a call that fastformer's op
-computes the same way (`fastformer.ops.attention.takes_sdpa_call`) runs its Triton kernel,
+computes the same way (`fastformer.ops.attention.sdpa_call_reasons`) runs its Triton kernel,
 every other call the function the patch replaced, so the results are torch's wherever the two
 differ. Code that bound the function to a name of its own before the patch
 (`from torch.nn.functional import scaled_dot_product_attention`) keeps torch's.
@@ -12,12 +12,14 @@ differ. Code that bound the function to a name of its own before the patch
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from fastformer.nn._ops import _AUTOCAST_CASTS, _autocast_dtype, _call
-from fastformer.ops.attention import _plain_tensors, sdpa_call
+from fastformer.ops.attention import _plain_tensors, sdpa_call, sdpa_call_reasons
 
 __all__ = ["SdpaPatch", "patch_sdpa", "scaled_dot_product_attention"]
 
@@ -49,8 +51,16 @@ def scaled_dot_product_attention(
     rest = (dropout_p, is_causal, scale, enable_gqa)
     # The inputs are cast: the op's torch backend must not cast them again.
     out = _call(dtype is not None, query, sdpa_call, *tensors, *rest)
+    counting = _ACTIVE and not torch.compiler.is_compiling()  # (a traced count would not run)
     if out is None:  # not the op's call
+        if counting:
+            reason = "; ".join(sdpa_call_reasons(*tensors, *rest))
+            for patch in _ACTIVE:
+                patch.not_taken[reason] += 1
         return _replaced()(*tensors, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    if counting:
+        for patch in _ACTIVE:
+            patch.taken += 1
     return out
 
 
@@ -71,9 +81,16 @@ def _replaced():
 
 class SdpaPatch:
     """A patch of `torch.nn.functional.scaled_dot_product_attention` in force until `restore()`
-    or the end of its `with` block."""
+    or the end of its `with` block.
+
+    Counts the eager calls made while it is in force (compiled calls are not counted):
+    `taken`, those that ran fastformer's op, and `not_taken`, the others by the reason
+    (`fastformer.ops.attention.sdpa_call_reasons`); `str(patch)` lists them.
+    """
 
     def __init__(self) -> None:
+        self.taken = 0
+        self.not_taken: Counter[str] = Counter()
         self.replaced = F.scaled_dot_product_attention
         F.scaled_dot_product_attention = scaled_dot_product_attention
         _ACTIVE.append(self)
@@ -95,7 +112,14 @@ class SdpaPatch:
         self.restore()
 
     def __repr__(self) -> str:
-        return f"SdpaPatch(active={self.active})"
+        not_taken = sum(self.not_taken.values())
+        return f"SdpaPatch(active={self.active}, taken={self.taken}, not_taken={not_taken})"
+
+    def __str__(self) -> str:
+        lines = [f"patch_sdpa: {self.taken} call(s) ran fastformer's op, "
+                 f"{sum(self.not_taken.values())} the replaced function"]  # fmt: skip
+        lines += [f"  {n} x {reason}" for reason, n in self.not_taken.most_common()]
+        return "\n".join(lines)
 
 
 def patch_sdpa() -> SdpaPatch:

@@ -7,6 +7,8 @@ exactly. Without a GPU the op's Triton kernel runs in the interpreter (conftest.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -78,14 +80,18 @@ def test_a_call_the_op_takes_runs_it_with_torch_s_result(name, op_calls):
         inputs.append(_randn(*kwargs.pop("float_mask"), seed=7))
         names.append("attn_mask")
 
+    patches = []
+
     def patched(*args):
-        with fastformer.patch_sdpa():
+        with fastformer.patch_sdpa() as patch:
+            patches.append(patch)
             return F.scaled_dot_product_attention(*args, **kwargs)
 
     assert_parity(compare_with_reference(patched, lambda *a: TORCH_SDPA(*a, **kwargs), inputs,
                                          names=names))  # fmt: skip
     assert op_calls[0] == 1
-    assert attn.takes_sdpa_call(*inputs, **kwargs)
+    assert [(p.taken, p.not_taken) for p in patches] == [(1, {})]
+    assert attn.sdpa_call_reasons(*inputs, **kwargs) == []
 
 
 def test_dropout_runs_the_op_s_dropout(op_calls):
@@ -103,29 +109,44 @@ def _five_d():
     return [_randn(2, 3, 2, 9, 16, seed=i, grad=False) for i in range(3)]
 
 
-# name -> (args, kwargs) of a call torch's SDPA runs and the op does not take
+# name -> (args, kwargs) of a call torch's SDPA runs and the op does not take, and its reason
 NOT_TAKEN = {
-    "3d": (lambda: [t[:, 0] for t in _qkv(grad=False)], {}),
-    "5d": (_five_d, {}),
-    "negative_scale": (lambda: _qkv(grad=False), dict(scale=-0.5)),
-    "head_dim_300": (lambda: _qkv(d=300, grad=False), {}),
-    "float64": (lambda: _qkv(grad=False, dtype=torch.float64), {}),
-    "dropout_near_one": (lambda: _qkv(grad=False), dict(dropout_p=0.995)),
+    "3d": (lambda: [t[:, 0] for t in _qkv(grad=False)], {}, "3-D, 3-D and 3-D, not 4-D"),
+    "5d": (_five_d, {}, "5-D, 5-D and 5-D, not 4-D"),
+    "negative_scale": (
+        lambda: _qkv(grad=False),
+        dict(scale=-0.5),
+        "scale must be a finite number > 0, got -0.5",
+    ),
+    "head_dim_300": (lambda: _qkv(d=300, grad=False), {}, r"head_dim must be in \[1, 256\]"),
+    "float64": (
+        lambda: _qkv(grad=False, dtype=torch.float64),
+        {},
+        "its torch backend, not the Triton kernel",
+    ),
+    "dropout_near_one": (
+        lambda: _qkv(grad=False),
+        dict(dropout_p=0.995),
+        "dropout_p must be at most",
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(NOT_TAKEN))
 def test_a_call_the_op_does_not_take_runs_torch_s(name, op_calls):
-    make, kwargs = NOT_TAKEN[name]
+    make, kwargs, reason = NOT_TAKEN[name]
     args = make()
     torch.manual_seed(0)
     want = TORCH_SDPA(*args, **kwargs)
-    with fastformer.patch_sdpa():
+    with fastformer.patch_sdpa() as patch:
         torch.manual_seed(0)
         got = F.scaled_dot_product_attention(*args, **kwargs)
     assert op_calls[0] == 0
     assert torch.equal(got, want)
-    assert not attn.takes_sdpa_call(*args, **kwargs)
+    [why] = attn.sdpa_call_reasons(*args, **kwargs)
+    assert re.search(reason, why), why
+    assert patch.taken == 0 and patch.not_taken == {why: 1}
+    assert f"1 x {why}" in str(patch)
 
 
 def test_is_causal_with_a_mask_raises_torch_s_error(op_calls):

@@ -73,7 +73,7 @@ __all__ = [
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_with_lse",
     "sdpa_call",
-    "takes_sdpa_call",
+    "sdpa_call_reasons",
 ]
 
 OP = "attention"
@@ -534,7 +534,7 @@ def backend_reasons(
     return explain(OP, AttentionInputs(query, key=key, value=value, attn_mask=attn_mask))
 
 
-def takes_sdpa_call(
+def sdpa_call_reasons(
     query: object,
     key: object,
     value: object,
@@ -543,18 +543,20 @@ def takes_sdpa_call(
     is_causal: object = False,
     scale: object = None,
     enable_gqa: object = False,
-) -> bool:
-    """Whether `torch.nn.functional.scaled_dot_product_attention` with these arguments may run
-    as this op (`fastformer.patch_sdpa`): the same result, from the Triton kernel.
+) -> list[str]:
+    """Why `torch.nn.functional.scaled_dot_product_attention` with these arguments would not
+    run as this op (`fastformer.patch_sdpa`); [] where it runs the Triton kernel with torch's
+    result.
 
-    False where torch's SDPA means something else or something more: tensor subclasses
-    (nested, DTensor: their own dispatch; a CausalBias mask is this op's), other than 4-D
-    inputs, is_causal with a mask (torch raises), arguments the op refuses (a scale <= 0, say,
-    which torch takes), and, outside torch.compile, where the op would not pick its Triton
-    kernel (CPU tensors, head dims past 256). Inside torch.compile the op picks at run time.
+    Not taken: tensor subclasses (nested, DTensor: their own dispatch; a CausalBias mask is
+    this op's), other than 4-D inputs, is_causal with a mask (torch raises), arguments the op
+    refuses (a scale <= 0, say, which torch takes), and, outside torch.compile, calls the op
+    would not give its Triton kernel (CPU tensors, say). Inside torch.compile the op picks its
+    backend at run time.
     """
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return _sdpa_call_args(*args) is not None
+    checked = _sdpa_call_args(*args)
+    return checked if isinstance(checked, list) else []
 
 
 def sdpa_call(
@@ -568,32 +570,37 @@ def sdpa_call(
     enable_gqa: bool = False,
 ) -> Tensor | None:
     """`torch.nn.functional.scaled_dot_product_attention(...)` computed by this op, or None
-    where the op does not take the call (`takes_sdpa_call`); its arguments checked once."""
+    where the op does not take the call (`sdpa_call_reasons`); its arguments checked once."""
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     checked = _sdpa_call_args(*args)
-    if checked is None:
+    if isinstance(checked, list):
         return None
     mask, causal, scale = checked
     return _checked_call(query, key, value, mask, None, dropout_p, causal, scale)[0]
 
 
 def _sdpa_call_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    """(attn_mask, is_causal, scale) of torch's SDPA call for `_checked_call`, or None where
-    the op does not take it (`takes_sdpa_call`)."""
-    tensors = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
-    if not _plain_tensors(*tensors[:3]) or not all(t.dim() == 4 for t in tensors[:3]):
-        return None
+    """(attn_mask, is_causal, scale) of torch's SDPA call for `_checked_call`, or the list of
+    reasons the op does not take it (`sdpa_call_reasons`)."""
+    if not _plain_tensors(query, key, value):
+        return ["query, key or value is not a plain tensor (a subclass, or nested)"]
+    if not query.dim() == key.dim() == value.dim() == 4:
+        dims = f"{query.dim()}-D, {key.dim()}-D and {value.dim()}-D"
+        return [f"query, key and value are {dims}, not 4-D (batch, heads, seq, head_dim)"]
     if not (attn_mask is None or isinstance(attn_mask, CausalBias) or _plain_tensors(attn_mask)):
-        return None
+        return ["attn_mask is not a plain tensor (a subclass, or nested)"]
     if is_causal is not False and attn_mask is not None:
-        return None
+        return ["is_causal=True with attn_mask, which torch's SDPA refuses"]
     try:
         mask, causal = _causal_bias(query, key, value, attn_mask, is_causal, enable_gqa)
         scale = _check_inputs(query, key, value, mask, dropout_p, causal, scale, enable_gqa, None)
-    except (TypeError, ValueError):
-        return None
-    if not torch.compiler.is_compiling() and _backend(query, key, value, mask) != "triton":
-        return None
+    except (TypeError, ValueError) as error:
+        return [str(error)]
+    if not torch.compiler.is_compiling():
+        backend = _backend(query, key, value, mask)
+        if backend != "triton":
+            return [f"the op gives this call its {backend} backend, not the Triton kernel "
+                    "(backend_reasons says why)"]  # fmt: skip
     return mask, causal, scale
 
 
