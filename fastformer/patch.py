@@ -51,17 +51,20 @@ def scaled_dot_product_attention(
     rest = (dropout_p, is_causal, scale, enable_gqa)
     # The inputs are cast: the op's torch backend must not cast them again.
     out = _call(dtype is not None, query, sdpa_call, *tensors, *rest)
-    counting = _ACTIVE and not torch.compiler.is_compiling()  # (a traced count would not run)
+    if _ACTIVE and not torch.compiler.is_compiling():  # a traced count would not run
+        _count(out is not None, tensors, rest)
     if out is None:  # not the op's call
-        if counting:
-            reason = "; ".join(sdpa_call_reasons(*tensors, *rest))
-            for patch in _ACTIVE:
-                patch.not_taken[reason] += 1
         return _replaced()(*tensors, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-    if counting:
-        for patch in _ACTIVE:
-            patch.taken += 1
     return out
+
+
+def _count(taken: bool, tensors: list, rest: tuple) -> None:
+    reason = None if taken else "; ".join(sdpa_call_reasons(*tensors, *rest))
+    for patch in _ACTIVE:
+        if taken:
+            patch.taken += 1
+        else:
+            patch.not_taken[reason] += 1
 
 
 def _autocast(t: object, dtype: torch.dtype) -> object:
