@@ -7,6 +7,8 @@ their torch.nn counterparts, and `fastformer.swap(model)` replaces them in an ex
     out = fastformer.scaled_dot_product_attention(q, k, v, key_padding_mask=pad, is_causal=True)
     report = fastformer.swap(model)          # in place; parameters shared, state_dict unchanged
     print(fastformer.explain(model, *inputs))  # which backend runs where, and why
+    with fastformer.patch_sdpa():            # F.scaled_dot_product_attention on the kernel
+        out = model_that_calls_sdpa(x)
 """
 
 from __future__ import annotations
