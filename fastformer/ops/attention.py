@@ -549,7 +549,8 @@ def sdpa_call_reasons(
     result.
 
     Not taken: tensor subclasses (nested, DTensor: their own dispatch; a CausalBias mask is
-    this op's), other than 4-D inputs, is_causal with a mask (torch raises), arguments the op
+    this op's), other than 4-D inputs, is_causal with a mask (torch 2.14 raises, 2.11 applies
+    both on the CPU), arguments the op
     refuses (a scale <= 0, say, which torch takes), and, outside torch.compile, calls the op
     would not give its Triton kernel (CPU tensors, say). Inside torch.compile the op picks its
     backend at run time.
@@ -590,7 +591,7 @@ def _sdpa_call_args(query, key, value, attn_mask, dropout_p, is_causal, scale, e
     if not (attn_mask is None or isinstance(attn_mask, CausalBias) or _plain_tensors(attn_mask)):
         return ["attn_mask is not a plain tensor (a subclass, or nested)"]
     if is_causal is not False and attn_mask is not None:
-        return ["is_causal=True with attn_mask, which torch's SDPA refuses"]
+        return ["is_causal=True with attn_mask: torch's SDPA decides (2.14 refuses the pair)"]
     try:
         mask, causal = _causal_bias(query, key, value, attn_mask, is_causal, enable_gqa)
         scale = _check_inputs(query, key, value, mask, dropout_p, causal, scale, enable_gqa, None)
