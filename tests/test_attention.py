@@ -232,8 +232,8 @@ def test_parity_with_a_causal_bias(monkeypatch, name, backend):
 @pytest.mark.filterwarnings("ignore:Lower right causal bias will produce NaNs")
 @pytest.mark.parametrize("name", list(CAUSAL_BIASES))
 def test_reference_reads_a_causal_bias_as_torch_s_sdpa(name):
-    # The reference against torch's own meaning of the bias, on the rows that see a key (torch's
-    # math leaves a row without one NaN; the reference and the op make it 0).
+    # The reference against torch's own meaning of the bias, on the rows that see a key (torch
+    # warns its kernels may leave a row without one NaN; the reference and the op make it 0).
     make, lq, lk = CAUSAL_BIASES[name]
     q, k, v = (t.double().detach() for t in _qkv(Case(lq=lq, lk=lk, d=32)))
     bias = make(lq, lk)
