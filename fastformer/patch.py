@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastformer.nn._ops import _AUTOCAST_CASTS, _autocast_dtype, _call
-from fastformer.ops.attention import _plain_tensors, sdpa_call, sdpa_call_reasons
+from fastformer.ops.attention import _plain_tensors, _sdpa_call
 
 __all__ = ["SdpaPatch", "patch_sdpa", "scaled_dot_product_attention"]
 
@@ -50,21 +50,21 @@ def scaled_dot_product_attention(
         tensors = [_autocast(t, dtype) for t in tensors]
     rest = (dropout_p, is_causal, scale, enable_gqa)
     # The inputs are cast: the op's torch backend must not cast them again.
-    out = _call(dtype is not None, query, sdpa_call, *tensors, *rest)
+    out = _call(dtype is not None, query, _sdpa_call, *tensors, *rest)
+    reasons = out if isinstance(out, list) else None  # the op's output, or why it did not run
     if _ACTIVE and not torch.compiler.is_compiling():  # a traced count would not run
-        _count(out is not None, tensors, rest)
-    if out is None:  # not the op's call
+        _count(reasons)
+    if reasons is not None:
         return _replaced()(*tensors, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     return out
 
 
-def _count(taken: bool, tensors: list, rest: tuple) -> None:
-    reason = None if taken else "; ".join(sdpa_call_reasons(*tensors, *rest))
+def _count(reasons: list[str] | None) -> None:
     for patch in _ACTIVE:
-        if taken:
+        if reasons is None:
             patch.taken += 1
         else:
-            patch.not_taken[reason] += 1
+            patch.not_taken["; ".join(reasons)] += 1
 
 
 def _autocast(t: object, dtype: torch.dtype) -> object:

@@ -51,6 +51,7 @@ __all__ = [
     "TransformerEncoder",
     "TransformerEncoderLayer",
     "TransformerModel",
+    "causal_bias_mask",
     "causal_mask",
     "dropout_add_layer_norm",
     "ffn",
@@ -261,7 +262,7 @@ def scaled_dot_product_attention(
             raise ValueError(f"{name} must be 4-D (B, H, L, D), got shape {tuple(t.shape)}")
     _check_dropout_p(dropout_p)
     if isinstance(attn_mask, CausalBias):
-        attn_mask = _causal_bias_mask(attn_mask, is_causal, query.device)
+        attn_mask = causal_bias_mask(attn_mask, is_causal, query.device)
     if dropout_p > 0.0 and dropout_mask is None:
         raise ValueError(
             f"dropout_p={dropout_p} > 0 needs an explicit bool dropout_mask (True = keep): "
@@ -279,7 +280,7 @@ def scaled_dot_product_attention(
     return out, lse
 
 
-def _causal_bias_mask(bias: CausalBias, is_causal: bool, device: torch.device) -> Tensor:
+def causal_bias_mask(bias: CausalBias, is_causal: bool, device: torch.device) -> Tensor:
     """The bool (Lq, Lk) mask of torch's CausalBias: key j visible from query i iff
     j <= i (upper left) or j <= i + Lk - Lq (lower right)."""
     if is_causal:

@@ -357,7 +357,7 @@ def _causal_bias(query, key, value, attn_mask, is_causal, enable_gqa):
         return None, True
     # The kernels' causal tiles are aligned top-left: lower right of Lq != Lk is a mask they
     # read (no tile skipped; a decoding step's few queries see nearly every key anyway).
-    return torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(lk - lq), False
+    return reference.causal_bias_mask(attn_mask, is_causal, query.device), False
 
 
 def _check_qkv(query, key, value, enable_gqa) -> None:
@@ -572,10 +572,16 @@ def sdpa_call(
 ) -> Tensor | None:
     """`torch.nn.functional.scaled_dot_product_attention(...)` computed by this op, or None
     where the op does not take the call (`sdpa_call_reasons`); its arguments checked once."""
+    out = _sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return None if isinstance(out, list) else out
+
+
+def _sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """`sdpa_call`'s output, or the reasons the op does not take the call (`sdpa_call_reasons`)."""
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     checked = _sdpa_call_args(*args)
     if isinstance(checked, list):
-        return None
+        return checked
     mask, causal, scale = checked
     return _checked_call(query, key, value, mask, None, dropout_p, causal, scale)[0]
 
