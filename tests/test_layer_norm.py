@@ -1399,25 +1399,40 @@ def test_cuda_matches_cpu_kernels_and_is_deterministic():
         assert torch.equal(a, c)
 
 
+def _norm_of(norm: str, cols: int, w: torch.Tensor, b: torch.Tensor):
+    """x -> the norm's output: layer_norm with weight and bias, without them, or rms_norm."""
+    if norm == "rms_norm":
+        return lambda x: ln.rms_norm(x, cols, w)
+    if norm == "plain":
+        return lambda x: ln.layer_norm(x, cols)
+    return lambda x: ln.layer_norm(x, cols, w, b)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("cols", [7, 8, 64, 1000, 1023])
+@pytest.mark.parametrize("cols", [7, 8, 16, 64, 1000, 1023, 4096])
 @pytest.mark.parametrize("weight_scale", [1.0, 1e-6], ids=["normal", "subnormal_out"])
-def test_cpu_16bit_is_float32_math_rounded_once(dtype, cols, weight_scale):
+@pytest.mark.parametrize("norm", ["layer_norm", "plain", "rms_norm"])
+def test_cpu_16bit_is_float32_math_rounded_once(dtype, cols, weight_scale, norm):
     # The CPU kernels read 16-bit rows into float32 and round the results once (nearest even):
     # bit for bit the float32 kernels' results on the same values, rounded by torch. Checks the
     # vectorized conversions (F16C for float16, integer lanes for bfloat16), their scalar tails
-    # and subnormal outputs.
+    # and subnormal outputs, and the 16-bit twins that read and write rows of a multiple of 16
+    # in place (16, 64, 4096; layer_norm.cpp's kRowsInPlace) against the float kernels.
     g = torch.Generator().manual_seed(cols)
     x = (torch.randn(33, cols, generator=g) * 3 + 1).to(dtype).requires_grad_()
     x32 = x.detach().float().requires_grad_()
     w = (torch.randn(cols, generator=g) * weight_scale).requires_grad_()
     b = (torch.randn(cols, generator=g) * weight_scale).requires_grad_()
     dy = torch.randn(33, cols, generator=g).to(dtype)
-    out, out32 = ln.layer_norm(x, cols, w, b), ln.layer_norm(x32, cols, w, b)
+    fn = _norm_of(norm, cols, w, b)
+    out, out32 = fn(x), fn(x32)
     assert torch.equal(out, out32.to(dtype))
-    dx, dw, db = torch.autograd.grad(out, (x, w, b), dy)
-    dx32, dw32, db32 = torch.autograd.grad(out32, (x32, w, b), dy.float())
-    assert torch.equal(dx, dx32.to(dtype)) and torch.equal(dw, dw32) and torch.equal(db, db32)
+    params = {"layer_norm": (w, b), "plain": (), "rms_norm": (w,)}[norm]
+    grads = torch.autograd.grad(out, (x, *params), dy)
+    grads32 = torch.autograd.grad(out32, (x32, *params), dy.float())
+    assert torch.equal(grads[0], grads32[0].to(dtype))
+    for a, c in zip(grads[1:], grads32[1:]):
+        assert torch.equal(a, c)
 
 
 def _float16_store_cases() -> torch.Tensor:

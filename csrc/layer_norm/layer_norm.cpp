@@ -322,16 +322,18 @@ struct GradSums {
 // The first of the backward's two passes over a row: returns the GradSums and adds dy to pb
 // (when PB). The dx pass recomputes xhat and g (the same operations, so the same values)
 // instead of storing and reloading them: two passes over the row, not three.
-template <typename A, bool PB>
-FF_INLINE GradSums<A> bwd_sums_loop(const A* x, const A* dy, const A* w, A mean, A rstd, A* pb,
-                                    int64_t n) {
+// x and dy are rows of A, or of a 16-bit T read through load(p) (8 lanes of float from p; the
+// tail takes them one by one).
+template <typename A, bool PB, typename T, typename L>
+FF_INLINE GradSums<A> bwd_sums_loop(const T* x, const T* dy, const A* w, A mean, A rstd, A* pb,
+                                    int64_t n, const L& load) {
   constexpr int64_t k = kLanes<A>;
   const Vec<A> m = vsplat(mean), r = vsplat(rstd);
   Vec<A> sg0 = vsplat<A>(0), sg1 = sg0, sx0 = sg0, sx1 = sg0, sh0 = sg0, sh1 = sg0;
   int64_t j = 0;
   for (; j + 2 * k <= n; j += 2 * k) {
-    const Vec<A> d0 = vload(dy + j), d1 = vload(dy + j + k);
-    const Vec<A> xh0 = (vload(x + j) - m) * r, xh1 = (vload(x + j + k) - m) * r;
+    const Vec<A> d0 = load(dy + j), d1 = load(dy + j + k);
+    const Vec<A> xh0 = (load(x + j) - m) * r, xh1 = (load(x + j + k) - m) * r;
     const Vec<A> g0 = d0 * vload(w + j), g1 = d1 * vload(w + j + k);
     sg0 = sg0 + g0;
     sg1 = sg1 + g1;
@@ -346,20 +348,27 @@ FF_INLINE GradSums<A> bwd_sums_loop(const A* x, const A* dy, const A* w, A mean,
   }
   GradSums<A> s{lane_sum<A>(sg0 + sg1), lane_sum<A>(sx0 + sx1), lane_sum<A>(sh0 + sh1)};
   for (; j < n; ++j) {
-    const A xh = (x[j] - mean) * rstd, g = dy[j] * w[j];
+    const A xj = static_cast<A>(x[j]), dyj = static_cast<A>(dy[j]);
+    const A xh = (xj - mean) * rstd, g = dyj * w[j];
     s.g += g;
     s.gx += g * xh;
     s.xhat += xh;
-    if constexpr (PB) pb[j] += dy[j];
+    if constexpr (PB) pb[j] += dyj;
   }
   return s;
+}
+
+template <typename A, typename T, typename L>
+FF_INLINE GradSums<A> bwd_sums_impl(const T* x, const T* dy, const A* w, A mean, A rstd, A* pb,
+                                    int64_t n, const L& load) {
+  if (pb != nullptr) return bwd_sums_loop<A, true>(x, dy, w, mean, rstd, pb, n, load);
+  return bwd_sums_loop<A, false>(x, dy, w, mean, rstd, pb, n, load);
 }
 
 template <typename A>
 FF_INLINE GradSums<A> bwd_sums_impl(const A* x, const A* dy, const A* w, A mean, A rstd, A* pb,
                                     int64_t n) {
-  if (pb != nullptr) return bwd_sums_loop<A, true>(x, dy, w, mean, rstd, pb, n);
-  return bwd_sums_loop<A, false>(x, dy, w, mean, rstd, pb, n);
+  return bwd_sums_impl(x, dy, w, mean, rstd, pb, n, [](const A* p) { return vload(p); });
 }
 
 // A row's constants for dx: dx = rstd * (g - c_g - xc * c_gx) with xc = xhat - shift the
@@ -388,30 +397,40 @@ DxConsts<A> dx_consts(const GradSums<A>& s, int64_t n, bool rms) {
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 #endif
-template <typename A, bool PW>
-FF_INLINE void dx_loop(const A* x, const A* dy, const A* w, A* dx, int64_t n, A mean, A rstd,
-                       const DxConsts<A>& c, A* pw) {
+// x, dy and dx as in bwd_sums_loop, dx written through store(p, v) (8 lanes).
+template <typename A, bool PW, typename T, typename L, typename S>
+FF_INLINE void dx_loop(const T* x, const T* dy, const A* w, T* dx, int64_t n, A mean, A rstd,
+                       const DxConsts<A>& c, A* pw, const L& load, const S& store) {
   constexpr int64_t k = kLanes<A>;
   const Vec<A> m = vsplat(mean), r = vsplat(rstd), cg = vsplat(c.c_g), cgx = vsplat(c.c_gx);
   const Vec<A> sh = vsplat(c.shift);
   int64_t j = 0;
   for (; j + k <= n; j += k) {
-    const Vec<A> d = vload(dy + j), xc = (vload(x + j) - m) * r - sh, g = d * vload(w + j);
-    vstore(dx + j, r * (g - cg - xc * cgx));
+    const Vec<A> d = load(dy + j), xc = (load(x + j) - m) * r - sh, g = d * vload(w + j);
+    store(dx + j, r * (g - cg - xc * cgx));
     if constexpr (PW) vstore(pw + j, vload(pw + j) + d * xc);
   }
   for (; j < n; ++j) {
-    const A xc = (x[j] - mean) * rstd - c.shift, g = dy[j] * w[j];
-    dx[j] = rstd * (g - c.c_g - xc * c.c_gx);
-    if constexpr (PW) pw[j] += dy[j] * xc;
+    const A dyj = static_cast<A>(dy[j]);
+    const A xc = (static_cast<A>(x[j]) - mean) * rstd - c.shift, g = dyj * w[j];
+    dx[j] = static_cast<T>(rstd * (g - c.c_g - xc * c.c_gx));
+    if constexpr (PW) pw[j] += dyj * xc;
   }
+}
+
+template <typename A, typename T, typename L, typename S>
+FF_INLINE void dx_impl(const T* x, const T* dy, const A* w, T* dx, int64_t n, A mean, A rstd,
+                       const DxConsts<A>& c, A* pw, const L& load, const S& store) {
+  if (pw != nullptr) return dx_loop<A, true>(x, dy, w, dx, n, mean, rstd, c, pw, load, store);
+  dx_loop<A, false>(x, dy, w, dx, n, mean, rstd, c, pw, load, store);
 }
 
 template <typename A>
 FF_INLINE void dx_impl(const A* x, const A* dy, const A* w, A* dx, int64_t n, A mean, A rstd,
                        const DxConsts<A>& c, A* pw) {
-  if (pw != nullptr) return dx_loop<A, true>(x, dy, w, dx, n, mean, rstd, c, pw);
-  dx_loop<A, false>(x, dy, w, dx, n, mean, rstd, c, pw);
+  dx_impl(
+      x, dy, w, dx, n, mean, rstd, c, pw, [](const A* p) { return vload(p); },
+      [](A* p, const Vec<A>& v) { vstore(p, v); });
 }
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
@@ -555,6 +574,16 @@ FF_DX_OP(double)
 FF_CONVERT_OPS(c10::BFloat16)
 #undef FF_CONVERT_OPS
 
+// 16-bit twins of the float row kernels that read and write T's rows in place, 8 lanes converted
+// at a time, with the same vector operations compiled for the same ISA as the float clones: the
+// same bits as converting the row into a float copy and running those (tests/test_layer_norm.py
+// checks it), without the conversion passes (float16: 70% of its forward's time, `perf`).
+// kRowsInPlace<T>: T has them; rows_in_place(x, n): for a row of n, on this CPU. Only rows of a
+// multiple of 16, which leave the kernels no scalar tail: GCC vectorizes part of the float
+// kernels' tails (a product without FMA), not the twins'.
+template <typename T>
+constexpr bool kRowsInPlace = false;
+
 #if defined(__GNUC__) || defined(__clang__)
 #define FF_FUSED_BF16 1
 FF_CPU_CLONES Moments<float> row_convert_moments(const c10::BFloat16* src, float* dst, int64_t n) {
@@ -564,6 +593,30 @@ FF_CPU_CLONES void row_normalize(const float* x, c10::BFloat16* out, int64_t n, 
                                  float rstd, const float* w, const float* b) {
   normalize_store_impl(x, out, n, mean, rstd, w, b);
 }
+
+// The bfloat16 backward in place (kRowsInPlace). Not its forward: read in place (the conversion
+// done in both passes) it was ~20% slower at hidden 512-1024 than the fused passes above.
+template <>
+constexpr bool kRowsInPlace<c10::BFloat16> = true;
+bool rows_in_place(const c10::BFloat16*, int64_t n) { return n % 16 == 0; }
+
+FF_CPU_CLONES GradSums<float> row_bwd_sums(const c10::BFloat16* x, const c10::BFloat16* dy,
+                                           const float* w, float mean, float rstd, float* pb,
+                                           int64_t n) {
+  return bwd_sums_impl(x, dy, w, mean, rstd, pb, n, load_bf16x8);
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")  // as row_dx's float clones (dx_loop)
+#endif
+FF_CPU_CLONES void row_dx(const c10::BFloat16* x, const c10::BFloat16* dy, const float* w,
+                          c10::BFloat16* dx, int64_t n, float mean, float rstd,
+                          const DxConsts<float>& c, float* pw) {
+  dx_impl(x, dy, w, dx, n, mean, rstd, c, pw, load_bf16x8, store_bf16x8);
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
 #endif
 
 // float16 <-> float: F16C's packed conversions (IEEE, round to nearest even, as c10::Half)
@@ -605,6 +658,79 @@ void row_convert(const float* src, c10::Half* dst, int64_t n) {
   if (cpu_has_f16c()) return float_to_half_f16c(src, dst, n);
   convert_impl(src, dst, n);
 }
+
+// The float16 forward and backward in place (kRowsInPlace), where the CPU runs the x86-64-v3
+// clones (F16C).
+#define FF_V3 __attribute__((target("arch=x86-64-v3")))
+FF_V3 inline Vec<float> load_f16x8(const c10::Half* p) {
+  const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  Vec<float> v;
+  __builtin_memcpy(&v, &f, sizeof(v));
+  return v;
+}
+
+FF_V3 inline void store_f16x8(c10::Half* p, const Vec<float>& v) {
+  __m256 f;
+  __builtin_memcpy(&f, &v, sizeof(f));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT));
+}
+
+template <>
+constexpr bool kRowsInPlace<c10::Half> = true;
+bool rows_in_place(const c10::Half*, int64_t n) {
+  static const bool v3 = __builtin_cpu_supports("x86-64-v3");
+  return v3 && n % 16 == 0;
+}
+
+// moments_impl of the row.
+FF_V3 Moments<float> row_moments(const c10::Half* x, int64_t n) {
+  return moments_loaded<float>(
+      n, [x](int64_t j) FF_V3 { return load_f16x8(x + j); },
+      [x](int64_t j) { return static_cast<float>(x[j]); });
+}
+
+// sq_dev_impl(row, mean 0).
+FF_V3 float row_sq_sum(const c10::Half* x, int64_t n) {
+  return sum_loaded<float>(
+      n, [x](int64_t j) FF_V3 { return load_f16x8(x + j); },
+      [x](int64_t j) { return static_cast<float>(x[j]); },
+      [](const Vec<float>& v) { return v * v; });
+}
+
+// normalize_impl of the row, stored as float16.
+FF_V3 void row_normalize(const c10::Half* x, c10::Half* out, int64_t n, float mean, float rstd,
+                         const float* w, const float* b) {
+  const Vec<float> m = vsplat(mean), r = vsplat(rstd);
+  if (w == nullptr) {
+    for (int64_t j = 0; j < n; j += 8) store_f16x8(out + j, (load_f16x8(x + j) - m) * r);
+    return;
+  }
+  for (int64_t j = 0; j < n; j += 8) {
+    store_f16x8(out + j, (load_f16x8(x + j) - m) * r * vload(w + j) + vload(b + j));
+  }
+}
+
+// The backward's passes of the row: bwd_sums_impl, then dx_impl with dx stored as float16.
+FF_V3 GradSums<float> row_bwd_sums(const c10::Half* x, const c10::Half* dy, const float* w,
+                                   float mean, float rstd, float* pb, int64_t n) {
+  return bwd_sums_impl(x, dy, w, mean, rstd, pb, n,
+                       [](const c10::Half* p) FF_V3 { return load_f16x8(p); });
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")  // as row_dx's float clones (dx_loop)
+#endif
+FF_V3 void row_dx(const c10::Half* x, const c10::Half* dy, const float* w, c10::Half* dx,
+                  int64_t n, float mean, float rstd, const DxConsts<float>& c, float* pw) {
+  dx_impl(
+      x, dy, w, dx, n, mean, rstd, c, pw, [](const c10::Half* p) FF_V3 { return load_f16x8(p); },
+      [](c10::Half* p, const Vec<float>& v) FF_V3 { store_f16x8(p, v); });
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
+#undef FF_V3
 #else
 void row_convert(const c10::Half* src, float* dst, int64_t n) { convert_impl(src, dst, n); }
 void row_convert(const float* src, c10::Half* dst, int64_t n) { convert_impl(src, dst, n); }
@@ -680,23 +806,29 @@ std::pair<A, A> scaled_stats(const A* v, int64_t n, double eps, bool rms) {
   return {mu / s, root == A(0) ? A(1) / std::sqrt(static_cast<A>(eps)) : s / root};
 }
 
+// Mean and rstd from the moments of a row (n > 0) where they are kept: the variance loses at
+// most a bit to cancellation (shift within a std of the mean).
+template <typename A>
+bool moments_stats(const Moments<A>& m, int64_t n, double eps, std::pair<A, A>& stats) {
+  const A d = m.sum / static_cast<A>(n), q = m.sum_sq / static_cast<A>(n);
+  // (q inf or NaN: a row that overflowed or holds inf or NaN, left to row_stats' passes)
+  if (!std::isfinite(q) || !(d * d <= q / 2)) return false;
+  stats = {m.shift + d, A(1) / std::sqrt(q - d * d + static_cast<A>(eps))};
+  return true;
+}
+
 // Mean (0 for RMSNorm) and rstd of row v (`given`: its moments, taken while converting, else
-// row_moments: one pass). The moments are kept when the variance loses at most a bit to
-// cancellation (shift within a std of the mean). Other rows take two passes: the mean, then the
-// squared deviations. A row whose mean dominates its spread (|mean| > 16 std; a constant row)
-// takes its mean again from the sum of x - x[0]: exact for a constant row (x - mean is then 0,
-// and the output the bias even with eps = 1e-12), its rounding growing with the spread, not the
-// offset (the plain fp32 sum of a 100003-column row at offset 1e6 was off by ~20). Only those
-// rows pay for that third pass.
+// row_moments: one pass), where moments_stats keeps them. Other rows take two passes: the mean,
+// then the squared deviations. A row whose mean dominates its spread (|mean| > 16 std; a
+// constant row) takes its mean again from the sum of x - x[0]: exact for a constant row (x - mean
+// is then 0, and the output the bias even with eps = 1e-12), its rounding growing with the
+// spread, not the offset (the plain fp32 sum of a 100003-column row at offset 1e6 was off by
+// ~20). Only those rows pay for that third pass.
 template <typename A>
 std::pair<A, A> row_stats(const A* v, int64_t n, double eps, bool rms, const Moments<A>* given) {
-  if (!rms && n > 0) {
-    const Moments<A> m = given ? *given : row_moments(v, n);
-    const A d = m.sum / static_cast<A>(n), q = m.sum_sq / static_cast<A>(n);
-    // (q inf or NaN: a row that overflowed or holds inf or NaN, left to the passes below)
-    if (std::isfinite(q) && d * d <= q / 2) {
-      return {m.shift + d, A(1) / std::sqrt(q - d * d + static_cast<A>(eps))};
-    }
+  std::pair<A, A> stats;
+  if (!rms && n > 0 && moments_stats(given ? *given : row_moments(v, n), n, eps, stats)) {
+    return stats;
   }
   A mu = rms ? A(0) : row_sum(v, n) / static_cast<A>(n);
   A var = row_sq_dev(v, n, mu) / static_cast<A>(n);
@@ -708,6 +840,20 @@ std::pair<A, A> row_stats(const A* v, int64_t n, double eps, bool rms, const Mom
   }
   if (!std::isfinite(mu) || !std::isfinite(var)) return scaled_stats(v, n, eps, rms);
   return {mu, A(1) / std::sqrt(var + static_cast<A>(eps))};
+}
+
+// row_stats of a 16-bit row read in place (rows_in_place): its moments, or for RMSNorm its sum
+// of squares. A row they do not settle is converted into buf for row_stats' passes.
+template <typename T>
+std::pair<float, float> stats_in_place(const T* x, float* buf, int64_t n, double eps, bool rms) {
+  std::pair<float, float> stats;
+  if (n > 0 && !rms && moments_stats(row_moments(x, n), n, eps, stats)) return stats;
+  if (n > 0 && rms) {
+    const float var = row_sq_sum(x, n) / static_cast<float>(n);
+    if (std::isfinite(var)) return {0.0f, 1.0f / std::sqrt(var + static_cast<float>(eps))};
+  }
+  row_convert(x, buf, n);
+  return row_stats<float>(buf, n, eps, rms, nullptr);
 }
 
 template <typename T>
@@ -734,6 +880,17 @@ void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
       bool converted = false;
       if constexpr (std::is_same_v<T, A>) {
         if (!p.fused) v = p.x + row * n;  // fp32 / fp64: read x in place
+      }
+      if constexpr (kRowsInPlace<T> && !std::is_same_v<T, c10::BFloat16>) {
+        if (!p.fused && rows_in_place(p.x, n)) {
+          const T* x = p.x + row * n;
+          const auto [mu, r] = stats_in_place(x, buf.data(), n, p.eps, p.rms);
+          if (mean_out != nullptr) mean_out[row] = mu;
+          rstd_out[row] = r;
+          row_normalize(x, p.out + row * n, n, mu, r, affine ? w.data() : nullptr,
+                        affine ? b.data() : nullptr);
+          continue;
+        }
       }
 #ifdef FF_FUSED_BF16
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
@@ -814,6 +971,15 @@ template <typename T, typename A>
 void bwd_row(const BwdCpu<T>& p, int64_t row, A mu, A r, const A* w, BwdScratch<A>& s, A* pw,
              A* pb) {
   const int64_t n = p.cols, off = row * n;
+  if constexpr (kRowsInPlace<T>) {
+    if (!p.fused && rows_in_place(p.x, n)) {
+      const T* x16 = p.x + off;
+      const T* dy16 = p.dy + off;
+      const DxConsts<A> c = dx_consts(row_bwd_sums(x16, dy16, w, mu, r, pb, n), n, p.rms);
+      row_dx(x16, dy16, w, p.dx + off, n, mu, r, c, pw);
+      return;
+    }
+  }
   const A* x = nullptr;
   const A* dy = nullptr;
   if constexpr (std::is_same_v<T, A>) {  // fp32 / fp64: read in place
