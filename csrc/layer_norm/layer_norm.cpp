@@ -594,11 +594,14 @@ FF_CPU_CLONES void row_normalize(const float* x, c10::BFloat16* out, int64_t n, 
   normalize_store_impl(x, out, n, mean, rstd, w, b);
 }
 
-// The bfloat16 backward in place (kRowsInPlace). Not its forward: read in place (the conversion
-// done in both passes) it was ~20% slower at hidden 512-1024 than the fused passes above.
+// The bfloat16 backward in place (kRowsInPlace), for rows of 1024 and more: there its two passes
+// converting x and dy again beat the copies (fwd+bwd 4096 x 1024-4096: 7-13% less time on a
+// 2-core AMD EPYC VM), but took 10-15% more at 256-512, where a row's copies stay in L1. Not its
+// forward: read in place (converted in both passes) it took ~20% more at 512-1024 than the fused
+// passes above.
 template <>
 constexpr bool kRowsInPlace<c10::BFloat16> = true;
-bool rows_in_place(const c10::BFloat16*, int64_t n) { return n % 16 == 0; }
+bool rows_in_place(const c10::BFloat16*, int64_t n) { return n % 16 == 0 && n >= 1024; }
 
 FF_CPU_CLONES GradSums<float> row_bwd_sums(const c10::BFloat16* x, const c10::BFloat16* dy,
                                            const float* w, float mean, float rstd, float* pb,
