@@ -97,6 +97,27 @@ def test_a_call_the_op_takes_runs_it_with_torch_s_result(name, op_calls):
     assert attn.sdpa_call_reasons(*inputs, **kwargs) == []
 
 
+def test_a_one_dimensional_mask_gives_torch_s_math_result(op_calls):
+    # A (Lk,) mask broadcasts to (B, H, Lq, Lk), as SDPA's documentation says, and torch's math
+    # backend takes it; torch 2.14's CPU flash kernel raised "Dimension out of range" for it.
+    # The op takes the call: the math backend's result, not that error.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mask = _bool_mask(11)
+
+    def patched(*args):
+        with fastformer.patch_sdpa():
+            return F.scaled_dot_product_attention(*args, attn_mask=mask)
+
+    def math(*args):
+        with sdpa_kernel(SDPBackend.MATH):
+            return TORCH_SDPA(*args, attn_mask=mask)
+
+    inputs = _qkv(lq=5, lk=11)
+    assert_parity(compare_with_reference(patched, math, inputs, names=["q", "k", "v"]))
+    assert op_calls[0] == 1
+
+
 def test_dropout_runs_the_op_s_dropout(op_calls):
     q, k, v = _qkv(grad=False)
     torch.manual_seed(3)
