@@ -771,23 +771,30 @@ struct FwdCpu {
   bool fused;
 };
 
-// v += the row r of T, converted (row_convert: vectorized, where c10::Half's scalar conversion
-// made the float16 fused forward 3x slower than the bfloat16 one) into tmp first.
+// Whether the fused rows of T (residual, pre and dpre) go through row_convert and a scratch row
+// instead of scalar conversions: float16's, whose scalar conversion (c10::Half's bit arithmetic,
+// which GCC does not vectorize) made its fused forward 3-5x slower than bfloat16's. Not
+// bfloat16's: GCC vectorizes its scalar conversions (shifts) in place, and through a scratch row
+// its fused forward took 4-25% more (hidden 256-4096, a 2-core AMD EPYC VM).
+template <typename T>
+constexpr bool kConvertsRows = std::is_same_v<T, c10::Half>;
+
+// v += the row r of T.
 template <typename T, typename A>
 void add_row(const T* r, A* v, A* tmp, int64_t n) {
-  const A* a = tmp;
-  if constexpr (std::is_same_v<T, A>) {
-    a = r;
-  } else {
+  if constexpr (kConvertsRows<T>) {
     row_convert(r, tmp, n);
+    for (int64_t j = 0; j < n; ++j) v[j] += tmp[j];
+  } else {
+    for (int64_t j = 0; j < n; ++j) v[j] += static_cast<A>(r[j]);
   }
-  for (int64_t j = 0; j < n; ++j) v[j] += a[j];
 }
 
-// Scratch rows of a fused forward task: a row in A and one in T.
+// Scratch rows of a fused forward task (kConvertsRows): a row in A and one in T.
 template <typename T, typename A>
 struct FwdScratch {
-  explicit FwdScratch(int64_t n, bool fused) : a(fused ? n : 0), t(fused ? n : 0) {}
+  explicit FwdScratch(int64_t n, bool fused)
+      : a(fused && kConvertsRows<T> ? n : 0), t(fused && kConvertsRows<T> ? n : 0) {}
   std::vector<A> a;
   std::vector<T> t;
 };
@@ -803,14 +810,15 @@ void load_row(const FwdCpu<T>& p, int64_t row, A* v, FwdScratch<T, A>& s) {
                       static_cast<A>(p.scale));
   }
   if (p.residual != nullptr) add_row(p.residual + off, v, s.a.data(), p.cols);
-  if constexpr (std::is_same_v<T, A>) {
-    if (p.pre != nullptr) row_convert(v, p.pre + off, p.cols);
-  } else {
-    // The backward reads pre back in the input dtype: normalize exactly those values.
+  // The backward reads pre back in the input dtype: normalize exactly those values.
+  if constexpr (kConvertsRows<T>) {
     T* rounded = p.pre != nullptr ? p.pre + off : s.t.data();
     row_convert(v, rounded, p.cols);
     row_convert(rounded, v, p.cols);
+    return;
   }
+  for (int64_t j = 0; j < p.cols; ++j) v[j] = static_cast<A>(static_cast<T>(v[j]));
+  if (p.pre != nullptr) row_convert(v, p.pre + off, p.cols);
 }
 
 // Mean and rstd of a row whose statistics overflowed (|x - mean| past sqrt(max), or a sum past
