@@ -902,6 +902,16 @@ void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
   const std::vector<A> b = param_buffer<A>(bias, affine ? n : 0, A(0));
   A* mean_out = p.rms ? nullptr : mean.data_ptr<A>();
   A* rstd_out = rstd.data_ptr<A>();
+  const A* wp = affine ? w.data() : nullptr;
+  const A* bp = affine ? b.data() : nullptr;
+  const auto store_stats = [mean_out, rstd_out](int64_t row, A mu, A r) {
+    if (mean_out != nullptr) mean_out[row] = mu;
+    rstd_out[row] = r;
+  };
+  // 16-bit rows read in place (kRowsInPlace), but not bfloat16's forward.
+  constexpr bool kInPlace = kRowsInPlace<T> && !std::is_same_v<T, c10::BFloat16>;
+  bool in_place = false;
+  if constexpr (kInPlace) in_place = !p.fused && rows_in_place(p.x, n);
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     prefault_rows(p.out, n, begin, end);
@@ -917,14 +927,12 @@ void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
       if constexpr (std::is_same_v<T, A>) {
         if (!p.fused) v = p.x + row * n;  // fp32 / fp64: read x in place
       }
-      if constexpr (kRowsInPlace<T> && !std::is_same_v<T, c10::BFloat16>) {
-        if (!p.fused && rows_in_place(p.x, n)) {
+      if constexpr (kInPlace) {
+        if (in_place) {
           const T* x = p.x + row * n;
           const auto [mu, r] = stats_in_place(x, buf.data(), n, p.eps, p.rms);
-          if (mean_out != nullptr) mean_out[row] = mu;
-          rstd_out[row] = r;
-          row_normalize(x, p.out + row * n, n, mu, r, affine ? w.data() : nullptr,
-                        affine ? b.data() : nullptr);
+          store_stats(row, mu, r);
+          row_normalize(x, p.out + row * n, n, mu, r, wp, bp);
           continue;
         }
       }
@@ -938,10 +946,7 @@ void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
 #endif
       if (v == buf.data() && !converted) load_row<T, A>(p, row, buf.data(), scratch);
       const auto [mu, r] = row_stats(v, n, p.eps, p.rms, converted ? &moments : nullptr);
-      if (mean_out != nullptr) mean_out[row] = mu;
-      rstd_out[row] = r;
-      const A* wp = affine ? w.data() : nullptr;
-      const A* bp = affine ? b.data() : nullptr;
+      store_stats(row, mu, r);
       if constexpr (std::is_same_v<T, A>) {
         row_normalize(v, p.out + row * n, n, mu, r, wp, bp);
       } else {

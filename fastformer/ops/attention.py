@@ -550,10 +550,9 @@ def sdpa_call_reasons(
 
     Not taken: tensor subclasses (nested, DTensor: their own dispatch; a CausalBias mask is
     this op's), other than 4-D inputs, is_causal with a mask (torch 2.14 raises, 2.11 applies
-    both on the CPU), arguments the op
-    refuses (a scale <= 0, say, which torch takes), and, outside torch.compile, calls the op
-    would not give its Triton kernel (CPU tensors, say). Inside torch.compile the op picks its
-    backend at run time.
+    both on the CPU), arguments the op refuses (a scale <= 0, say, which torch takes), and,
+    outside torch.compile, calls the op would not give its Triton kernel (CPU tensors, say).
+    Inside torch.compile the op picks its backend at run time.
     """
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     checked = _sdpa_call_args(*args)
