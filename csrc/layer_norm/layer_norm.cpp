@@ -297,6 +297,26 @@ FF_INLINE A sq_dev_impl(const A* p, int64_t n, A mean) {
   return sum_map(p, n, [m](const Vec<A>& v) { return (v - m) * (v - m); });
 }
 
+// Asks for the cache line of `next` (a row the kernel reads next) at element j, once a line: a
+// pass that writes its output overlaps that row's read from memory with its arithmetic. Null:
+// none.
+template <typename T>
+FF_INLINE void prefetch_next(const T* next, int64_t j) {
+#if defined(__GNUC__) || defined(__clang__)
+  constexpr int64_t line = 64 / sizeof(T);
+  if (next != nullptr && j % line == 0) __builtin_prefetch(next + j, 0, 3);
+#endif
+}
+
+// Whether the 16-bit kernels read in place ask for the next row while they write one: for rows
+// of 2048 and more, where 4096-row forwards and backwards took 5-30% less time with it; at 1024
+// up to 10% more (a 2-core AMD EPYC VM, benchmarks/NOTES.md). Not float32's: its forward took up
+// to 20% more with a prefetch there.
+template <typename T>
+bool prefetches_next_row(int64_t n) {
+  return sizeof(T) == 2 && n >= 2048;
+}
+
 // out = (x - mean) * rstd * w + b (w, b both given or both null).
 template <typename A>
 FF_INLINE void normalize_impl(const A* x, A* out, int64_t n, A mean, A rstd, const A* w,
@@ -400,12 +420,15 @@ DxConsts<A> dx_consts(const GradSums<A>& s, int64_t n, bool rms) {
 // x, dy and dx as in bwd_sums_loop, dx written through store(p, v) (8 lanes).
 template <typename A, bool PW, typename T, typename L, typename S>
 FF_INLINE void dx_loop(const T* x, const T* dy, const A* w, T* dx, int64_t n, A mean, A rstd,
-                       const DxConsts<A>& c, A* pw, const L& load, const S& store) {
+                       const DxConsts<A>& c, A* pw, const L& load, const S& store,
+                       const T* next_x, const T* next_dy) {
   constexpr int64_t k = kLanes<A>;
   const Vec<A> m = vsplat(mean), r = vsplat(rstd), cg = vsplat(c.c_g), cgx = vsplat(c.c_gx);
   const Vec<A> sh = vsplat(c.shift);
   int64_t j = 0;
   for (; j + k <= n; j += k) {
+    prefetch_next(next_x, j);
+    prefetch_next(next_dy, j);
     const Vec<A> d = load(dy + j), xc = (load(x + j) - m) * r - sh, g = d * vload(w + j);
     store(dx + j, r * (g - cg - xc * cgx));
     if constexpr (PW) vstore(pw + j, vload(pw + j) + d * xc);
@@ -420,9 +443,12 @@ FF_INLINE void dx_loop(const T* x, const T* dy, const A* w, T* dx, int64_t n, A 
 
 template <typename A, typename T, typename L, typename S>
 FF_INLINE void dx_impl(const T* x, const T* dy, const A* w, T* dx, int64_t n, A mean, A rstd,
-                       const DxConsts<A>& c, A* pw, const L& load, const S& store) {
-  if (pw != nullptr) return dx_loop<A, true>(x, dy, w, dx, n, mean, rstd, c, pw, load, store);
-  dx_loop<A, false>(x, dy, w, dx, n, mean, rstd, c, pw, load, store);
+                       const DxConsts<A>& c, A* pw, const L& load, const S& store,
+                       const T* next_x = nullptr, const T* next_dy = nullptr) {
+  if (pw != nullptr) {
+    return dx_loop<A, true>(x, dy, w, dx, n, mean, rstd, c, pw, load, store, next_x, next_dy);
+  }
+  dx_loop<A, false>(x, dy, w, dx, n, mean, rstd, c, pw, load, store, next_x, next_dy);
 }
 
 template <typename A>
@@ -506,16 +532,21 @@ FF_INLINE Moments<float> convert_moments_impl(const c10::BFloat16* src, float* d
 }
 
 FF_INLINE void normalize_store_impl(const float* x, c10::BFloat16* out, int64_t n, float mean,
-                                    float rstd, const float* w, const float* b) {
+                                    float rstd, const float* w, const float* b,
+                                    const c10::BFloat16* next) {
   constexpr int64_t k = 8;
   const Vec<float> m = vsplat(mean), r = vsplat(rstd);
   int64_t j = 0;
   if (w == nullptr) {
-    for (; j + k <= n; j += k) store_bf16x8(out + j, (vload(x + j) - m) * r);
+    for (; j + k <= n; j += k) {
+      prefetch_next(next, j);
+      store_bf16x8(out + j, (vload(x + j) - m) * r);
+    }
     for (; j < n; ++j) out[j] = static_cast<c10::BFloat16>((x[j] - mean) * rstd);
     return;
   }
   for (; j + k <= n; j += k) {
+    prefetch_next(next, j);
     store_bf16x8(out + j, (vload(x + j) - m) * r * vload(w + j) + vload(b + j));
   }
   for (; j < n; ++j) out[j] = static_cast<c10::BFloat16>((x[j] - mean) * rstd * w[j] + b[j]);
@@ -590,8 +621,9 @@ FF_CPU_CLONES Moments<float> row_convert_moments(const c10::BFloat16* src, float
   return convert_moments_impl(src, dst, n);
 }
 FF_CPU_CLONES void row_normalize(const float* x, c10::BFloat16* out, int64_t n, float mean,
-                                 float rstd, const float* w, const float* b) {
-  normalize_store_impl(x, out, n, mean, rstd, w, b);
+                                 float rstd, const float* w, const float* b,
+                                 const c10::BFloat16* next) {
+  normalize_store_impl(x, out, n, mean, rstd, w, b, next);
 }
 
 // The bfloat16 backward in place (kRowsInPlace), for rows of 1024 and more: there its two passes
@@ -614,8 +646,9 @@ FF_CPU_CLONES GradSums<float> row_bwd_sums(const c10::BFloat16* x, const c10::BF
 #endif
 FF_CPU_CLONES void row_dx(const c10::BFloat16* x, const c10::BFloat16* dy, const float* w,
                           c10::BFloat16* dx, int64_t n, float mean, float rstd,
-                          const DxConsts<float>& c, float* pw) {
-  dx_impl(x, dy, w, dx, n, mean, rstd, c, pw, load_bf16x8, store_bf16x8);
+                          const DxConsts<float>& c, float* pw, const c10::BFloat16* next_x,
+                          const c10::BFloat16* next_dy) {
+  dx_impl(x, dy, w, dx, n, mean, rstd, c, pw, load_bf16x8, store_bf16x8, next_x, next_dy);
 }
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
@@ -702,13 +735,17 @@ FF_V3 float row_sq_sum(const c10::Half* x, int64_t n) {
 
 // normalize_impl of the row, stored as float16.
 FF_V3 void row_normalize(const c10::Half* x, c10::Half* out, int64_t n, float mean, float rstd,
-                         const float* w, const float* b) {
+                         const float* w, const float* b, const c10::Half* next) {
   const Vec<float> m = vsplat(mean), r = vsplat(rstd);
   if (w == nullptr) {
-    for (int64_t j = 0; j < n; j += 8) store_f16x8(out + j, (load_f16x8(x + j) - m) * r);
+    for (int64_t j = 0; j < n; j += 8) {
+      prefetch_next(next, j);
+      store_f16x8(out + j, (load_f16x8(x + j) - m) * r);
+    }
     return;
   }
   for (int64_t j = 0; j < n; j += 8) {
+    prefetch_next(next, j);
     store_f16x8(out + j, (load_f16x8(x + j) - m) * r * vload(w + j) + vload(b + j));
   }
 }
@@ -725,10 +762,11 @@ FF_V3 GradSums<float> row_bwd_sums(const c10::Half* x, const c10::Half* dy, cons
 #pragma GCC optimize("fp-contract=off")  // as row_dx's float clones (dx_loop)
 #endif
 FF_V3 void row_dx(const c10::Half* x, const c10::Half* dy, const float* w, c10::Half* dx,
-                  int64_t n, float mean, float rstd, const DxConsts<float>& c, float* pw) {
+                  int64_t n, float mean, float rstd, const DxConsts<float>& c, float* pw,
+                  const c10::Half* next_x, const c10::Half* next_dy) {
   dx_impl(
       x, dy, w, dx, n, mean, rstd, c, pw, [](const c10::Half* p) FF_V3 { return load_f16x8(p); },
-      [](c10::Half* p, const Vec<float>& v) FF_V3 { store_f16x8(p, v); });
+      [](c10::Half* p, const Vec<float>& v) FF_V3 { store_f16x8(p, v); }, next_x, next_dy);
 }
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
@@ -891,6 +929,13 @@ std::pair<float, float> stats_in_place(const T* x, float* buf, int64_t n, double
   return row_stats<float>(buf, n, eps, rms, nullptr);
 }
 
+// The next row of x for the 16-bit forwards' prefetch_next, within a task's rows (end).
+template <typename T>
+const T* next_row(const FwdCpu<T>& p, int64_t row, int64_t end) {
+  if (p.fused || !prefetches_next_row<T>(p.cols) || row + 1 >= end) return nullptr;
+  return p.x + (row + 1) * p.cols;
+}
+
 template <typename T>
 void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
                     const c10::optional<at::Tensor>& bias, int64_t rows, at::Tensor& mean,
@@ -918,9 +963,8 @@ void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
     prefault_rows(p.pre, n, begin, end);
     std::vector<A> buf(n);
     FwdScratch<T, A> scratch(n, p.fused);
-    // (No software prefetch of the next row: on an AMD EPYC VM it cost fp32 4096 x 512 15-25%
-    // against no prefetch, where it had gained 0-14% on an Intel Xeon; benchmarks/NOTES.md.)
     for (int64_t row = begin; row < end; ++row) {
+      const T* next = next_row(p, row, end);
       const A* v = buf.data();
       Moments<A> moments{};  // of v, when the conversion took them
       bool converted = false;
@@ -932,7 +976,7 @@ void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
           const T* x = p.x + row * n;
           const auto [mu, r] = stats_in_place(x, buf.data(), n, p.eps, p.rms);
           store_stats(row, mu, r);
-          row_normalize(x, p.out + row * n, n, mu, r, wp, bp);
+          row_normalize(x, p.out + row * n, n, mu, r, wp, bp, next);
           continue;
         }
       }
@@ -952,7 +996,7 @@ void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
       } else {
 #ifdef FF_FUSED_BF16
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          row_normalize(v, p.out + row * n, n, mu, r, wp, bp);
+          row_normalize(v, p.out + row * n, n, mu, r, wp, bp, next);
           continue;
         }
 #endif
@@ -1006,16 +1050,19 @@ void fused_tail(const BwdCpu<T>& p, int64_t off, A* g, A* tmp) {
   }
 }
 
+// has_next: the task goes on with row + 1.
 template <typename T, typename A>
 void bwd_row(const BwdCpu<T>& p, int64_t row, A mu, A r, const A* w, BwdScratch<A>& s, A* pw,
-             A* pb) {
+             A* pb, bool has_next) {
   const int64_t n = p.cols, off = row * n;
   if constexpr (kRowsInPlace<T>) {
     if (!p.fused && rows_in_place(p.x, n)) {
       const T* x16 = p.x + off;
       const T* dy16 = p.dy + off;
+      const bool pf = has_next && prefetches_next_row<T>(n);
       const DxConsts<A> c = dx_consts(row_bwd_sums(x16, dy16, w, mu, r, pb, n), n, p.rms);
-      row_dx(x16, dy16, w, p.dx + off, n, mu, r, c, pw);
+      row_dx(x16, dy16, w, p.dx + off, n, mu, r, c, pw, pf ? x16 + n : nullptr,
+             pf ? dy16 + n : nullptr);
       return;
     }
   }
@@ -1071,6 +1118,7 @@ void bwd_cpu_kernel(const BwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
   std::vector<A> pw(want_w ? blocks * n : 0, A(0)), pb(want_b ? blocks * n : 0, A(0));
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     const int64_t first = std::min(rows, begin * per_block), last = std::min(rows, end * per_block);
+    const int64_t task_end = last;
     prefault_rows(p.dx, n, first, last);
     prefault_rows(p.dres, n, first, last);
     BwdScratch<A> scratch(n);
@@ -1080,7 +1128,7 @@ void bwd_cpu_kernel(const BwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
       const int64_t last = std::min(rows, (blk + 1) * per_block);
       for (int64_t row = blk * per_block; row < last; ++row) {
         const A mu = mean_in != nullptr ? mean_in[row] : A(0);
-        bwd_row<T, A>(p, row, mu, rstd_in[row], w.data(), scratch, bw, bb);
+        bwd_row<T, A>(p, row, mu, rstd_in[row], w.data(), scratch, bw, bb, row + 1 < task_end);
       }
     }
   });
