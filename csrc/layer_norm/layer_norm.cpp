@@ -1118,17 +1118,16 @@ void bwd_cpu_kernel(const BwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
   std::vector<A> pw(want_w ? blocks * n : 0, A(0)), pb(want_b ? blocks * n : 0, A(0));
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     const int64_t first = std::min(rows, begin * per_block), last = std::min(rows, end * per_block);
-    const int64_t task_end = last;
     prefault_rows(p.dx, n, first, last);
     prefault_rows(p.dres, n, first, last);
     BwdScratch<A> scratch(n);
     for (int64_t blk = begin; blk < end; ++blk) {
       A* bw = want_w ? pw.data() + blk * n : nullptr;
       A* bb = want_b ? pb.data() + blk * n : nullptr;
-      const int64_t last = std::min(rows, (blk + 1) * per_block);
-      for (int64_t row = blk * per_block; row < last; ++row) {
+      const int64_t block_end = std::min(rows, (blk + 1) * per_block);
+      for (int64_t row = blk * per_block; row < block_end; ++row) {
         const A mu = mean_in != nullptr ? mean_in[row] : A(0);
-        bwd_row<T, A>(p, row, mu, rstd_in[row], w.data(), scratch, bw, bb, row + 1 < task_end);
+        bwd_row<T, A>(p, row, mu, rstd_in[row], w.data(), scratch, bw, bb, row + 1 < last);
       }
     }
   });
