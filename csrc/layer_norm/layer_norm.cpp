@@ -308,10 +308,10 @@ FF_INLINE void prefetch_next(const T* next, int64_t j) {
 #endif
 }
 
-// Whether the 16-bit kernels read in place ask for the next row while they write one: for rows
-// of 2048 and more, where 4096-row forwards and backwards took 5-30% less time with it; at 1024
-// up to 10% more (a 2-core AMD EPYC VM, benchmarks/NOTES.md). Not float32's: its forward took up
-// to 20% more with a prefetch there.
+// Whether the 16-bit kernels ask for the next row while they write one (the bfloat16 forward's
+// fused-copy pass, and the in-place twins): for rows of 2048 and more, where 4096-row forwards
+// and backwards took 5-30% less time with it; at 1024 up to 10% more (a 2-core AMD EPYC VM,
+// benchmarks/NOTES.md). Not float32's: its forward took up to 20% more with a prefetch there.
 template <typename T>
 bool prefetches_next_row(int64_t n) {
   return sizeof(T) == 2 && n >= 2048;
