@@ -34,12 +34,14 @@ from fastformer.ops import layer_norm as ln
 from fastformer.testing import ATOL_FLOOR, assert_parity, compare_with_reference, parity
 
 CUDA = "cuda"
+STREAM_ENV = "FASTFORMER_LN_STREAM"
 
 
 @pytest.fixture(autouse=True)
 def _default_backend(monkeypatch):
     # A developer's FASTFORMER_BACKEND_LAYER_NORM must not change what these tests check.
     monkeypatch.delenv("FASTFORMER_BACKEND_LAYER_NORM", raising=False)
+    monkeypatch.delenv(STREAM_ENV, raising=False)
 
 
 def _make(shape, dtype=torch.float32, seed=0, device="cpu", scale=1.0, shift=0.0, grad=True):
@@ -505,6 +507,67 @@ def test_grads_bit_identical_twice_and_across_thread_counts():
         torch.set_num_threads(threads)
     for a, b2, c in zip(first, second, single):
         assert torch.equal(a, b2) and torch.equal(a, c)
+
+
+# --------------------------------------------------------------------------- streamed outputs
+
+
+def _outputs_and_grads(kind, x, w, b, res):
+    """The op's outputs, then the gradients of x, w, b (and res) for a seeded dout."""
+    torch.manual_seed(7)
+    if kind == "fused":
+        outs = ln.dropout_add_layer_norm(x, res, w, b, 1e-5, 0.1, True)
+    elif kind == "rms_norm":
+        outs, b = (ln.rms_norm(x, x.shape[-1], w),), None
+    else:
+        outs = (ln.layer_norm(x, x.shape[-1], w, b),)
+    ins = [t for t in (x, w, b, res) if t is not None and t.requires_grad]
+    g = torch.Generator().manual_seed(3)
+    douts = [torch.randn(o.shape, generator=g).to(o.dtype) for o in outs]
+    return [o.detach() for o in outs] + list(torch.autograd.grad(outs, ins, douts))
+
+
+STREAM_CASES = [
+    (kind, dtype)
+    for kind in ("layer_norm", "rms_norm", "fused")
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    if not (kind == "fused" and dtype == torch.float64)  # (the fused op takes no float64)
+]
+
+
+@needs_ext
+@pytest.mark.parametrize(("kind", "dtype"), STREAM_CASES)
+@pytest.mark.parametrize("hidden", [12, 1024, 2052])
+def test_streamed_outputs_have_the_plain_stores_bits(monkeypatch, kind, dtype, hidden):
+    """FASTFORMER_LN_STREAM=1 writes out and dx with non-temporal stores
+    (csrc/common/stream_store.h) at any size: no arithmetic changes, so the bits are those of =0
+    (hidden 12 and 2052: float32 rows with a 4-element tail after the 8-lane vectors)."""
+    x = _make((37, hidden), dtype, scale=2.0, shift=1.0)
+    res = _make((37, hidden), dtype, seed=4) if kind == "fused" else None
+    w, b = _params(hidden, "both", torch.float64 if dtype == torch.float64 else torch.float32)
+    results = {}
+    for mode in ("0", "1", "auto"):
+        monkeypatch.setenv(STREAM_ENV, mode)
+        results[mode] = _outputs_and_grads(kind, x, w, b, res)
+    for streamed, plain in zip(results["1"], results["0"]):
+        assert torch.equal(streamed.view(torch.uint8), plain.view(torch.uint8))
+    for auto, plain in zip(results["auto"], results["0"]):
+        assert torch.equal(auto.view(torch.uint8), plain.view(torch.uint8))
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_streamed_outputs_match_reference(monkeypatch, dtype):
+    monkeypatch.setenv(STREAM_ENV, "1")
+    x = _make((64, 2048), dtype, scale=2.0, shift=3.0)
+    _ln_parity(x, 2048, *_params(2048, "both"))
+
+
+@needs_ext
+def test_stream_switch_rejects_other_values(monkeypatch):
+    monkeypatch.setenv(STREAM_ENV, "yes")
+    with pytest.raises(ValueError, match="FASTFORMER_LN_STREAM must be one of .*got 'yes'"):
+        ln.layer_norm(torch.randn(2, 8), 8)
 
 
 # --------------------------------------------------------------------------- bad input

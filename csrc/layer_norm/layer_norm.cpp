@@ -16,7 +16,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -30,6 +32,7 @@
 #include "common/philox.h"
 #include "common/philox_cpu.h"
 #include "common/prefault.h"
+#include "common/stream_store.h"
 #include "layer_norm/layer_norm_glue.h"
 
 #ifdef FASTFORMER_WITH_CUDA
@@ -169,6 +172,12 @@ template <typename A>
 FF_INLINE Vec<A> vsplat(A a) {
   return Vec<A>{} + a;
 }
+// vstore with non-temporal stores (stream_store.h); p 16-byte aligned.
+template <typename A>
+FF_INLINE void vstream(A* p, const Vec<A>& v) {
+  stream16(p, &v);
+  stream16(reinterpret_cast<char*>(p) + 16, reinterpret_cast<const char*>(&v) + 16);
+}
 #else
 #define FF_INLINE inline
 template <typename A>
@@ -187,7 +196,21 @@ template <typename A>
 FF_INLINE Vec<A> vsplat(A a) {
   return Vec<A>(a);
 }
+template <typename A>
+FF_INLINE void vstream(A* p, const Vec<A>& v) {
+  vstore(p, v);
+}
 #endif
+
+// vstore, or vstream when kStream.
+template <bool kStream, typename A>
+FF_INLINE void vput(A* p, const Vec<A>& v) {
+  if constexpr (kStream) {
+    vstream(p, v);
+  } else {
+    vstore(p, v);
+  }
+}
 
 template <typename A>
 FF_INLINE A lane_sum(const Vec<A>& v) {
@@ -317,19 +340,21 @@ bool prefetches_next_row(int64_t n) {
   return sizeof(T) == 2 && n >= 2048;
 }
 
-// out = (x - mean) * rstd * w + b (w, b both given or both null).
-template <typename A>
+// out = (x - mean) * rstd * w + b (w, b both given or both null); out streamed when kStream.
+template <bool kStream, typename A>
 FF_INLINE void normalize_impl(const A* x, A* out, int64_t n, A mean, A rstd, const A* w,
                               const A* b) {
   constexpr int64_t k = kLanes<A>;
   const Vec<A> m = vsplat(mean), r = vsplat(rstd);
   int64_t j = 0;
   if (w == nullptr) {
-    for (; j + k <= n; j += k) vstore(out + j, (vload(x + j) - m) * r);
+    for (; j + k <= n; j += k) vput<kStream>(out + j, (vload(x + j) - m) * r);
     for (; j < n; ++j) out[j] = (x[j] - mean) * rstd;
     return;
   }
-  for (; j + k <= n; j += k) vstore(out + j, (vload(x + j) - m) * r * vload(w + j) + vload(b + j));
+  for (; j + k <= n; j += k) {
+    vput<kStream>(out + j, (vload(x + j) - m) * r * vload(w + j) + vload(b + j));
+  }
   for (; j < n; ++j) out[j] = (x[j] - mean) * rstd * w[j] + b[j];
 }
 
@@ -451,12 +476,12 @@ FF_INLINE void dx_impl(const T* x, const T* dy, const A* w, T* dx, int64_t n, A 
   dx_loop<A, false>(x, dy, w, dx, n, mean, rstd, c, pw, load, store, next_x, next_dy);
 }
 
-template <typename A>
+template <bool kStream, typename A>
 FF_INLINE void dx_impl(const A* x, const A* dy, const A* w, A* dx, int64_t n, A mean, A rstd,
                        const DxConsts<A>& c, A* pw) {
   dx_impl(
       x, dy, w, dx, n, mean, rstd, c, pw, [](const A* p) { return vload(p); },
-      [](A* p, const Vec<A>& v) { vstore(p, v); });
+      [](A* p, const Vec<A>& v) { vput<kStream>(p, v); });
 }
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
@@ -497,13 +522,19 @@ FF_INLINE Vec<float> load_bf16x8(const c10::BFloat16* p) {
   return f;
 }
 
+// (streamed when kStream; p then 16-byte aligned)
+template <bool kStream = false>
 FF_INLINE void store_bf16x8(c10::BFloat16* p, const Vec<float>& f) {
   U32x8 u;
   __builtin_memcpy(&u, &f, sizeof(u));
   const U32x8 rounded = (u + (((u >> 16) & 1) + 0x7FFF)) >> 16;
   const U32x8 bits = f != f ? (U32x8{} + 0x7FC0) : rounded;
   const U16x8 h = __builtin_convertvector(bits, U16x8);
-  __builtin_memcpy(p, &h, sizeof(h));
+  if constexpr (kStream) {
+    stream16(p, &h);
+  } else {
+    __builtin_memcpy(p, &h, sizeof(h));
+  }
 }
 
 FF_INLINE void convert_impl(const c10::BFloat16* src, float* dst, int64_t n) {
@@ -531,6 +562,7 @@ FF_INLINE Moments<float> convert_moments_impl(const c10::BFloat16* src, float* d
   return moments_loaded<float>(n, load, load_one);
 }
 
+template <bool kStream>
 FF_INLINE void normalize_store_impl(const float* x, c10::BFloat16* out, int64_t n, float mean,
                                     float rstd, const float* w, const float* b,
                                     const c10::BFloat16* next) {
@@ -540,14 +572,14 @@ FF_INLINE void normalize_store_impl(const float* x, c10::BFloat16* out, int64_t 
   if (w == nullptr) {
     for (; j + k <= n; j += k) {
       prefetch_next(next, j);
-      store_bf16x8(out + j, (vload(x + j) - m) * r);
+      store_bf16x8<kStream>(out + j, (vload(x + j) - m) * r);
     }
     for (; j < n; ++j) out[j] = static_cast<c10::BFloat16>((x[j] - mean) * rstd);
     return;
   }
   for (; j + k <= n; j += k) {
     prefetch_next(next, j);
-    store_bf16x8(out + j, (vload(x + j) - m) * r * vload(w + j) + vload(b + j));
+    store_bf16x8<kStream>(out + j, (vload(x + j) - m) * r * vload(w + j) + vload(b + j));
   }
   for (; j < n; ++j) out[j] = static_cast<c10::BFloat16>((x[j] - mean) * rstd * w[j] + b[j]);
 }
@@ -563,8 +595,9 @@ FF_INLINE void normalize_store_impl(const float* x, c10::BFloat16* out, int64_t 
   FF_CPU_CLONES A row_sq_dev(const A* p, int64_t n, A mean) { return sq_dev_impl(p, n, mean); } \
   FF_CPU_CLONES Moments<A> row_moments(const A* p, int64_t n) { return moments_impl(p, n); }   \
   FF_CPU_CLONES void row_normalize(const A* x, A* out, int64_t n, A mean, A rstd, const A* w,  \
-                                   const A* b) {                                              \
-    normalize_impl(x, out, n, mean, rstd, w, b);                                              \
+                                   const A* b, bool stream = false) {                         \
+    if (stream) return normalize_impl<true>(x, out, n, mean, rstd, w, b);                     \
+    normalize_impl<false>(x, out, n, mean, rstd, w, b);                                       \
   }                                                                                           \
   FF_CPU_CLONES GradSums<A> row_bwd_sums(const A* x, const A* dy, const A* w, A mean, A rstd, \
                                          A* pb, int64_t n) {                                  \
@@ -585,8 +618,9 @@ FF_ROW_OPS(double)
 #endif
 #define FF_DX_OP(A)                                                                          \
   FF_CPU_CLONES void row_dx(const A* x, const A* dy, const A* w, A* dx, int64_t n, A mean,    \
-                            A rstd, const DxConsts<A>& c, A* pw) {                            \
-    dx_impl(x, dy, w, dx, n, mean, rstd, c, pw);                                              \
+                            A rstd, const DxConsts<A>& c, A* pw, bool stream) {               \
+    if (stream) return dx_impl<true>(x, dy, w, dx, n, mean, rstd, c, pw);                     \
+    dx_impl<false>(x, dy, w, dx, n, mean, rstd, c, pw);                                       \
   }
 FF_DX_OP(float)
 FF_DX_OP(double)
@@ -622,8 +656,9 @@ FF_CPU_CLONES Moments<float> row_convert_moments(const c10::BFloat16* src, float
 }
 FF_CPU_CLONES void row_normalize(const float* x, c10::BFloat16* out, int64_t n, float mean,
                                  float rstd, const float* w, const float* b,
-                                 const c10::BFloat16* next) {
-  normalize_store_impl(x, out, n, mean, rstd, w, b, next);
+                                 const c10::BFloat16* next, bool stream) {
+  if (stream) return normalize_store_impl<true>(x, out, n, mean, rstd, w, b, next);
+  normalize_store_impl<false>(x, out, n, mean, rstd, w, b, next);
 }
 
 // The bfloat16 backward in place (kRowsInPlace), for rows of 1024 and more: there its two passes
@@ -647,8 +682,12 @@ FF_CPU_CLONES GradSums<float> row_bwd_sums(const c10::BFloat16* x, const c10::BF
 FF_CPU_CLONES void row_dx(const c10::BFloat16* x, const c10::BFloat16* dy, const float* w,
                           c10::BFloat16* dx, int64_t n, float mean, float rstd,
                           const DxConsts<float>& c, float* pw, const c10::BFloat16* next_x,
-                          const c10::BFloat16* next_dy) {
-  dx_impl(x, dy, w, dx, n, mean, rstd, c, pw, load_bf16x8, store_bf16x8, next_x, next_dy);
+                          const c10::BFloat16* next_dy, bool stream) {
+  if (stream) {
+    return dx_impl(x, dy, w, dx, n, mean, rstd, c, pw, load_bf16x8, store_bf16x8<true>, next_x,
+                   next_dy);
+  }
+  dx_impl(x, dy, w, dx, n, mean, rstd, c, pw, load_bf16x8, store_bf16x8<false>, next_x, next_dy);
 }
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
@@ -705,10 +744,17 @@ FF_V3 inline Vec<float> load_f16x8(const c10::Half* p) {
   return v;
 }
 
+// (streamed when kStream; p then 16-byte aligned)
+template <bool kStream = false>
 FF_V3 inline void store_f16x8(c10::Half* p, const Vec<float>& v) {
   __m256 f;
   __builtin_memcpy(&f, &v, sizeof(f));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT));
+  const __m128i h = _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT);
+  if constexpr (kStream) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), h);
+  } else {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+  }
 }
 
 template <>
@@ -734,20 +780,28 @@ FF_V3 float row_sq_sum(const c10::Half* x, int64_t n) {
 }
 
 // normalize_impl of the row, stored as float16.
-FF_V3 void row_normalize(const c10::Half* x, c10::Half* out, int64_t n, float mean, float rstd,
-                         const float* w, const float* b, const c10::Half* next) {
+template <bool kStream>
+FF_V3 inline void normalize_f16_impl(const c10::Half* x, c10::Half* out, int64_t n, float mean,
+                                     float rstd, const float* w, const float* b,
+                                     const c10::Half* next) {
   const Vec<float> m = vsplat(mean), r = vsplat(rstd);
   if (w == nullptr) {
     for (int64_t j = 0; j < n; j += 8) {
       prefetch_next(next, j);
-      store_f16x8(out + j, (load_f16x8(x + j) - m) * r);
+      store_f16x8<kStream>(out + j, (load_f16x8(x + j) - m) * r);
     }
     return;
   }
   for (int64_t j = 0; j < n; j += 8) {
     prefetch_next(next, j);
-    store_f16x8(out + j, (load_f16x8(x + j) - m) * r * vload(w + j) + vload(b + j));
+    store_f16x8<kStream>(out + j, (load_f16x8(x + j) - m) * r * vload(w + j) + vload(b + j));
   }
+}
+
+FF_V3 void row_normalize(const c10::Half* x, c10::Half* out, int64_t n, float mean, float rstd,
+                         const float* w, const float* b, const c10::Half* next, bool stream) {
+  if (stream) return normalize_f16_impl<true>(x, out, n, mean, rstd, w, b, next);
+  normalize_f16_impl<false>(x, out, n, mean, rstd, w, b, next);
 }
 
 // The backward's passes of the row: bwd_sums_impl, then dx_impl with dx stored as float16.
@@ -763,10 +817,17 @@ FF_V3 GradSums<float> row_bwd_sums(const c10::Half* x, const c10::Half* dy, cons
 #endif
 FF_V3 void row_dx(const c10::Half* x, const c10::Half* dy, const float* w, c10::Half* dx,
                   int64_t n, float mean, float rstd, const DxConsts<float>& c, float* pw,
-                  const c10::Half* next_x, const c10::Half* next_dy) {
+                  const c10::Half* next_x, const c10::Half* next_dy, bool stream) {
+  const auto load = [](const c10::Half* p) FF_V3 { return load_f16x8(p); };
+  if (stream) {
+    return dx_impl(
+        x, dy, w, dx, n, mean, rstd, c, pw, load,
+        [](c10::Half* p, const Vec<float>& v) FF_V3 { store_f16x8<true>(p, v); }, next_x,
+        next_dy);
+  }
   dx_impl(
-      x, dy, w, dx, n, mean, rstd, c, pw, [](const c10::Half* p) FF_V3 { return load_f16x8(p); },
-      [](c10::Half* p, const Vec<float>& v) FF_V3 { store_f16x8(p, v); }, next_x, next_dy);
+      x, dy, w, dx, n, mean, rstd, c, pw, load,
+      [](c10::Half* p, const Vec<float>& v) FF_V3 { store_f16x8<false>(p, v); }, next_x, next_dy);
 }
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
@@ -929,6 +990,23 @@ std::pair<float, float> stats_in_place(const T* x, float* buf, int64_t n, double
   return row_stats<float>(buf, n, eps, rms, nullptr);
 }
 
+constexpr const char* kStreamEnv = "FASTFORMER_LN_STREAM";
+
+// Whether a call writes its output rows (`out`, rows of `cols`) with non-temporal stores
+// (stream_store.h): FASTFORMER_LN_STREAM=1 always, 0 never, auto (the default) where the call
+// moves at least the last-level cache's size in `bytes` (its row tensors read and written) and
+// `pays`. Only where every row starts 16-byte aligned.
+template <typename T>
+bool streams_rows(const T* out, int64_t cols, int64_t bytes, bool pays) {
+  const char* raw = std::getenv(kStreamEnv);
+  const std::string mode = raw != nullptr ? raw : "";
+  TORCH_CHECK_VALUE(mode.empty() || mode == "auto" || mode == "0" || mode == "1", kStreamEnv,
+                    " must be one of ('auto', '0', '1'), got '", mode, "'");
+  const bool aligned = reinterpret_cast<uintptr_t>(out) % 16 == 0 && cols * sizeof(T) % 16 == 0;
+  if (!kHasStreamStores || !aligned || mode == "0") return false;
+  return mode == "1" || (pays && bytes >= llc_bytes());
+}
+
 // The next row of x for the 16-bit forwards' prefetch_next, within a task's rows (end). Not
 // float16's past 8192 columns: its forward (x read twice in place) took 10-20% more with it at
 // 16384-32768, where its backward and bfloat16's forward still gained (benchmarks/NOTES.md).
@@ -961,6 +1039,10 @@ void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
   bool in_place = false;
   if constexpr (kInPlace) in_place = !p.fused && rows_in_place(p.x, n);
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
+  // Streamed where written in place (4096 rows x hidden 4096-8192 on a 2-core AMD EPYC VM with
+  // a 32 MiB L3: float32 1.1-1.5x, float16 1.2-1.4x, bfloat16 1.03-1.26x faster).
+  const int64_t row_tensors = 2 + (p.residual != nullptr) + (p.pre != nullptr);
+  const bool stream = streams_rows(p.out, n, row_tensors * rows * n * int64_t{sizeof(T)}, true);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     prefault_rows(p.out, n, begin, end);
     prefault_rows(p.pre, n, begin, end);
@@ -979,7 +1061,7 @@ void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
           const T* x = p.x + row * n;
           const auto [mu, r] = stats_in_place(x, buf.data(), n, p.eps, p.rms);
           store_stats(row, mu, r);
-          row_normalize(x, p.out + row * n, n, mu, r, wp, bp, next);
+          row_normalize(x, p.out + row * n, n, mu, r, wp, bp, next, stream);
           continue;
         }
       }
@@ -995,11 +1077,11 @@ void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
       const auto [mu, r] = row_stats(v, n, p.eps, p.rms, converted ? &moments : nullptr);
       store_stats(row, mu, r);
       if constexpr (std::is_same_v<T, A>) {
-        row_normalize(v, p.out + row * n, n, mu, r, wp, bp);
+        row_normalize(v, p.out + row * n, n, mu, r, wp, bp, stream);
       } else {
 #ifdef FF_FUSED_BF16
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          row_normalize(v, p.out + row * n, n, mu, r, wp, bp, next);
+          row_normalize(v, p.out + row * n, n, mu, r, wp, bp, next, stream);
           continue;
         }
 #endif
@@ -1007,6 +1089,7 @@ void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
         row_convert(buf.data(), p.out + row * n, n);
       }
     }
+    if (stream) stream_fence();
   });
 }
 
@@ -1053,10 +1136,11 @@ void fused_tail(const BwdCpu<T>& p, int64_t off, A* g, A* tmp) {
   }
 }
 
-// has_next: the task goes on with row + 1.
+// has_next: the task goes on with row + 1. stream: dx streamed where written in place
+// (streams_rows).
 template <typename T, typename A>
 void bwd_row(const BwdCpu<T>& p, int64_t row, A mu, A r, const A* w, BwdScratch<A>& s, A* pw,
-             A* pb, bool has_next) {
+             A* pb, bool has_next, bool stream) {
   const int64_t n = p.cols, off = row * n;
   if constexpr (kRowsInPlace<T>) {
     if (!p.fused && rows_in_place(p.x, n)) {
@@ -1065,7 +1149,7 @@ void bwd_row(const BwdCpu<T>& p, int64_t row, A mu, A r, const A* w, BwdScratch<
       const bool pf = has_next && prefetches_next_row<T>(n);
       const DxConsts<A> c = dx_consts(row_bwd_sums(x16, dy16, w, mu, r, pb, n), n, p.rms);
       row_dx(x16, dy16, w, p.dx + off, n, mu, r, c, pw, pf ? x16 + n : nullptr,
-             pf ? dy16 + n : nullptr);
+             pf ? dy16 + n : nullptr, stream);
       return;
     }
   }
@@ -1083,11 +1167,11 @@ void bwd_row(const BwdCpu<T>& p, int64_t row, A mu, A r, const A* w, BwdScratch<
   const DxConsts<A> c = dx_consts(row_bwd_sums(x, dy, w, mu, r, pb, n), n, p.rms);
   if constexpr (std::is_same_v<T, A>) {
     if (!p.fused) {  // fp32 / fp64: straight into dx
-      row_dx(x, dy, w, p.dx + off, n, mu, r, c, pw);
+      row_dx(x, dy, w, p.dx + off, n, mu, r, c, pw, stream);
       return;
     }
   }
-  row_dx(x, dy, w, s.g.data(), n, mu, r, c, pw);
+  row_dx(x, dy, w, s.g.data(), n, mu, r, c, pw, false);
   if (p.fused) fused_tail(p, off, s.g.data(), s.x.data());  // (x's row is read by then)
   row_convert(s.g.data(), p.dx + off, n);
 }
@@ -1119,6 +1203,12 @@ void bwd_cpu_kernel(const BwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
   const int64_t blocks = bwd_blocks(rows);
   const int64_t per_block = blocks == 0 ? 0 : (rows + blocks - 1) / blocks;
   std::vector<A> pw(want_w ? blocks * n : 0, A(0)), pb(want_b ? blocks * n : 0, A(0));
+  // dx streamed where written in place (as the forward's out: float32 1.1-1.2x, float16
+  // 1.07-1.19x faster), but not bfloat16's by default: its dx pass (the rounding in integer
+  // vector operations) is not waiting on memory, and took 1-3% more streamed.
+  const int64_t row_tensors = 3 + (p.dpre != nullptr) + (p.dres != nullptr);
+  const bool stream = streams_rows(p.dx, n, row_tensors * rows * n * int64_t{sizeof(T)},
+                                   !std::is_same_v<T, c10::BFloat16>);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     const int64_t first = std::min(rows, begin * per_block), last = std::min(rows, end * per_block);
     prefault_rows(p.dx, n, first, last);
@@ -1130,9 +1220,11 @@ void bwd_cpu_kernel(const BwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
       const int64_t block_end = std::min(rows, (blk + 1) * per_block);
       for (int64_t row = blk * per_block; row < block_end; ++row) {
         const A mu = mean_in != nullptr ? mean_in[row] : A(0);
-        bwd_row<T, A>(p, row, mu, rstd_in[row], w.data(), scratch, bw, bb, row + 1 < last);
+        bwd_row<T, A>(p, row, mu, rstd_in[row], w.data(), scratch, bw, bb, row + 1 < last,
+                      stream);
       }
     }
+    if (stream) stream_fence();
   });
   if (want_w) finalize_cpu<A>(pw, blocks, n, dweight);
   if (want_b) finalize_cpu<A>(pb, blocks, n, dbias);
