@@ -39,7 +39,8 @@ STREAM_ENV = "FASTFORMER_LN_STREAM"
 
 @pytest.fixture(autouse=True)
 def _default_backend(monkeypatch):
-    # A developer's FASTFORMER_BACKEND_LAYER_NORM must not change what these tests check.
+    # A developer's FASTFORMER_BACKEND_LAYER_NORM or FASTFORMER_LN_STREAM must not change what
+    # these tests check.
     monkeypatch.delenv("FASTFORMER_BACKEND_LAYER_NORM", raising=False)
     monkeypatch.delenv(STREAM_ENV, raising=False)
 
