@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <tuple>
@@ -898,9 +899,24 @@ struct FwdScratch {
   std::vector<T> t;
 };
 
+// row_convert of a float32 / float64 row (T == A), streamed when `stream`; other rows go
+// through row_convert.
+template <typename T, typename A>
+void row_store(const A* src, T* dst, int64_t n, bool stream) {
+  if constexpr (std::is_same_v<T, A>) {
+    if (stream) {
+      int64_t j = 0;
+      for (; j + kLanes<A> <= n; j += kLanes<A>) vstream(dst + j, vload(src + j));
+      for (; j < n; ++j) dst[j] = src[j];
+      return;
+    }
+  }
+  row_convert(src, dst, n);
+}
+
 // Row `row` of the normalized input in v: round_to_T(residual + dropout(x)), or x.
 template <typename T, typename A>
-void load_row(const FwdCpu<T>& p, int64_t row, A* v, FwdScratch<T, A>& s) {
+void load_row(const FwdCpu<T>& p, int64_t row, A* v, FwdScratch<T, A>& s, bool stream) {
   const int64_t off = row * p.cols;
   row_convert(p.x + off, v, p.cols);
   if (!p.fused) return;
@@ -917,7 +933,7 @@ void load_row(const FwdCpu<T>& p, int64_t row, A* v, FwdScratch<T, A>& s) {
     return;
   }
   for (int64_t j = 0; j < p.cols; ++j) v[j] = static_cast<A>(static_cast<T>(v[j]));
-  if (p.pre != nullptr) row_convert(v, p.pre + off, p.cols);
+  if (p.pre != nullptr) row_store(v, p.pre + off, p.cols, stream);
 }
 
 // Mean and rstd of a row whose statistics overflowed (|x - mean| past sqrt(max), or a sum past
@@ -992,17 +1008,18 @@ std::pair<float, float> stats_in_place(const T* x, float* buf, int64_t n, double
 
 constexpr const char* kStreamEnv = "FASTFORMER_LN_STREAM";
 
-// Whether a call writes its output rows (`out`, rows of `cols`) with non-temporal stores
-// (stream_store.h): FASTFORMER_LN_STREAM=1 always, 0 never, auto (the default) where the call
-// moves at least the last-level cache's size in `bytes` (its row tensors read and written) and
-// `pays`. Only where every row starts 16-byte aligned.
+// Whether a call writes its output rows (`outs`, rows of `cols`; null: none) with non-temporal
+// stores (stream_store.h): FASTFORMER_LN_STREAM=1 always, 0 never, auto (the default) where the
+// call moves at least the last-level cache's size in `bytes` (its row tensors read and written)
+// and `pays`. Only where every row starts 16-byte aligned.
 template <typename T>
-bool streams_rows(const T* out, int64_t cols, int64_t bytes, bool pays) {
+bool streams_rows(std::initializer_list<const T*> outs, int64_t cols, int64_t bytes, bool pays) {
   const char* raw = std::getenv(kStreamEnv);
   const std::string mode = raw != nullptr ? raw : "";
   TORCH_CHECK_VALUE(mode.empty() || mode == "auto" || mode == "0" || mode == "1", kStreamEnv,
                     " must be one of ('auto', '0', '1'), got '", mode, "'");
-  const bool aligned = reinterpret_cast<uintptr_t>(out) % 16 == 0 && cols * sizeof(T) % 16 == 0;
+  bool aligned = cols * sizeof(T) % 16 == 0;
+  for (const T* out : outs) aligned = aligned && reinterpret_cast<uintptr_t>(out) % 16 == 0;
   if (!kHasStreamStores || !aligned || mode == "0") return false;
   return mode == "1" || (pays && bytes >= llc_bytes());
 }
@@ -1039,11 +1056,12 @@ void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
   bool in_place = false;
   if constexpr (kInPlace) in_place = !p.fused && rows_in_place(p.x, n);
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
-  // out streamed where a row kernel writes it directly, not through a scratch row (forwards
-  // moving 32-128 MiB on a 2-core AMD EPYC VM with a 32 MiB L3: float32 1.1-1.5x, float16
-  // 1.2-1.4x, bfloat16 1.03-1.26x faster).
+  // out streamed where a row kernel writes it directly, not through a scratch row, and float32's
+  // pre (forwards moving 32-128 MiB on a 2-core AMD EPYC VM with a 32 MiB L3: float32 1.1-1.5x,
+  // float16 1.2-1.4x, bfloat16 1.03-1.26x faster; the fused float32 op 1.06-1.13x).
   const int64_t row_tensors = 2 + (p.residual != nullptr) + (p.pre != nullptr);
-  const bool stream = streams_rows(p.out, n, row_tensors * rows * n * int64_t{sizeof(T)}, true);
+  const bool stream =
+      streams_rows<T>({p.out, p.pre}, n, row_tensors * rows * n * int64_t{sizeof(T)}, true);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     prefault_rows(p.out, n, begin, end);
     prefault_rows(p.pre, n, begin, end);
@@ -1074,7 +1092,7 @@ void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
         }
       }
 #endif
-      if (v == buf.data() && !converted) load_row<T, A>(p, row, buf.data(), scratch);
+      if (v == buf.data() && !converted) load_row<T, A>(p, row, buf.data(), scratch, stream);
       const auto [mu, r] = row_stats(v, n, p.eps, p.rms, converted ? &moments : nullptr);
       store_stats(row, mu, r);
       if constexpr (std::is_same_v<T, A>) {
@@ -1125,20 +1143,21 @@ struct BwdScratch {
   std::vector<A> x, dy, g;
 };
 
-// Gradient of pre -> dx: add dpre, write dres, apply the dropout mask (fused op only).
+// Gradient of pre -> dx: add dpre, write dres (row_store), apply the dropout mask (fused op
+// only).
 template <typename T, typename A>
-void fused_tail(const BwdCpu<T>& p, int64_t off, A* g, A* tmp) {
+void fused_tail(const BwdCpu<T>& p, int64_t off, A* g, A* tmp, bool stream) {
   const int64_t n = p.cols;
   if (p.dpre != nullptr) add_row(p.dpre + off, g, tmp, n);
-  if (p.dres != nullptr) row_convert(g, p.dres + off, n);
+  if (p.dres != nullptr) row_store(g, p.dres + off, n, stream);
   if (p.dropout_p > 0) {
     dropout_scale_cpu(g, n, p.seed, static_cast<uint64_t>(off), p.dropout_p,
                       static_cast<A>(p.scale));
   }
 }
 
-// has_next: the task goes on with row + 1. stream: dx streamed where written in place
-// (streams_rows).
+// has_next: the task goes on with row + 1. stream: dx (and dres) streamed where the row kernels
+// write them directly or row_store does (streams_rows).
 template <typename T, typename A>
 void bwd_row(const BwdCpu<T>& p, int64_t row, A mu, A r, const A* w, BwdScratch<A>& s, A* pw,
              A* pb, bool has_next, bool stream) {
@@ -1173,8 +1192,8 @@ void bwd_row(const BwdCpu<T>& p, int64_t row, A mu, A r, const A* w, BwdScratch<
     }
   }
   row_dx(x, dy, w, s.g.data(), n, mu, r, c, pw, false);
-  if (p.fused) fused_tail(p, off, s.g.data(), s.x.data());  // (x's row is read by then)
-  row_convert(s.g.data(), p.dx + off, n);
+  if (p.fused) fused_tail(p, off, s.g.data(), s.x.data(), stream);  // (x's row is read by then)
+  row_store(s.g.data(), p.dx + off, n, stream);
 }
 
 // Sums the blocks' partial rows (in block order) into dst (cols,), written in dst's dtype.
@@ -1204,12 +1223,14 @@ void bwd_cpu_kernel(const BwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
   const int64_t blocks = bwd_blocks(rows);
   const int64_t per_block = blocks == 0 ? 0 : (rows + blocks - 1) / blocks;
   std::vector<A> pw(want_w ? blocks * n : 0, A(0)), pb(want_b ? blocks * n : 0, A(0));
-  // dx streamed as the forward's out (float32 1.1-1.3x, float16 1.07-1.19x faster), but not
-  // bfloat16's by default: its dx pass (the rounding in integer vector operations) is not
-  // waiting on memory, and took 1-3% more streamed.
+  // dx streamed as the forward's out, and float32's dres (float32 1.1-1.3x, float16 1.07-1.19x,
+  // the fused float32 op 1.11-1.19x faster), but not bfloat16's by default: its dx pass (the
+  // rounding in integer vector operations) is not waiting on memory, and took 1-3% more
+  // streamed.
   const int64_t row_tensors = 3 + (p.dpre != nullptr) + (p.dres != nullptr);
-  const bool stream = streams_rows(p.dx, n, row_tensors * rows * n * int64_t{sizeof(T)},
-                                   !std::is_same_v<T, c10::BFloat16>);
+  const int64_t bytes = row_tensors * rows * n * int64_t{sizeof(T)};
+  const bool stream =
+      streams_rows<T>({p.dx, p.dres}, n, bytes, !std::is_same_v<T, c10::BFloat16>);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     const int64_t first = std::min(rows, begin * per_block), last = std::min(rows, end * per_block);
     prefault_rows(p.dx, n, first, last);
