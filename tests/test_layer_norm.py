@@ -538,11 +538,12 @@ STREAM_CASES = [
 
 @needs_ext
 @pytest.mark.parametrize(("kind", "dtype"), STREAM_CASES)
-@pytest.mark.parametrize("hidden", [12, 1024, 2052])
+@pytest.mark.parametrize("hidden", [12, 16, 1024, 2052])
 def test_streamed_outputs_have_the_plain_stores_bits(monkeypatch, kind, dtype, hidden):
-    """FASTFORMER_LN_STREAM=1 writes out and dx with non-temporal stores
-    (csrc/common/stream_store.h) at any size: no arithmetic changes, so the bits are those of =0
-    (hidden 12 and 2052: float32 rows with a 4-element tail after the 8-lane vectors)."""
+    """FASTFORMER_LN_STREAM=1 writes out, pre, dx and dres with non-temporal stores
+    (csrc/common/stream_store.h) at any size: no arithmetic changes, so the bits are those of =0.
+    Hidden 12 and 2052: float32 rows with a 4-element tail after the 8-lane vectors; 16: 16-bit
+    rows through a float scratch row; 1024: 16-bit rows in place, and the fused op's."""
     x = _make((37, hidden), dtype, scale=2.0, shift=1.0)
     res = _make((37, hidden), dtype, seed=4) if kind == "fused" else None
     w, b = _params(hidden, "both", torch.float64 if dtype == torch.float64 else torch.float32)

@@ -544,9 +544,10 @@ FF_INLINE void convert_impl(const c10::BFloat16* src, float* dst, int64_t n) {
   for (; j < n; ++j) dst[j] = static_cast<float>(src[j]);
 }
 
+template <bool kStream = false>
 FF_INLINE void convert_impl(const float* src, c10::BFloat16* dst, int64_t n) {
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) store_bf16x8(dst + j, vload(src + j));
+  for (; j + 8 <= n; j += 8) store_bf16x8<kStream>(dst + j, vload(src + j));
   for (; j < n; ++j) dst[j] = static_cast<c10::BFloat16>(src[j]);
 }
 
@@ -634,8 +635,9 @@ FF_DX_OP(double)
   FF_CPU_CLONES void row_convert(const T* src, float* dst, int64_t n) {                       \
     convert_impl(src, dst, n);                                                                \
   }                                                                                           \
-  FF_CPU_CLONES void row_convert(const float* src, T* dst, int64_t n) {                       \
-    convert_impl(src, dst, n);                                                                \
+  FF_CPU_CLONES void row_convert(const float* src, T* dst, int64_t n, bool stream = false) {  \
+    if (stream) return convert_impl<true>(src, dst, n);                                       \
+    convert_impl<false>(src, dst, n);                                                         \
   }
 FF_CONVERT_OPS(c10::BFloat16)
 #undef FF_CONVERT_OPS
@@ -710,12 +712,17 @@ __attribute__((target("avx,f16c"))) void half_to_float_f16c(const c10::Half* src
   for (; j < n; ++j) dst[j] = static_cast<float>(src[j]);
 }
 
+template <bool kStream>
 __attribute__((target("avx,f16c"))) void float_to_half_f16c(const float* src, c10::Half* dst,
                                                              int64_t n) {
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), h);
+    if constexpr (kStream) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + j), h);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), h);
+    }
   }
   for (; j < n; ++j) dst[j] = static_cast<c10::Half>(src[j]);
 }
@@ -730,8 +737,10 @@ void row_convert(const c10::Half* src, float* dst, int64_t n) {
   convert_impl(src, dst, n);
 }
 
-void row_convert(const float* src, c10::Half* dst, int64_t n) {
-  if (cpu_has_f16c()) return float_to_half_f16c(src, dst, n);
+// (streamed when `stream` and the CPU has F16C)
+void row_convert(const float* src, c10::Half* dst, int64_t n, bool stream = false) {
+  if (cpu_has_f16c() && stream) return float_to_half_f16c<true>(src, dst, n);
+  if (cpu_has_f16c()) return float_to_half_f16c<false>(src, dst, n);
   convert_impl(src, dst, n);
 }
 
@@ -836,12 +845,18 @@ FF_V3 void row_dx(const c10::Half* x, const c10::Half* dy, const float* w, c10::
 #undef FF_V3
 #else
 void row_convert(const c10::Half* src, float* dst, int64_t n) { convert_impl(src, dst, n); }
-void row_convert(const float* src, c10::Half* dst, int64_t n) { convert_impl(src, dst, n); }
+void row_convert(const float* src, c10::Half* dst, int64_t n, bool = false) {
+  convert_impl(src, dst, n);
+}
 #endif
 
+// (streamed when `stream`; dst then 16-byte aligned)
 template <typename A>
-void row_convert(const A* src, A* dst, int64_t n) {
-  std::copy(src, src + n, dst);
+void row_convert(const A* src, A* dst, int64_t n, bool stream = false) {
+  if (!stream) return static_cast<void>(std::copy(src, src + n, dst));
+  int64_t j = 0;
+  for (; j + kLanes<A> <= n; j += kLanes<A>) vstream(dst + j, vload(src + j));
+  for (; j < n; ++j) dst[j] = src[j];
 }
 
 // A per-column parameter as a buffer of A (`fill` when absent).
@@ -899,21 +914,6 @@ struct FwdScratch {
   std::vector<T> t;
 };
 
-// row_convert of a float32 / float64 row (T == A), streamed when `stream`; other rows go
-// through row_convert.
-template <typename T, typename A>
-void row_store(const A* src, T* dst, int64_t n, bool stream) {
-  if constexpr (std::is_same_v<T, A>) {
-    if (stream) {
-      int64_t j = 0;
-      for (; j + kLanes<A> <= n; j += kLanes<A>) vstream(dst + j, vload(src + j));
-      for (; j < n; ++j) dst[j] = src[j];
-      return;
-    }
-  }
-  row_convert(src, dst, n);
-}
-
 // Row `row` of the normalized input in v: round_to_T(residual + dropout(x)), or x.
 template <typename T, typename A>
 void load_row(const FwdCpu<T>& p, int64_t row, A* v, FwdScratch<T, A>& s, bool stream) {
@@ -933,7 +933,7 @@ void load_row(const FwdCpu<T>& p, int64_t row, A* v, FwdScratch<T, A>& s, bool s
     return;
   }
   for (int64_t j = 0; j < p.cols; ++j) v[j] = static_cast<A>(static_cast<T>(v[j]));
-  if (p.pre != nullptr) row_store(v, p.pre + off, p.cols, stream);
+  if (p.pre != nullptr) row_convert(v, p.pre + off, p.cols, stream);
 }
 
 // Mean and rstd of a row whose statistics overflowed (|x - mean| past sqrt(max), or a sum past
@@ -1056,9 +1056,9 @@ void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
   bool in_place = false;
   if constexpr (kInPlace) in_place = !p.fused && rows_in_place(p.x, n);
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
-  // out streamed where a row kernel writes it directly, not through a scratch row, and float32's
-  // pre (forwards moving 32-128 MiB on a 2-core AMD EPYC VM with a 32 MiB L3: float32 1.1-1.5x,
-  // float16 1.2-1.4x, bfloat16 1.03-1.26x faster; the fused float32 op 1.06-1.13x).
+  // out and pre streamed (forwards moving 32-128 MiB on a 2-core AMD EPYC VM with a 32 MiB L3:
+  // float32 1.1-1.5x, float16 1.2-1.4x, bfloat16 1.03-1.26x faster; the fused op: float32
+  // 1.06-1.13x, 16-bit 1.02-1.07x), but not float16's pre, which is read back at once.
   const int64_t row_tensors = 2 + (p.residual != nullptr) + (p.pre != nullptr);
   const bool stream =
       streams_rows<T>({p.out, p.pre}, n, row_tensors * rows * n * int64_t{sizeof(T)}, true);
@@ -1105,7 +1105,7 @@ void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
         }
 #endif
         row_normalize(v, buf.data(), n, mu, r, wp, bp);
-        row_convert(buf.data(), p.out + row * n, n);
+        row_convert(buf.data(), p.out + row * n, n, stream);
       }
     }
     if (stream) stream_fence();
@@ -1143,21 +1143,20 @@ struct BwdScratch {
   std::vector<A> x, dy, g;
 };
 
-// Gradient of pre -> dx: add dpre, write dres (row_store), apply the dropout mask (fused op
-// only).
+// Gradient of pre -> dx: add dpre, write dres (streamed when `stream`), apply the dropout mask
+// (fused op only).
 template <typename T, typename A>
 void fused_tail(const BwdCpu<T>& p, int64_t off, A* g, A* tmp, bool stream) {
   const int64_t n = p.cols;
   if (p.dpre != nullptr) add_row(p.dpre + off, g, tmp, n);
-  if (p.dres != nullptr) row_store(g, p.dres + off, n, stream);
+  if (p.dres != nullptr) row_convert(g, p.dres + off, n, stream);
   if (p.dropout_p > 0) {
     dropout_scale_cpu(g, n, p.seed, static_cast<uint64_t>(off), p.dropout_p,
                       static_cast<A>(p.scale));
   }
 }
 
-// has_next: the task goes on with row + 1. stream: dx (and dres) streamed where the row kernels
-// write them directly or row_store does (streams_rows).
+// has_next: the task goes on with row + 1. stream: dx and dres streamed (streams_rows).
 template <typename T, typename A>
 void bwd_row(const BwdCpu<T>& p, int64_t row, A mu, A r, const A* w, BwdScratch<A>& s, A* pw,
              A* pb, bool has_next, bool stream) {
@@ -1193,7 +1192,7 @@ void bwd_row(const BwdCpu<T>& p, int64_t row, A mu, A r, const A* w, BwdScratch<
   }
   row_dx(x, dy, w, s.g.data(), n, mu, r, c, pw, false);
   if (p.fused) fused_tail(p, off, s.g.data(), s.x.data(), stream);  // (x's row is read by then)
-  row_store(s.g.data(), p.dx + off, n, stream);
+  row_convert(s.g.data(), p.dx + off, n, stream);
 }
 
 // Sums the blocks' partial rows (in block order) into dst (cols,), written in dst's dtype.
@@ -1223,14 +1222,17 @@ void bwd_cpu_kernel(const BwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
   const int64_t blocks = bwd_blocks(rows);
   const int64_t per_block = blocks == 0 ? 0 : (rows + blocks - 1) / blocks;
   std::vector<A> pw(want_w ? blocks * n : 0, A(0)), pb(want_b ? blocks * n : 0, A(0));
-  // dx streamed as the forward's out, and float32's dres (float32 1.1-1.3x, float16 1.07-1.19x,
-  // the fused float32 op 1.11-1.19x faster), but not bfloat16's by default: its dx pass (the
-  // rounding in integer vector operations) is not waiting on memory, and took 1-3% more
-  // streamed.
+  // dx and dres streamed as the forward's out (float32 1.1-1.3x, float16 1.07-1.19x faster;
+  // the fused op: float32 1.11-1.19x, float16 1.03-1.14x, bfloat16 1.03-1.08x), but not by
+  // default where bfloat16 rows are read in place: their dx pass (the rounding in integer
+  // vector operations) is not waiting on memory, and took 1-3% more streamed.
+  bool bf16_in_place = false;
+  if constexpr (kRowsInPlace<T> && std::is_same_v<T, c10::BFloat16>) {
+    bf16_in_place = !p.fused && rows_in_place(p.x, n);
+  }
   const int64_t row_tensors = 3 + (p.dpre != nullptr) + (p.dres != nullptr);
   const int64_t bytes = row_tensors * rows * n * int64_t{sizeof(T)};
-  const bool stream =
-      streams_rows<T>({p.dx, p.dres}, n, bytes, !std::is_same_v<T, c10::BFloat16>);
+  const bool stream = streams_rows<T>({p.dx, p.dres}, n, bytes, !bf16_in_place);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     const int64_t first = std::min(rows, begin * per_block), last = std::min(rows, end * per_block);
     prefault_rows(p.dx, n, first, last);
