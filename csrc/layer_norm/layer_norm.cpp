@@ -1058,7 +1058,7 @@ void fwd_cpu_kernel(const FwdCpu<T>& p, const c10::optional<at::Tensor>& weight,
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
   // out and pre streamed (forwards moving 32-128 MiB on a 2-core AMD EPYC VM with a 32 MiB L3:
   // float32 1.1-1.5x, float16 1.2-1.4x, bfloat16 1.03-1.26x faster; the fused op: float32
-  // 1.06-1.13x, 16-bit 1.02-1.07x), but not float16's pre, which is read back at once.
+  // 1.06-1.13x, 16-bit 0.96-1.07x), but not float16's pre, which is read back at once.
   const int64_t row_tensors = 2 + (p.residual != nullptr) + (p.pre != nullptr);
   const bool stream =
       streams_rows<T>({p.out, p.pre}, n, row_tensors * rows * n * int64_t{sizeof(T)}, true);
