@@ -853,7 +853,10 @@ void row_convert(const float* src, c10::Half* dst, int64_t n, bool = false) {
 // (streamed when `stream`; dst then 16-byte aligned)
 template <typename A>
 void row_convert(const A* src, A* dst, int64_t n, bool stream = false) {
-  if (!stream) return static_cast<void>(std::copy(src, src + n, dst));
+  if (!stream) {
+    std::copy(src, src + n, dst);
+    return;
+  }
   int64_t j = 0;
   for (; j + kLanes<A> <= n; j += kLanes<A>) vstream(dst + j, vload(src + j));
   for (; j < n; ++j) dst[j] = src[j];
