@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from fastformer.cli import bench as B
-from fastformer.cli import main
+from fastformer.cli import env, main
 from fastformer.cli import report as R
 from fastformer.cli.cases import (
     DERIVED_BWD_OPS,
@@ -1703,6 +1703,27 @@ def test_report_command_line_is_shell_quoted(bench_run):
     results = json.loads((out / "results.json").read_text())
     results["config"]["argv"] = ["bench", "--out", "dir with space/a b"]
     assert "`python -m fastformer bench --out 'dir with space/a b'`" in R.markdown(results, [])
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("32768K\n", 32 << 20), ("32M", 32 << 20), ("4096", 4096), ("", None), ("lots", None)],
+)
+def test_cpu_l3_bytes_reads_sysfs_sizes(tmp_path, text, expected):
+    size = tmp_path / "size"
+    size.write_text(text)
+    assert env.cpu_l3_bytes(size) == expected
+    assert env.cpu_l3_bytes(tmp_path / "missing") is None
+
+
+def test_report_names_the_cpu_l3_the_layer_norm_streaming_reads(bench_run):
+    _, out = bench_run
+    results = json.loads((out / "results.json").read_text())
+    assert results["manifest"]["cpu_l3_bytes"] == env.cpu_l3_bytes()
+    results["manifest"].update(cpu_l3_bytes=32 << 20, gpu=None, cpu="Fake CPU")
+    assert "CPU machine: Fake CPU (32 MiB L3) - torch" in R.markdown(results, [])
+    results["manifest"]["cpu_l3_bytes"] = None
+    assert "CPU machine: Fake CPU - torch" in R.markdown(results, [])
 
 
 def test_report_counts_the_relu_inputs_whose_sign_parity_left_open(bench_run):

@@ -74,6 +74,22 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+L3_SIZE_PATH = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")
+
+
+def cpu_l3_bytes(path: Path = L3_SIZE_PATH) -> int | None:
+    """cpu0's level-3 cache in bytes, from Linux's sysfs (None where it is not there): the size
+    against which the CPU LayerNorm decides to stream its outputs (csrc/common/stream_store.h),
+    so it changes which kernels run."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+    digits = text[:-1] if scale > 1 else text
+    return int(digits) * scale if digits.isdigit() else None
+
+
 def nvidia_driver() -> str | None:
     """The NVIDIA driver version (nvidia-smi, else /proc/driver/nvidia/version)."""
     out = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
@@ -142,6 +158,7 @@ def manifest() -> dict[str, Any]:
         "gpus": gpu_list,
         "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
+        "cpu_l3_bytes": cpu_l3_bytes(),
         "torch_threads": torch.get_num_threads(),
         "triton_interpret": triton_interpret(),
         # What changes which kernels run: forced backends, FASTFORMER_ATTN_TMA, ...

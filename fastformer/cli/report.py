@@ -458,6 +458,7 @@ def markdown(results: dict[str, Any], images: list[str]) -> str:
         "",
         f"{m['date']} - fastformer {m['fastformer']} (git {m['git_sha'] or 'unknown'}) - "
         f"{m['machine'].upper()} machine: {m['gpu'] or m['cpu']}"
+        + (f" ({m['cpu_l3_bytes'] >> 20} MiB L3)" if m.get("cpu_l3_bytes") and not m["gpu"] else "")
         + (f", driver {m['driver']}" if m.get("driver") else "")
         + f" - torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}, python {m['python']}",
         "",
