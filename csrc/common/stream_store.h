@@ -57,6 +57,16 @@ inline void stream16(void* dst, const void* src) {
 #endif
 }
 
+// Writes the 16 bytes at src to dst: with stream16 when kStream, else plainly (any alignment).
+template <bool kStream>
+inline void put16(void* dst, const void* src) {
+  if constexpr (kStream) {
+    stream16(dst, src);
+  } else {
+    std::memcpy(dst, src, 16);
+  }
+}
+
 // Orders this thread's non-temporal stores before its later ones: a task calls it once its
 // rows are written, before the parallel loop's join hands them to the caller.
 inline void stream_fence() {

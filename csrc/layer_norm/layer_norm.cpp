@@ -531,11 +531,7 @@ FF_INLINE void store_bf16x8(c10::BFloat16* p, const Vec<float>& f) {
   const U32x8 rounded = (u + (((u >> 16) & 1) + 0x7FFF)) >> 16;
   const U32x8 bits = f != f ? (U32x8{} + 0x7FC0) : rounded;
   const U16x8 h = __builtin_convertvector(bits, U16x8);
-  if constexpr (kStream) {
-    stream16(p, &h);
-  } else {
-    __builtin_memcpy(p, &h, sizeof(h));
-  }
+  put16<kStream>(p, &h);
 }
 
 FF_INLINE void convert_impl(const c10::BFloat16* src, float* dst, int64_t n) {
@@ -718,11 +714,7 @@ __attribute__((target("avx,f16c"))) void float_to_half_f16c(const float* src, c1
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT);
-    if constexpr (kStream) {
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + j), h);
-    } else {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), h);
-    }
+    put16<kStream>(dst + j, &h);
   }
   for (; j < n; ++j) dst[j] = static_cast<c10::Half>(src[j]);
 }
@@ -760,11 +752,7 @@ FF_V3 inline void store_f16x8(c10::Half* p, const Vec<float>& v) {
   __m256 f;
   __builtin_memcpy(&f, &v, sizeof(f));
   const __m128i h = _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT);
-  if constexpr (kStream) {
-    _mm_stream_si128(reinterpret_cast<__m128i*>(p), h);
-  } else {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
-  }
+  put16<kStream>(p, &h);
 }
 
 template <>
