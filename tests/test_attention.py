@@ -1366,8 +1366,10 @@ def test_raw_forward_outputs_are_defined_without_keys(monkeypatch, backend):
 
 
 @pytest.mark.parametrize(
-    ("dtype", "lse", "flash"), [(F32, 31.0, True), (F32, 33.0, False), (F16, 33.0, True)]
-)
+    ("dtype", "lse", "flash"),
+    [(F32, 31.0, True), (F32, 33.0, False), (F32, -31.0, True), (F32, -33.0, False),
+     (F16, 33.0, True)],
+)  # fmt: skip
 def test_torch_backend_backward_takes_cpu_flash_while_the_lse_keeps_its_sum(
     monkeypatch, dtype, lse, flash
 ):
@@ -2969,6 +2971,31 @@ def test_causal_row_whose_only_key_is_right_of_the_diagonal_is_empty():
     mask[0] = torch.tensor([False, True, False, False])
     out, lse = attn.scaled_dot_product_attention_with_lse(q, k, v, mask, is_causal=True)
     assert lse[0, 0, 0] == float("-inf") and torch.all(out[0, 0, 0] == 0)
+
+
+@pytest.mark.parametrize(("lq", "lk"), [(6, 9), (9, 6)])
+def test_causal_rows_before_the_first_unpadded_key_are_empty(monkeypatch, lq, lk):
+    # Causal with leading padding keys: a row sees a key iff the first visible key is at most
+    # its index, Lq > Lk included (rows past the last key still see some). float32 on the
+    # torch backend runs torch's CPU flash kernels, which get those rows zeroed (`_without_rows`).
+    _use_backend(monkeypatch, "torch")
+    q = _randn((2, 2, lq, 8), grad=True)
+    k, v = (_randn((2, 2, lk, 8), seed=i, grad=True) for i in (1, 2))
+    kpm = torch.zeros(2, lk, dtype=torch.bool, device=DEVICE)
+    kpm[1, :3] = True  # batch 1: rows 0-2 see no key
+    kpm[0, 1] = True  # batch 0: key 0 is visible to every row
+    kw = dict(is_causal=True, key_padding_mask=kpm)
+    out, lse = attn.scaled_dot_product_attention_with_lse(q, k, v, **kw)
+    empty = torch.isneginf(lse)
+    assert empty[1, :, :3].all() and not empty[1, :, 3:].any() and not empty[0].any()
+    assert torch.all(out[1, :, :3] == 0)
+    results = compare_with_reference(
+        lambda q, k, v: attn.scaled_dot_product_attention(q, k, v, **kw),
+        lambda q, k, v: ref.scaled_dot_product_attention(q, k, v, **kw),
+        [q, k, v],
+        names=["q", "k", "v"],
+    )
+    assert_parity(results)
 
 
 @pytest.mark.parametrize(

@@ -821,9 +821,11 @@ def _rows_without_key(mask: Tensor | None, lq: int, lk: int, is_causal: bool):
     if mask is None:
         return None  # causal alone leaves key 0 to every row
     visible = mask != float("-inf")
-    if is_causal:
-        visible = visible & torch.ones(lq, lk, dtype=torch.bool, device=mask.device).tril()
-    empty = ~visible.any(-1)
+    if is_causal:  # row i has a key iff its first visible key is at most i (no Lq x Lk tril)
+        first = torch.where(visible.any(-1), visible.byte().argmax(-1), lq)  # argmax: the first
+        empty = first > torch.arange(lq, device=mask.device)
+    else:
+        empty = ~visible.any(-1)
     return empty if bool(empty.any()) else None
 
 
@@ -863,14 +865,20 @@ def _without_rows(q: Tensor, empty: Tensor | None) -> Tensor:
     return q if empty is None else q.masked_fill(empty[..., None], 0.0)
 
 
-def _cpu_flash_backward(grad_out, q, k, v, out, lse, attn_mask, kpm, is_causal, scale):
+def _cpu_flash_backward(
+    grad_out, q, k, v, out, lse, attn_mask, kpm, is_causal, scale, lse_min=-math.inf
+):  # fmt: skip
+    """lse_min: lse's least value (`_lse_bounds`); above -inf (not NaN) no row is without a
+    key, and lse goes to the kernel as it is."""
     mask = _cpu_flash_mask(q, attn_mask, kpm)
     hkv = k.shape[1]
     k, v = reference._repeat_kv_heads(q, k, v, hkv != q.shape[1])
-    # Rows without a key: back to the kernel's own lse 0 (with -inf, exp(-inf - lse) is NaN).
-    empty = torch.isneginf(lse)
-    lse = lse.masked_fill(empty, 0.0)
-    empty = empty if bool(empty.any()) else None
+    empty = None
+    if not lse_min > -math.inf:
+        # Rows without a key: back to the kernel's own lse 0 (with -inf, exp(-inf - lse) is NaN).
+        empty = torch.isneginf(lse)
+        lse = lse.masked_fill(empty, 0.0)
+        empty = empty if bool(empty.any()) else None
     q, k, v, grad_out, out = _flash_inputs(_without_rows(q, empty), k, v, grad_out, out)
     dq, dk, dv = _CPU_FLASH_BWD(
         grad_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale
@@ -947,12 +955,13 @@ def _torch_backward(
     """Gradients through torch's CPU flash backward (from out and lse) where the forward used
     it and only `out` has a gradient, else by `_reference_backward`; the arguments are those of
     kernels.attention.attention_backward."""
-    # CPU only: .any() and amax never sync with a GPU
+    # CPU only: .any() and aminmax never sync with a GPU
     flash = _cpu_flash_ok(q, k, v, dropout_p, scale) and not mask_grad
-    flash = flash and _lse_keeps_its_sum(lse, q, attn_mask)
+    bounds = _lse_bounds(lse) if flash else (0.0, 0.0)
+    flash = flash and _lse_keeps_its_sum(lse, q, attn_mask, bounds)
     if flash and (grad_lse is None or (not _batched(grad_lse) and not bool(grad_lse.any()))):
         dq, dk, dv = _cpu_flash_backward(
-            grad_out, q, k, v, out, lse, attn_mask, kpm, is_causal, scale
+            grad_out, q, k, v, out, lse, attn_mask, kpm, is_causal, scale, bounds[0]
         )
         return dq, dk, dv, None
     return _reference_backward(
@@ -969,14 +978,26 @@ def _batched(*tensors: Tensor | None) -> bool:
     )
 
 
-def _lse_keeps_its_sum(lse: Tensor, q: Tensor, attn_mask: Tensor | None) -> bool:
+def _lse_bounds(lse: Tensor) -> tuple[float, float]:
+    """lse's least and greatest values in one pass (NaN if any is NaN); (0, 0) when empty."""
+    if lse.numel() == 0:
+        return 0.0, 0.0
+    low, high = torch.aminmax(lse)
+    return float(low), float(high)
+
+
+def _lse_keeps_its_sum(
+    lse: Tensor, q: Tensor, attn_mask: Tensor | None, bounds: tuple[float, float]
+) -> bool:
     """Whether P recomputed from `lse` is accurate (torch's CPU flash backward does so), where
     the kernels would keep a Stat (`_keeps_stat`): not where float32 has rounded away part of
     the log of a row's sum. A float mask's bias of -1e9 on a whole row rounds all of it away
     (every P came out 1 instead of 1 / Lk); float32 q, k, v missed the parity bound from
     |lse| ~ 100 (dq 1.01x at scale 3 on N(0, 1) inputs, d64; dv 5.2x at scale 30). Below 32
-    the worst seen was 0.83x the bound (d128)."""
-    if not _keeps_stat(q, attn_mask) or lse.numel() == 0:
+    the worst seen was 0.83x the bound (d128). `bounds`: `_lse_bounds(lse)`, which settles
+    the common case; rows without a key (-inf) or NaN take a second look."""
+    low, high = bounds
+    if not _keeps_stat(q, attn_mask) or -32.0 < low <= high < 32.0:
         return True
     finite = torch.where(torch.isfinite(lse), lse, 0.0)
     return bool(finite.abs().amax() < 32.0)  # P within 2**-19 of itself
