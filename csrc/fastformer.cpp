@@ -1,6 +1,7 @@
 // The fastformer._C module: the torch.ops.fastformer library, and a Python module holding
 // cuda_philox_advance (the dropout seed draw's atomic step, below) and the plain eager calls of
-// the LayerNorm and FFN ops in one C call (layer_norm/layer_norm_eager.cpp, ffn/ffn_eager.cpp).
+// the LayerNorm and FFN ops, and attention's on the CPU, in one C call
+// (layer_norm/layer_norm_eager.cpp, ffn/ffn_eager.cpp, attention/attention_eager.cpp).
 //
 // Ops are reached through torch.ops.fastformer.*; importing fastformer._C loads this library so
 // its static registrations run. Each op folder adds its schemas with
@@ -11,6 +12,7 @@
 #include <exception>
 #include <mutex>
 
+#include "attention/attention_eager.h"
 #include "ffn/ffn_eager.h"
 #include "ffn/ffn_lt.h"
 #include "layer_norm/layer_norm_eager.h"
@@ -133,6 +135,14 @@ PyMethodDef methods[] = {
      "dropout_add_layer_norm_eager(x, residual, weight, bias, eps, dropout_p, prenorm, seed_fn) "
      "-> Tensor | (Tensor, Tensor) | None: the plain eager call of "
      "fastformer.ops.dropout_add_layer_norm, None when it is not one"},
+    {"attention_cpu_eager",
+     reinterpret_cast<PyCFunction>(
+         reinterpret_cast<void (*)(void)>(&fastformer::attention_cpu_eager)),
+     METH_FASTCALL,
+     "attention_cpu_eager(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, "
+     "key_padding_mask) -> Tensor | None: the plain eager CPU call of "
+     "fastformer.ops.attention.scaled_dot_product_attention without a gradient, None when it is "
+     "not one"},
     {"ffn_eager",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(&fastformer::ffn_eager)),
      METH_FASTCALL,

@@ -9,6 +9,7 @@ checked against the reference fed with the keep-mask regenerated from the seed t
 and sm_80 config without a GPU and checks spills, shared memory and (sm_90) wgmma.
 """
 
+import contextlib
 import fcntl
 import functools
 import itertools
@@ -2113,14 +2114,18 @@ ERRORS = {
 }
 
 
+# "torch": the CPU entry (attention_cpu_eager) is offered the calls too; it must decline each.
+@pytest.mark.parametrize("backend", ["default", "torch"])
 @pytest.mark.parametrize("name", list(ERRORS))
-def test_bad_inputs_raise_before_launch(name, monkeypatch):
+def test_bad_inputs_raise_before_launch(name, backend, monkeypatch):
     def must_not_run(*args, **kwargs):
         # (without a check the oversized dropout case would compute for hours, not fail)
         raise AssertionError("the op ran on bad inputs")
 
+    _use_backend(monkeypatch, backend)
     monkeypatch.setattr(attn, "_forward", must_not_run)
     kwargs, exc, pattern = ERRORS[name]
+    kwargs = dict(kwargs)  # (each backend's case pops from its own copy)
     kpm = kwargs.pop("key_padding_mask")
     with pytest.raises(exc, match=f"^{attn._OP_NAME}: .*{pattern}"):
         attn.scaled_dot_product_attention(**kwargs, key_padding_mask=kpm)
@@ -2996,6 +3001,169 @@ def test_causal_rows_before_the_first_unpadded_key_are_empty(monkeypatch, lq, lk
         names=["q", "k", "v"],
     )
     assert_parity(results)
+
+
+# --------------------------------------------------------------------------- CPU entry
+
+needs_cpu_entry = pytest.mark.skipif(
+    DEVICE != "cpu" or attn._EAGER is None, reason="fastformer._C's attention_cpu_eager (CPU)"
+)
+
+
+def _entry_call(dtype=F32, b=2, h=4, hkv=2, lq=9, lk=11, d=16, mask=None, kpm=None, **kw):
+    """Arguments of a plain no-grad call with GQA: (q, k, v), and the keywords."""
+    q = _randn((b, h, lq, d), dtype=dtype)
+    k, v = (_randn((b, hkv, lk, d), dtype=dtype, seed=i) for i in (1, 2))
+    return (q, k, v), dict(attn_mask=mask, key_padding_mask=kpm, enable_gqa=h != hkv, **kw)
+
+
+def _entry_cases():
+    g = torch.Generator().manual_seed(0)
+    kpm = torch.rand(2, 11, generator=g) < 0.4
+    kpm[1, :4] = True  # with causal: rows 0-3 of batch 1 see no key
+    kpm[0] = True  # batch 0: no key at all
+    bool_qk = torch.rand(9, 11, generator=g) < 0.7
+    bool_qk[3] = False  # row 3: no key
+    nan_q = _entry_call()
+    nan_q[0][0][0, 1, 2, 5] = float("nan")  # a NaN in a query row with keys: NaN out
+    nan_q_no_key = _entry_call(kpm=kpm)
+    nan_q_no_key[0][0][0, 1, 2, 5] = float("nan")  # batch 0 has no key: 0 out all the same
+    strided = _entry_call()
+    strided = ((strided[0][0].transpose(-1, -2).contiguous().transpose(-1, -2), *strided[0][1:]),
+               strided[1])  # fmt: skip
+    cases = {
+        "plain": _entry_call(),
+        "causal": _entry_call(is_causal=True),
+        "kpm_causal": _entry_call(kpm=kpm, is_causal=True),
+        "bool_qk_kpm": _entry_call(mask=bool_qk, kpm=kpm),
+        "bool_b1qk_causal": _entry_call(mask=torch.rand(2, 1, 9, 11, generator=g) < 0.5,
+                                        is_causal=True),
+        "float_h": _entry_call(mask=torch.randn(1, 4, 1, 11, generator=g), kpm=kpm),
+        "float_inf_rows": _entry_call(mask=torch.where(bool_qk, torch.randn(9, 11), -math.inf)),
+        "float32_mask_bf16": _entry_call(BF16, mask=torch.randn(9, 11, generator=g)),
+        "fp16_kpm": _entry_call(F16, kpm=kpm, scale=0.3),
+        "bf16_causal_lq_gt_lk": _entry_call(BF16, lq=13, lk=6, is_causal=True),
+        "mha_scalar_mask": _entry_call(hkv=4, mask=torch.tensor(0.5)),
+        "nan_query": nan_q,
+        "nan_query_without_keys": nan_q_no_key,
+        "q_last_dim_strided": strided,
+    }  # fmt: skip
+    return cases
+
+
+@needs_cpu_entry
+@pytest.mark.parametrize("name", list(_entry_cases()))
+def test_cpu_entry_gives_the_checked_paths_bits(monkeypatch, name):
+    # The entry runs the ATen ops of _cpu_flash_forward: the same output, NaN included, as the
+    # checked Python path, which must not run.
+    _use_backend(monkeypatch, "torch")
+    (q, k, v), kw = _entry_cases()[name]
+    checked = attn.scaled_dot_product_attention_with_lse(q, k, v, **kw)[0]
+    calls = []
+    monkeypatch.setattr(
+        attn, "scaled_dot_product_attention_with_lse", lambda *a, **k: calls.append(1)
+    )
+    got = attn.scaled_dot_product_attention(q, k, v, **kw)
+    assert not calls and got.dtype == q.dtype and got.shape == checked.shape
+    assert torch.equal(got.nan_to_num(7.0), checked.nan_to_num(7.0))
+    assert torch.equal(got.isnan(), checked.isnan())
+    if name in ("kpm_causal", "bool_qk_kpm", "float_inf_rows"):
+        assert (got == 0).all(-1).any(), "the case has rows without a key"
+    if name == "nan_query":
+        assert got[0, 1, 2].isnan().all() and not got[0, 1, 3].isnan().any()
+    if name == "nan_query_without_keys":
+        assert not got.isnan().any() and (got[0] == 0).all()
+
+
+def _python_path_calls(monkeypatch) -> list:
+    calls, checked = [], attn.scaled_dot_product_attention_with_lse
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return checked(*args, **kwargs)
+
+    monkeypatch.setattr(attn, "scaled_dot_product_attention_with_lse", counted)
+    return calls
+
+
+@needs_cpu_entry
+@pytest.mark.parametrize(
+    "change",
+    ["grad", "mask_grad", "dropout", "dropout_int_0", "float64", "causal_bias", "scale_int",
+     "scale_subnormal", "gqa_numpy", "mask_float16_of_bf16", "autocast", "triton_forced",
+     "interpreted", "subclass"],
+)  # fmt: skip
+def test_cpu_entry_declines_what_the_checked_path_must_see(monkeypatch, change):
+    # Each call runs (or raises) on the checked Python path; the plain call does not.
+    _use_backend(monkeypatch, "torch")
+    (q, k, v), kw = _entry_call()
+    calls = _python_path_calls(monkeypatch)
+    attn.scaled_dot_product_attention(q, k, v, **kw)
+    with torch.no_grad():  # a gradient is not recorded there: the entry takes it
+        attn.scaled_dot_product_attention(q.requires_grad_(True), k, v, **kw)
+    assert not calls
+    q.requires_grad_(change == "grad")
+    context, raises = contextlib.nullcontext(), contextlib.nullcontext()
+    if change == "mask_grad":
+        kw["attn_mask"] = _randn((9, 11), grad=True)
+    elif change == "dropout":
+        kw["dropout_p"] = 0.1
+    elif change == "dropout_int_0":
+        kw["dropout_p"] = 0
+    elif change == "float64":
+        q, k, v = (t.double() for t in (q, k, v))
+    elif change == "causal_bias":
+        kw["attn_mask"] = causal_upper_left(9, 11)
+    elif change == "scale_int":
+        kw["scale"] = 1
+    elif change == "scale_subnormal":  # the reference computes it: torch's kernel gives NaN
+        kw["scale"] = 2.0**-127
+    elif change == "gqa_numpy":  # refused by the checked path
+        kw["enable_gqa"], raises = np.bool_(True), pytest.raises(TypeError, match="enable_gqa")
+    elif change == "mask_float16_of_bf16":
+        q, k, v = (t.bfloat16() for t in (q, k, v))
+        kw["attn_mask"] = torch.zeros(9, 11, dtype=F16)
+        raises = pytest.raises(TypeError, match="attn_mask must be bool or float")
+    elif change == "autocast":
+        context = torch.autocast("cpu", dtype=torch.bfloat16)
+    elif change == "triton_forced":  # the checked path then raises: bf16 is not the point
+        monkeypatch.setenv("FASTFORMER_BACKEND_ATTENTION", "triton")
+    elif change == "interpreted":  # the interpreter takes CPU calls unless torch is forced
+        monkeypatch.delenv("FASTFORMER_BACKEND_ATTENTION")
+        monkeypatch.setattr(attn, "_INTERPRETED", True)
+    elif change == "subclass":
+        q = q.as_subclass(_Tagged)
+    with context, raises:
+        attn.scaled_dot_product_attention(q, k, v, **kw)
+    assert len(calls) == 1
+
+
+class _Tagged(torch.Tensor):
+    pass
+
+
+@needs_cpu_entry
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("q", "k", "v", None, 0.0, False, None, False, None),
+        (_z(2, 4, 5, 8), _z(2, 4, 6, 8), _z(2, 4, 6, 4), None, 0.0, False, None, False, None),
+        (_z(2, 4, 5, 8), _z(2, 3, 6, 8), _z(2, 3, 6, 8), None, 0.0, False, None, True, None),
+        (_z(2, 4, 5, 8), _z(2, 4, 6, 8), _z(2, 4, 6, 8), _z(3, 5, 6), 0.0, False, None, False, None),
+        (_z(2, 4, 5, 8), _z(2, 4, 6, 8), _z(2, 4, 6, 8), None, 0.0, False, None, False,
+         _z(2, 5, dtype=torch.bool)),
+        (_z(2, 4, 5, 8), _z(2, 4, 6, 8), _z(2, 4, 6, 8), None, 0.0, 1, None, False, None),
+        (_z(2, 4, 0, 8), _z(2, 4, 6, 8), _z(2, 4, 6, 8), None, 0.0, False, None, False, None),
+        (_z(2, 4, 5, 300), _z(2, 4, 6, 300), _z(2, 4, 6, 300), None, 0.0, False, None, False, None),
+        (_z(2, 4, 5, 8), _z(2, 4, 6, 8), _z(2, 4, 6, 8), None, 0.0, False, float("inf"), False, None),
+    ],
+    ids=["strings", "dv_differs", "gqa_3_of_4", "mask_batch_3", "kpm_shape", "causal_int",
+         "empty_query", "head_dim_300", "scale_inf"],
+)  # fmt: skip
+def test_cpu_entry_returns_none_for_what_it_does_not_take(monkeypatch, args):
+    # Never an error: the checked path raises its own (or computes what the entry does not).
+    _use_backend(monkeypatch, "torch")
+    assert attn._EAGER(*args) is None
 
 
 @pytest.mark.parametrize(

@@ -46,9 +46,9 @@ inline double plain_dropout_p(PyObject* p) {
 
 // Nothing that the Python path routes elsewhere: torch.jit.trace, a dispatch mode (fake tensors
 // included) or torch function mode, a torch.func transform, a forward-mode AD level, a backend
-// forced (through `backend_env`) to another than cpp. (torch.compile never gets here: the
+// forced (through `backend_env`) to another than `backend`. (torch.compile never gets here: the
 // Python callers ask first.)
-inline bool plain_context(const char* backend_env) {
+inline bool plain_context(const char* backend_env, const char* backend = "cpp") {
   if (torch::jit::tracer::isTracing() || c10::impl::TorchDispatchModeTLS::any_modes_set() ||
       at::impl::torch_function_mode_enabled() ||
       // (functorch includes this key while its layer stack is not empty)
@@ -57,7 +57,7 @@ inline bool plain_context(const char* backend_env) {
     return false;
   }
   const char* forced = std::getenv(backend_env);
-  return forced == nullptr || forced[0] == '\0' || std::strcmp(forced, "cpp") == 0;
+  return forced == nullptr || forced[0] == '\0' || std::strcmp(forced, backend) == 0;
 }
 
 inline PyObject* arity_error(const char* signature) {

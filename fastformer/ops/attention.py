@@ -14,7 +14,11 @@ kernels of SDPA's CPU flash path) fed with fastformer's masks, otherwise the eag
 with the same dropout mask (computed in float32 for float16 / bfloat16 inputs, like the kernels;
 results in the input dtype). The torch backend also takes what the kernel cannot: a batch or head
 count over 65535 (CUDA's grid limit) or batch x heads of 2**31 or more, and (batch, head) slices
-past int32 offsets (`backend_reasons` says which).
+past int32 offsets (`backend_reasons` says which). An eager CPU call of
+`scaled_dot_product_attention` that runs torch's flash kernel and records no gradient, with
+plain arguments (exact tensors, a float dropout_p of 0, bools, no tracer, transform, mode or
+autocast), runs from one C call, ``fastformer._C``'s ``attention_cpu_eager``, with the same ops
+and bits; it returns None for any other call, which takes the checked Python path.
 
 Dropout: each call draws a seed from the torch generator of the query's device (inside the
 custom op, so torch.compile never bakes it in). Inside CUDA graph capture (`torch.cuda.graph`)
@@ -50,6 +54,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from fastformer import reference
+from fastformer._ext import load_extension
 from fastformer.ops import rng
 from fastformer.ops._autograd import (
     DRAWS_A_SEED,
@@ -63,7 +68,7 @@ from fastformer.ops._autograd import (
     type_name,
     under_transform,
 )
-from fastformer.ops._dispatch import Backend, explain, register, select_by_key
+from fastformer.ops._dispatch import Backend, explain, forced_backend, register, select_by_key
 
 __all__ = [
     "AttentionInputs",
@@ -85,6 +90,12 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the Triton ke
 _DTYPES = (*_KERNEL_DTYPES, torch.float64)  # float64: the torch backend (tests, gradcheck)
 _HALF = (torch.float16, torch.bfloat16)
 _MASK_DIMS = ("batch", "heads", "seq_q", "seq_k")
+# The plain eager CPU call that needs no gradient, in one C call (csrc/attention/
+# attention_eager.cpp), None for any other call: around torch's CPU flash kernel the checked
+# path's small ops and Python cost ~50-110 us a call. Absent without the extension.
+_EAGER = getattr(load_extension(), "attention_cpu_eager", None)
+_INTERPRETED: bool | None = None  # the kernels' INTERPRETED, read at the first eager call
+_is_compiling = torch.compiler.is_compiling  # (dynamo folds it: the C call is never traced)
 
 
 # --------------------------------------------------------------------------- public API
@@ -128,6 +139,12 @@ def scaled_dot_product_attention(
         heads split off a (B, Lq, H * D) projection, as torch's SDPA may return them), so that
         merging the heads back is a view: not necessarily contiguous.
     """
+    if not _is_compiling() and (entry := _eager_entry()) is not None:
+        out = entry(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
+        )
+        if out is not None:
+            return out
     return scaled_dot_product_attention_with_lse(
         query,
         key,
@@ -139,6 +156,20 @@ def scaled_dot_product_attention(
         enable_gqa,
         key_padding_mask=key_padding_mask,
     )[0]
+
+
+def _eager_entry():
+    """`_EAGER`, except where the Triton interpreter takes CPU calls (TRITON_INTERPRET=1 when
+    the kernels were imported) and the torch backend is not forced: the entry runs the torch
+    backend's kernel only."""
+    global _INTERPRETED
+    if _EAGER is None:
+        return None
+    if _INTERPRETED is None:
+        _INTERPRETED = find_spec("triton") is not None and _kernels().INTERPRETED
+    if _INTERPRETED and forced_backend(OP) != "torch":
+        return None
+    return _EAGER
 
 
 def scaled_dot_product_attention_with_lse(
