@@ -21,25 +21,13 @@
 #include <vector>
 
 #include "common/dispatch.h"
+#include "common/grads.h"
 
 namespace fastformer {
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-// Whether a backward runs under create_graph=True with something its gradients depend on
-// (`grads`, `saved`, or `kept`: an input kept outside the saved variables) requiring grad:
-// then the kernels' results, which carry no graph, would look constant to a second backward
-// (zeros, partial sums), and the nodes call the ops' *_grads_by_reference ops instead
-// (fastformer/ops/_autograd.py's twice_differentiable, for the C++ nodes).
-bool differentiable(const variable_list& grads, const variable_list& saved,
-                    const at::Tensor& kept = at::Tensor()) {
-  if (!at::GradMode::is_enabled()) return false;
-  auto needs_grad = [](const at::Tensor& t) { return t.defined() && t.requires_grad(); };
-  return std::any_of(grads.begin(), grads.end(), needs_grad) ||
-         std::any_of(saved.begin(), saved.end(), needs_grad) || needs_grad(kept);
-}
 
 struct LnBwd {
   static constexpr const char* name = "fastformer::layer_norm_bwd";

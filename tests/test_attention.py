@@ -1757,34 +1757,34 @@ def _seed_of_call(manual_seed: int) -> int:
     return rng.draw_call_seed(torch.device("cpu"))
 
 
+@pytest.mark.parametrize("entry", [True, False], ids=["entry", "checked_path"])
 @pytest.mark.parametrize(
     ("dropout_p", "mask", "dtype", "flash"),
     [(0.0, "float", F32, True), (0.0, "float", BF16, True), (0.0, "float", F16, True),
      (0.0, "", F32, True), (0.2, "", F32, False)],
 )  # fmt: skip
 def test_torch_backend_uses_cpu_flash_kernels_without_dropout(
-    monkeypatch, dropout_p, mask, dtype, flash
+    monkeypatch, dropout_p, mask, dtype, flash, entry
 ):
-    # The parity tests above hold whichever path runs; this pins which one does. A float32
-    # mask of 16-bit inputs too: the kernels keep its bits (test_float32_mask_of_16_bit_query_
-    # keeps_its_bits), and took 3-8x less time than the reference there (NOTES.md).
+    # The parity tests above hold whichever path runs; this pins which one does, from the C
+    # entry (attention_cpu_eager) and from the checked Python path. A float32 mask of 16-bit
+    # inputs too: the kernels keep its bits (test_float32_mask_of_16_bit_query_keeps_its_bits),
+    # and took 3-8x less time than the reference there (NOTES.md).
     if DEVICE != "cpu" or attn._CPU_FLASH is None:
         pytest.skip("torch's CPU flash kernels")
-    calls = []
-
-    def counting(op):
-        return lambda *a, **kw: calls.append(op) or op(*a, **kw)
-
-    monkeypatch.setattr(attn, "_CPU_FLASH", counting(attn._CPU_FLASH))
-    monkeypatch.setattr(attn, "_CPU_FLASH_BWD", counting(attn._CPU_FLASH_BWD))
+    if not entry:
+        monkeypatch.setattr(attn, "_EAGER", None)
     _use_backend(monkeypatch, "torch")
     c = Case(lq=9, lk=12, d=16, causal=True, mask=mask, mask_dtype=F32, kpm="random", grad=False)
     q, k, v = (t.to(dtype).requires_grad_() for t in _qkv(c))
-    out = attn.scaled_dot_product_attention(
-        q, k, v, _attn_mask(c), dropout_p, True, key_padding_mask=_key_padding(c)
-    )
-    out.sum().backward()
-    assert len(calls) == (2 if flash else 0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = attn.scaled_dot_product_attention(
+            q, k, v, _attn_mask(c), dropout_p, True, key_padding_mask=_key_padding(c)
+        )
+        out.sum().backward()
+    names = [e.name for e in prof.events()]
+    kernels = [n for n in names if n.startswith("aten::_scaled_dot_product_flash_attention_for")]
+    assert len(kernels) == (2 if flash else 0), kernels
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -3045,34 +3045,100 @@ def _entry_cases():
         "bf16_causal_lq_gt_lk": _entry_call(BF16, lq=13, lk=6, is_causal=True),
         "mha_scalar_mask": _entry_call(hkv=4, mask=torch.tensor(0.5)),
         "nan_query": nan_q,
+        # every score 33 - log(11): lse 33, past what torch's flash backward recomputes P from
+        "float32_lse_33": (
+            (torch.ones(2, 4, 9, 16), torch.full((2, 2, 11, 16), (33 - math.log(11)) / 16),
+             _randn((2, 2, 11, 16), seed=2)),
+            dict(attn_mask=None, key_padding_mask=kpm, enable_gqa=True, scale=1.0),
+        ),
         "nan_query_without_keys": nan_q_no_key,
         "q_last_dim_strided": strided,
     }  # fmt: skip
     return cases
 
 
+def _entry_and_checked(monkeypatch, run) -> tuple:
+    """run() through the entry (which must not call the checked path) and through the checked
+    Python path."""
+    entry = attn._EAGER
+    monkeypatch.setattr(attn, "_EAGER", None)
+    checked = run()
+    monkeypatch.setattr(attn, "_EAGER", entry)
+    calls = _python_path_calls(monkeypatch)
+    got = run()
+    assert not calls, "the checked path ran"
+    return got, checked
+
+
 @needs_cpu_entry
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 @pytest.mark.parametrize("name", list(_entry_cases()))
-def test_cpu_entry_gives_the_checked_paths_bits(monkeypatch, name):
-    # The entry runs the ATen ops of _cpu_flash_forward: the same output, NaN included, as the
-    # checked Python path, which must not run.
+def test_cpu_entry_gives_the_checked_paths_bits(monkeypatch, name, grad):
+    # The entry runs the ATen ops of _cpu_flash_forward, and its node those of
+    # _cpu_flash_backward (or _reference_backward past lse 32): the same output and gradients,
+    # NaN included, as the checked Python path.
     _use_backend(monkeypatch, "torch")
     (q, k, v), kw = _entry_cases()[name]
-    checked = attn.scaled_dot_product_attention_with_lse(q, k, v, **kw)[0]
-    calls = []
-    monkeypatch.setattr(
-        attn, "scaled_dot_product_attention_with_lse", lambda *a, **k: calls.append(1)
-    )
-    got = attn.scaled_dot_product_attention(q, k, v, **kw)
-    assert not calls and got.dtype == q.dtype and got.shape == checked.shape
-    assert torch.equal(got.nan_to_num(7.0), checked.nan_to_num(7.0))
-    assert torch.equal(got.isnan(), checked.isnan())
+
+    def run():
+        leaves = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
+        out = attn.scaled_dot_product_attention(*leaves, **kw)
+        if grad:
+            out.backward(_randn(out.shape, dtype=out.dtype, seed=9))
+        return [out, *(t.grad for t in leaves)] if grad else [out]
+
+    got, checked = _entry_and_checked(monkeypatch, run)
+    for a, b in zip(got, checked):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) and torch.equal(
+            a.isnan(), b.isnan()
+        )
+    out = got[0]
     if name in ("kpm_causal", "bool_qk_kpm", "float_inf_rows"):
-        assert (got == 0).all(-1).any(), "the case has rows without a key"
+        assert (out == 0).all(-1).any(), "the case has rows without a key"
     if name == "nan_query":
-        assert got[0, 1, 2].isnan().all() and not got[0, 1, 3].isnan().any()
+        assert out[0, 1, 2].isnan().all() and not out[0, 1, 3].isnan().any()
     if name == "nan_query_without_keys":
-        assert not got.isnan().any() and (got[0] == 0).all()
+        assert not out.isnan().any() and (out[0] == 0).all()
+
+
+@needs_cpu_entry
+@pytest.mark.parametrize("name", ["kpm_causal", "float_h", "bf16_causal_lq_gt_lk"])
+def test_cpu_entry_backward_is_differentiable(monkeypatch, name):
+    # create_graph=True: the node's gradients come from the reference's operations, which a
+    # second backward differentiates (a gradient penalty), as on the checked path.
+    _use_backend(monkeypatch, "torch")
+    (q, k, v), kw = _entry_cases()[name]
+
+    def run():
+        leaves = [t.detach().float().to(q.dtype).requires_grad_() for t in (q, k, v)]
+        out = attn.scaled_dot_product_attention(*leaves, **kw)
+        grads = torch.autograd.grad(out.float().square().sum(), leaves, create_graph=True)
+        return torch.autograd.grad(sum(g.float().square().sum() for g in grads), leaves)
+
+    got, checked = _entry_and_checked(monkeypatch, run)
+    for a, b in zip(got, checked):
+        assert a.abs().sum() > 0
+        torch.testing.assert_close(a, b, rtol=1e-2 if q.dtype != F32 else 1e-4, atol=1e-4)
+
+
+@needs_cpu_entry
+def test_cpu_entry_backward_of_batched_cotangents(monkeypatch):
+    # is_grads_batched: a vmap over the node's backward (torch's flash backward a sample at a
+    # time), against the checked path's (the reference's; GQA's head sum failed there under the
+    # legacy vmap before it used reshape).
+    _use_backend(monkeypatch, "torch")
+    (q, k, v), kw = _entry_cases()["kpm_causal"]
+    cotangents = _randn((3, 2, 4, 9, 16), seed=5)
+
+    def run():
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = attn.scaled_dot_product_attention(*leaves, **kw)
+        return torch.autograd.grad(out, leaves, cotangents, is_grads_batched=True)
+
+    got, checked = _entry_and_checked(monkeypatch, run)
+    for a, b in zip(got, checked):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def _python_path_calls(monkeypatch) -> list:
@@ -3089,7 +3155,7 @@ def _python_path_calls(monkeypatch) -> list:
 @needs_cpu_entry
 @pytest.mark.parametrize(
     "change",
-    ["grad", "mask_grad", "dropout", "dropout_int_0", "float64", "causal_bias", "scale_int",
+    ["mask_grad", "dropout", "dropout_int_0", "float64", "causal_bias", "scale_int",
      "scale_subnormal", "gqa_numpy", "mask_float16_of_bf16", "autocast", "triton_forced",
      "interpreted", "subclass"],
 )  # fmt: skip
@@ -3099,10 +3165,11 @@ def test_cpu_entry_declines_what_the_checked_path_must_see(monkeypatch, change):
     (q, k, v), kw = _entry_call()
     calls = _python_path_calls(monkeypatch)
     attn.scaled_dot_product_attention(q, k, v, **kw)
-    with torch.no_grad():  # a gradient is not recorded there: the entry takes it
-        attn.scaled_dot_product_attention(q.requires_grad_(True), k, v, **kw)
+    attn.scaled_dot_product_attention(q.requires_grad_(True), k, v, **kw)  # its node
+    with torch.no_grad():
+        attn.scaled_dot_product_attention(q, k, v, **kw)
+    q.requires_grad_(False)
     assert not calls
-    q.requires_grad_(change == "grad")
     context, raises = contextlib.nullcontext(), contextlib.nullcontext()
     if change == "mask_grad":
         kw["attn_mask"] = _randn((9, 11), grad=True)

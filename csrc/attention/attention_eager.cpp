@@ -18,12 +18,15 @@
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "common/eager.h"
+#include "common/grads.h"
 
 namespace fastformer {
 namespace {
@@ -151,28 +154,131 @@ OptTensor rows_without_key(const at::Tensor& mask, int64_t lq, bool causal) {
 
 at::Tensor last_dim_dense(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
 
-// _cpu_flash_forward's output.
-at::Tensor forward(const Call& call) {
-  const pybind11::gil_scoped_release no_gil;
-  const OptTensor mask = flash_mask(call);
-  at::Tensor k = call.k, v = call.v;
-  const int64_t heads = call.q.size(1), kv_heads = k.size(1);
-  if (heads != kv_heads) {
-    k = k.repeat_interleave(heads / kv_heads, 1);
-    v = v.repeat_interleave(heads / kv_heads, 1);
-  }
-  const OptTensor empty = mask ? rows_without_key(*mask, call.q.size(2), call.causal) : c10::nullopt;
-  // Rows without a key get a zero query: a NaN there would give NaN where the op gives 0.
-  const at::Tensor q = last_dim_dense(empty ? call.q.masked_fill(empty->unsqueeze(-1), 0.0) : call.q);
+// key / value heads repeated for each query head they serve (GQA), reference._repeat_kv_heads.
+at::Tensor query_heads(const at::Tensor& t, int64_t heads) {
+  return t.size(1) == heads ? t : t.repeat_interleave(heads / t.size(1), 1);
+}
+
+// _sum_kv_groups: a gradient of the repeated heads summed back to kv_heads.
+at::Tensor kv_groups(const at::Tensor& grad, int64_t kv_heads) {
+  if (grad.size(1) == kv_heads) return grad;
+  return grad.reshape({grad.size(0), kv_heads, -1, grad.size(2), grad.size(3)}).sum(2);
+}
+
+// The kernel's out and lse for q with its rows without a key zeroed, as _cpu_flash_forward;
+// `empty`: those rows, whose lse the op gives as -inf.
+std::tuple<at::Tensor, at::Tensor> flash_forward(const at::Tensor& q, const at::Tensor& k,
+                                                 const at::Tensor& v, const OptTensor& mask,
+                                                 const OptTensor& empty, bool causal,
+                                                 double scale) {
+  const int64_t heads = q.size(1);
   auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(
-      q, last_dim_dense(k), last_dim_dense(v), 0.0, call.causal, mask, call.scale);
-  if (empty) lse = lse.masked_fill(*empty, -INFINITY);
+      q, last_dim_dense(query_heads(k, heads)), last_dim_dense(query_heads(v, heads)), 0.0,
+      causal, mask, scale);
+  const at::Tensor op_lse = empty ? lse.masked_fill(*empty, -INFINITY) : lse;
   // A NaN in a query row with keys gives NaN (the kernel gives such a row out 0, lse 0).
-  if (!lse.all().item<bool>()) {
-    const at::Tensor nan_rows = lse.eq(0).bitwise_and(q.isnan().any(-1));
+  if (!op_lse.all().item<bool>()) {
+    const at::Tensor nan_rows = op_lse.eq(0).bitwise_and(q.isnan().any(-1));
     out.masked_fill_(nan_rows.unsqueeze(-1), NAN);
   }
-  return out;
+  return {out, lse};
+}
+
+// fastformer/ops/attention.py's _cpu_grads_by_reference: (dq, dk, dv) by the reference's
+// operations, differentiable (create_graph=True) or as _reference_backward gives them. Called in
+// Python, not through the dispatcher: under vmap (is_grads_batched) the fallback takes no op
+// that returns a list.
+std::vector<at::Tensor> grads_by_reference(const at::Tensor& grad, const at::Tensor& q,
+                                           const at::Tensor& k, const at::Tensor& v,
+                                           const OptTensor& mask, bool causal, double scale,
+                                           bool graph) {
+  const pybind11::gil_scoped_acquire gil;
+  // Never freed: no Python object may be released after the interpreter's exit.
+  static const pybind11::object* fn = new pybind11::object(
+      pybind11::module_::import("fastformer.ops.attention").attr("_cpu_grads_by_reference"));
+  const pybind11::object mask_arg = mask ? pybind11::cast(*mask) : pybind11::none();
+  return (*fn)(grad, q, k, v, mask_arg, causal, scale, graph).cast<std::vector<at::Tensor>>();
+}
+
+// _lse_keeps_its_sum on the kernel's lse (0 where the op's is -inf or NaN, which it skips):
+// whether P recomputed from it is accurate, where the kernels would keep a Stat.
+bool lse_keeps_its_sum(const at::Tensor& lse) {
+  auto [low, high] = at::aminmax(lse);
+  if (low.item<double>() > -32.0 && high.item<double>() < 32.0) return true;
+  const at::Tensor finite = at::where(lse.isfinite(), lse, 0.0);
+  return finite.abs().amax().item<double>() < 32.0;
+}
+
+// The autograd node of a call that records a gradient: torch's CPU flash forward and backward
+// as the checked path's _AttentionFunction runs them, without its Python. q has its rows
+// without a key zeroed (by an op autograd records); k and v are the caller's (heads repeated
+// here and summed back in the backward). Under create_graph=True, and where lse has rounded
+// away part of a row's sum (keeps_stat: float32 q or a float mask), the backward calls the
+// reference's (`grads_by_reference`). A vmap'd cotangent (is_grads_batched) runs the flash
+// backward through vmap's fallback, a call per sample.
+struct FlashFunction : public torch::autograd::Function<FlashFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& q, const at::Tensor& k,
+                                                const at::Tensor& v, const OptTensor& mask,
+                                                const OptTensor& empty, bool causal,
+                                                double scale, bool keeps_stat) {
+    auto [out, lse] = flash_forward(q, k, v, mask, empty, causal, scale);
+    ctx->save_for_backward({q, k, v, out, lse, mask.value_or(at::Tensor())});
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["keeps_stat"] = keeps_stat;
+    ctx->set_materialize_grads(false);
+    return {out};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    torch::autograd::variable_list results(8);
+    if (!grads[0].defined()) return results;
+    const torch::autograd::variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2];
+    const OptTensor mask = saved[5].defined() ? OptTensor(saved[5]) : c10::nullopt;
+    const bool causal = ctx->saved_data["causal"].toBool();
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const bool keeps_stat = ctx->saved_data["keeps_stat"].toBool();
+    std::vector<at::Tensor> found;
+    const bool graph = differentiable(grads, saved);
+    if (graph || (keeps_stat && !lse_keeps_its_sum(saved[4]))) {
+      found = grads_by_reference(grads[0], q, k, v, mask, causal, scale, graph);
+    } else {
+      const int64_t heads = q.size(1), kv_heads = k.size(1);
+      auto [dq, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+          last_dim_dense(grads[0]), q, last_dim_dense(query_heads(k, heads)),
+          last_dim_dense(query_heads(v, heads)), last_dim_dense(saved[3]), saved[4], 0.0,
+          causal, mask, scale);
+      found = {dq, kv_groups(dk, kv_heads), kv_groups(dv, kv_heads)};
+    }
+    for (int i = 0; i < 3; ++i) {
+      if (ctx->needs_input_grad(i) && found[i].defined() && found[i].numel() != 0) {
+        results[i] = found[i];
+      }
+    }
+    return results;
+  }
+};
+
+// _cpu_flash_forward's output: through FlashFunction where a gradient is recorded.
+at::Tensor forward(const Call& call, bool grad) {
+  const pybind11::gil_scoped_release no_gil;
+  const OptTensor mask = flash_mask(call);
+  const OptTensor empty =
+      mask ? rows_without_key(*mask, call.q.size(2), call.causal) : c10::nullopt;
+  // Rows without a key get a zero query: a NaN there would give NaN where the op gives 0.
+  const at::Tensor q =
+      last_dim_dense(empty ? call.q.masked_fill(empty->unsqueeze(-1), 0.0) : call.q);
+  if (!grad) {
+    return std::get<0>(flash_forward(q, call.k, call.v, mask, empty, call.causal, call.scale));
+  }
+  // _keeps_stat: float32 q, or a float attn_mask
+  const bool keeps_stat =
+      q.scalar_type() == at::kFloat || (call.mask && call.mask->is_floating_point());
+  return FlashFunction::apply(q, call.k, call.v, mask, empty, call.causal, call.scale,
+                              keeps_stat)[0];
 }
 
 }  // namespace
@@ -192,13 +298,14 @@ PyObject* attention_cpu_eager(PyObject* /*self*/, PyObject* const* args, Py_ssiz
   call.causal = args[5] == Py_True;
   call.gqa = args[7] == Py_True;
   if (!plain_qkv(call, args) || !plain_mask(call, args[3]) || !plain_key_padding(call, args[8]) ||
-      needs_grad(call) || at::autocast::is_autocast_enabled(at::kCPU) ||
+      (call.mask && call.mask->requires_grad() && at::GradMode::is_enabled()) ||
+      at::autocast::is_autocast_enabled(at::kCPU) ||
       !eager::plain_context(kBackendEnv, "torch")) {
     Py_RETURN_NONE;
   }
   call.scale = plain_scale(args[6], call.q.size(3));
   if (call.scale < 0) Py_RETURN_NONE;
-  return THPVariable_Wrap(forward(call));
+  return THPVariable_Wrap(forward(call, needs_grad(call)));
   END_HANDLE_TH_ERRORS
 }
 

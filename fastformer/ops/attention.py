@@ -15,10 +15,11 @@ with the same dropout mask (computed in float32 for float16 / bfloat16 inputs, l
 results in the input dtype). The torch backend also takes what the kernel cannot: a batch or head
 count over 65535 (CUDA's grid limit) or batch x heads of 2**31 or more, and (batch, head) slices
 past int32 offsets (`backend_reasons` says which). An eager CPU call of
-`scaled_dot_product_attention` that runs torch's flash kernel and records no gradient, with
-plain arguments (exact tensors, a float dropout_p of 0, bools, no tracer, transform, mode or
-autocast), runs from one C call, ``fastformer._C``'s ``attention_cpu_eager``, with the same ops
-and bits; it returns None for any other call, which takes the checked Python path.
+`scaled_dot_product_attention` that runs torch's flash kernel, with plain arguments (exact
+tensors, a float dropout_p of 0, bools, no tracer, transform, mode or autocast, no gradient for a
+float mask), runs from one C call, ``fastformer._C``'s ``attention_cpu_eager``, with the same
+ops and bits, its backward too (a C++ autograd node); it returns None for any other call, which
+takes the checked Python path.
 
 Dropout: each call draws a seed from the torch generator of the query's device (inside the
 custom op, so torch.compile never bakes it in). Inside CUDA graph capture (`torch.cuda.graph`)
@@ -63,6 +64,7 @@ from fastformer.ops._autograd import (
     differentiable_vjp,
     positive_float,
     refuse_compiled_vmap_dropout,
+    tensor_list,
     traced,
     twice_differentiable,
     type_name,
@@ -90,7 +92,7 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the Triton ke
 _DTYPES = (*_KERNEL_DTYPES, torch.float64)  # float64: the torch backend (tests, gradcheck)
 _HALF = (torch.float16, torch.bfloat16)
 _MASK_DIMS = ("batch", "heads", "seq_q", "seq_k")
-# The plain eager CPU call that needs no gradient, in one C call (csrc/attention/
+# The plain eager CPU call in one C call, its backward in a C++ autograd node (csrc/attention/
 # attention_eager.cpp), None for any other call: around torch's CPU flash kernel the checked
 # path's small ops and Python cost ~50-110 us a call. Absent without the extension.
 _EAGER = getattr(load_extension(), "attention_cpu_eager", None)
@@ -869,7 +871,10 @@ def _flash_inputs(*tensors: Tensor) -> list[Tensor]:
 def _sum_kv_groups(grad: Tensor, hkv: int) -> Tensor:
     """A (B, H, L, D) gradient summed over the query heads each of the hkv key/value heads
     served (GQA); unchanged when H == hkv."""
-    return grad if grad.shape[1] == hkv else grad.unflatten(1, (hkv, -1)).sum(2)
+    if grad.shape[1] == hkv:
+        return grad
+    # (reshape, not unflatten: autograd's legacy vmap, is_grads_batched, has no rule for it)
+    return grad.reshape(grad.shape[0], hkv, -1, *grad.shape[2:]).sum(2)
 
 
 def _cpu_flash_forward(q, k, v, attn_mask, kpm, is_causal, scale):
@@ -1079,6 +1084,26 @@ def _reference_backward(
         grad_mask = grad_scores.sum_to_size(attn_mask.shape).to(mask_dtype)
     grads = (grad_q, grad_k, grad_v)
     return (*(g.to(dtype) for g, dtype in zip(grads, dtypes)), grad_mask)
+
+
+@autocast_off
+def _cpu_grads_by_reference(
+    grad_out, query, key, value, attn_mask, is_causal, scale, differentiable
+):  # fmt: skip
+    """(dq, dk, dv) for the CPU entry's autograd node (csrc/attention/attention_eager.cpp calls
+    it), whose attn_mask is the additive one (`_cpu_flash_mask`) and whose query has its rows
+    without a key zeroed: by autograd through the reference's operations where `differentiable`
+    (create_graph=True; an empty tensor for an input that does not require grad), else by
+    `_reference_backward`, as `_torch_backward` gives them where lse has rounded."""
+    if not differentiable:
+        args = (attn_mask, None, 0, 0.0, is_causal, scale, False)
+        return list(_reference_backward(grad_out, None, query, key, value, *args)[:3])
+
+    def forward(q, k, v):
+        return _by_reference(q, k, v, attn_mask, None, None, 0.0, is_causal, scale)
+
+    grads = differentiable_vjp(forward, (query, key, value), (grad_out, None))
+    return tensor_list(grads, query)
 
 
 # --------------------------------------------------------------------------- custom ops
