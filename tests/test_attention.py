@@ -183,6 +183,17 @@ def _use_backend(monkeypatch, backend: str) -> None:
         monkeypatch.setenv("FASTFORMER_BACKEND_ATTENTION", backend)
 
 
+def _assert_qkv_parity(q, k, v, **kw) -> None:
+    """The op's output and q, k, v gradients against the reference's, with the same keywords."""
+    results = compare_with_reference(
+        lambda q, k, v: attn.scaled_dot_product_attention(q, k, v, **kw),
+        lambda q, k, v: ref.scaled_dot_product_attention(q, k, v, **kw),
+        [q, k, v],
+        names=["q", "k", "v"],
+    )
+    assert_parity(results)
+
+
 # "torch": on CPU without dropout, torch's CPU flash kernels fed with fastformer's masks.
 @pytest.mark.parametrize("backend", ["default", "torch"])
 @pytest.mark.parametrize("name", list(CASES))
@@ -638,13 +649,7 @@ def test_float32_gradients_at_large_logits(monkeypatch, backend, masks, scale):
         kpm = torch.zeros(b, lk, dtype=torch.bool, device=DEVICE)
         kpm[:, 3:9] = True
         kw.update(is_causal=True, key_padding_mask=kpm)
-    results = compare_with_reference(
-        lambda q, k, v: attn.scaled_dot_product_attention(q, k, v, **kw),
-        lambda q, k, v: ref.scaled_dot_product_attention(q, k, v, **kw),
-        [q, k, v],
-        names=["q", "k", "v"],
-    )
-    assert_parity(results)
+    _assert_qkv_parity(q, k, v, **kw)
 
 
 # --------------------------------------------------------------------------- dropout
@@ -2994,13 +2999,7 @@ def test_causal_rows_before_the_first_unpadded_key_are_empty(monkeypatch, lq, lk
     empty = torch.isneginf(lse)
     assert empty[1, :, :3].all() and not empty[1, :, 3:].any() and not empty[0].any()
     assert torch.all(out[1, :, :3] == 0)
-    results = compare_with_reference(
-        lambda q, k, v: attn.scaled_dot_product_attention(q, k, v, **kw),
-        lambda q, k, v: ref.scaled_dot_product_attention(q, k, v, **kw),
-        [q, k, v],
-        names=["q", "k", "v"],
-    )
-    assert_parity(results)
+    _assert_qkv_parity(q, k, v, **kw)
 
 
 # --------------------------------------------------------------------------- CPU entry
