@@ -1,18 +1,20 @@
 // fastformer._C.attention_cpu_eager(query, key, value, attn_mask, dropout_p, is_causal, scale,
 // enable_gqa, key_padding_mask): the plain eager CPU call of
-// fastformer.ops.attention.scaled_dot_product_attention that needs no gradient, in one C call.
+// fastformer.ops.attention.scaled_dot_product_attention in one C call, and its backward in a
+// C++ autograd node (FlashFunction).
 //
-// Such a call runs torch's CPU flash kernel (the op's torch backend). Around it the checked
+// Such a call runs torch's CPU flash kernels (the op's torch backend). Around them the checked
 // Python path builds the additive mask, looks for rows without a key and reads lse: a dozen
 // small ops and their Python, which ran with the kernel's cold caches, ~50-110 us above the
-// kernel on a 2-core EPYC VM (2026-12-07), and left the forward at 0.84-0.96x torch's
-// F.scaled_dot_product_attention at batch 2-8 x 4 heads x 128-512 tokens in float32. As
-// layer_norm_eager.cpp, this entry takes the common call only and returns None for anything else
-// (a bad or unusual argument, a tensor subclass such as CausalBias, a gradient to record,
-// dropout, float64, autocast, a context common/eager.h names, a backend forced to another than
-// torch): the Python path then runs, with its messages. The Python caller does not offer it the
-// calls the Triton interpreter takes. Where it runs it calls the ATen ops of that path
-// (ops/attention.py's _cpu_flash_forward) on the same operands, so both give the same bits.
+// kernel on a 2-core EPYC VM (2026-12-07), and left the forward at 0.80-0.97x torch's
+// F.scaled_dot_product_attention at batch 2-8 x 4 heads x 128-512 tokens in float32, and the
+// forward + backward at 0.86-0.96x. As layer_norm_eager.cpp, this entry takes the common call
+// only and returns None for anything else (a bad or unusual argument, a tensor subclass such
+// as CausalBias, a float mask's gradient to record, dropout, float64, autocast, a context
+// common/eager.h names, a backend forced to another than torch): the Python path then runs,
+// with its messages. The Python caller does not offer it the calls the Triton interpreter
+// takes. Where it runs it calls the ATen ops of that path (ops/attention.py's
+// _cpu_flash_forward and _cpu_flash_backward) on the same operands, so both give the same bits.
 #include "attention/attention_eager.h"
 
 #include <ATen/ATen.h>
@@ -21,7 +23,6 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -113,10 +114,10 @@ double plain_scale(PyObject* scale, int64_t head_dim) {
   return value >= 0x1p-126 && value < INFINITY ? value : -1;
 }
 
+// Whether the call records a gradient (for q, k or v: a float mask's declines the entry).
 bool needs_grad(const Call& call) {
   if (!at::GradMode::is_enabled()) return false;
-  return call.q.requires_grad() || call.k.requires_grad() || call.v.requires_grad() ||
-         (call.mask && call.mask->requires_grad());
+  return call.q.requires_grad() || call.k.requires_grad() || call.v.requires_grad();
 }
 
 // _cpu_flash_mask: the one additive 4-D mask the kernel takes; a bool mask and key padding as
