@@ -3010,7 +3010,7 @@ needs_cpu_entry = pytest.mark.skipif(
 
 
 def _entry_call(dtype=F32, b=2, h=4, hkv=2, lq=9, lk=11, d=16, mask=None, kpm=None, **kw):
-    """Arguments of a plain no-grad call with GQA: (q, k, v), and the keywords."""
+    """Arguments of a plain call with GQA: (q, k, v), and the keywords."""
     q = _randn((b, h, lq, d), dtype=dtype)
     k, v = (_randn((b, hkv, lk, d), dtype=dtype, seed=i) for i in (1, 2))
     return (q, k, v), dict(attn_mask=mask, key_padding_mask=kpm, enable_gqa=h != hkv, **kw)
@@ -3110,7 +3110,7 @@ def test_cpu_entry_backward_is_differentiable(monkeypatch, name):
     (q, k, v), kw = _entry_cases()[name]
 
     def run():
-        leaves = [t.detach().float().to(q.dtype).requires_grad_() for t in (q, k, v)]
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         out = attn.scaled_dot_product_attention(*leaves, **kw)
         grads = torch.autograd.grad(out.float().square().sum(), leaves, create_graph=True)
         return torch.autograd.grad(sum(g.float().square().sum() for g in grads), leaves)
