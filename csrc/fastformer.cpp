@@ -165,4 +165,7 @@ TORCH_LIBRARY(fastformer, m) {
   m.def("philox_uniform(int seed, Tensor offsets) -> Tensor");
   m.def("element_uniform(int seed, Tensor offsets) -> Tensor");
   m.def("attention_keep_mask(int seed, Tensor row_offsets, int seq_k, int threshold) -> Tensor");
+  m.def(
+      "attention_dropout_(int seed, int threshold, float scale, Tensor(a!) dst, Tensor src, "
+      "Tensor(b!)? grad) -> ()");
 }

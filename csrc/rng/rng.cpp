@@ -1,11 +1,14 @@
 // torch.ops.fastformer.philox_uniform / element_uniform: CPU and CUDA kernels of the shared
 // dropout RNG (csrc/common/philox.h), so Python can regenerate any kernel's mask quickly;
-// attention_keep_mask (CPU): attention's dropout keep-mask, for its torch backend and tests.
+// attention_keep_mask (CPU): attention's dropout keep-mask, for its torch backend and tests;
+// attention_dropout_ (CPU): that mask applied in place, the torch backend's dropout.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <memory>
+#include <optional>
 #include <vector>
 
 #include "common/checks.h"
@@ -94,26 +97,54 @@ void check_offsets(const at::Tensor& offsets, const char* op = "philox_uniform")
               offsets.scalar_type());
 }
 
-// One row of attention's keep-mask from its Philox words: column j = 32 g + 8 w + 2 c + l takes
-// half l of word w of call 4 g + c. Whole groups of 32 columns in fixed loops (no index
-// arithmetic an element: that took 2.3x the Philox time), the ragged tail by the formula.
-void keep_row(const uint32_t* words, int64_t seq_k, uint32_t t, bool* row) {
+// One row of attention's keep-mask from its Philox words, as `on` where kept, else `off`:
+// column j = 32 g + 8 w + 2 c + l takes half l of word w of call 4 g + c. Whole groups of 32
+// columns in fixed loops (no index arithmetic an element: that took 2.3x the Philox time), the
+// ragged tail by the formula.
+template <typename T>
+void keep_row(const uint32_t* words, int64_t seq_k, uint32_t t, T on, T off, T* row) {
   const int64_t groups = seq_k / 32;
   for (int64_t g = 0; g < groups; ++g) {
     const uint32_t* group = words + 16 * g;
-    bool* out = row + 32 * g;
+    T* out = row + 32 * g;
     for (int w = 0; w < 4; ++w) {
       for (int c = 0; c < 4; ++c) {
         const uint32_t word = group[4 * c + w];
-        out[8 * w + 2 * c] = (word & 0xFFFFu) >= t;
-        out[8 * w + 2 * c + 1] = (word >> 16) >= t;
+        out[8 * w + 2 * c] = (word & 0xFFFFu) >= t ? on : off;
+        out[8 * w + 2 * c + 1] = (word >> 16) >= t ? on : off;
       }
     }
   }
   for (int64_t j = 32 * groups; j < seq_k; ++j) {
     const int64_t call = 4 * (j / 32) + (j / 2) % 4, w = (j / 8) % 4, l = j % 2;
-    row[j] = ((words[4 * call + w] >> (16 * l)) & 0xFFFFu) >= t;
+    row[j] = ((words[4 * call + w] >> (16 * l)) & 0xFFFFu) >= t ? on : off;
   }
+}
+
+// Philox calls a row of attention's dropout scheme draws: 4 per 32 key columns, at consecutive
+// counters (fastformer.ops.attention.dropout_calls).
+int64_t dropout_calls(int64_t seq_k) { return 4 * ((seq_k + 31) / 32); }
+
+// Calls row_fn(r, words, scratch) for each row r < rows, in parallel: words, the Philox words of
+// attention's dropout scheme for row r (the calls at counters offset(r), offset(r) + 1, ...);
+// scratch, seq_k values of type S the call may use.
+template <typename S, typename Offset, typename RowFn>
+void for_each_keep_row(uint64_t seed, int64_t rows, int64_t seq_k, Offset offset, RowFn row_fn) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(seq_k, 1));
+  const int64_t calls = dropout_calls(seq_k);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> words(4 * calls);
+    const auto scratch = std::make_unique<S[]>(std::max<int64_t>(seq_k, 1));
+    for (int64_t r = begin; r < end; ++r) {
+      philox_words_cpu(seed, offset(r), calls, words.data());
+      row_fn(r, words.data(), scratch.get());
+    }
+  });
+}
+
+void check_threshold(int64_t threshold, const char* op) {
+  TORCH_CHECK(threshold >= 0 && threshold <= 65536, op, ": threshold must be in [0, 65536], got ",
+              threshold);
 }
 
 // Attention's dropout keep-mask (fastformer.ops.attention.dropout_keep_mask), shape
@@ -123,26 +154,73 @@ at::Tensor attention_keep_mask_cpu(int64_t seed, const at::Tensor& row_offsets, 
                                    int64_t threshold) {
   check_offsets(row_offsets, "attention_keep_mask");
   TORCH_CHECK(seq_k >= 0, "attention_keep_mask: seq_k must be >= 0, got ", seq_k);
-  TORCH_CHECK(threshold >= 0 && threshold <= 65536,
-              "attention_keep_mask: threshold must be in [0, 65536], got ", threshold);
+  check_threshold(threshold, "attention_keep_mask");
   const at::Tensor rows = row_offsets.contiguous();
   std::vector<int64_t> sizes(rows.sizes().begin(), rows.sizes().end());
   sizes.push_back(seq_k);
   at::Tensor out = at::empty(sizes, rows.options().dtype(at::kBool));
   const int64_t* base = rows.data_ptr<int64_t>();
   bool* dst = out.data_ptr<bool>();
-  const auto key = static_cast<uint64_t>(seed);
   const auto t = static_cast<uint32_t>(threshold);
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(seq_k, 1));
-  const int64_t calls = 4 * ((seq_k + 31) / 32);  // a row's calls are consecutive counters
-  at::parallel_for(0, rows.numel(), grain, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> words(4 * calls);
-    for (int64_t r = begin; r < end; ++r) {
-      philox_words_cpu(key, static_cast<uint64_t>(base[r]), calls, words.data());
-      keep_row(words.data(), seq_k, t, dst + r * seq_k);
-    }
-  });
+  for_each_keep_row<bool>(
+      static_cast<uint64_t>(seed), rows.numel(), seq_k,
+      [&](int64_t r) { return static_cast<uint64_t>(base[r]); },
+      [&](int64_t r, const uint32_t* words, bool*) {
+        keep_row(words, seq_k, t, true, false, dst + r * seq_k);
+      });
   return out;
+}
+
+// One row of attention_dropout_: dst = src * m and grad *= m (grad may be null), m the row's
+// multipliers (scale or 0): products, as torch's dropout (a dropped NaN stays NaN), that
+// vectorize (a select of scale or 0 an element did not, and mispredicted a random mask).
+template <typename T>
+void drop_row(const T* m, int64_t n, const T* src, T* dst, T* grad) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = src[j] * m[j];
+  if (grad != nullptr) {
+    for (int64_t j = 0; j < n; ++j) grad[j] *= m[j];
+  }
+}
+
+// The attention dropout of fastformer.ops.attention's torch backend in one pass over its
+// (B, H, Lq, Lk) probabilities, instead of a keep-mask then three elementwise passes:
+// dst = src * K * scale and, if given, grad *= K * scale, with K = dropout_keep_mask(seed, B,
+// H, Lq, Lk, p) (threshold = round(p * 65536)): row i of head bh draws at counter
+// (bh << 32) + i * dropout_calls(Lk), as there. dst may be src.
+void attention_dropout_cpu(int64_t seed, int64_t threshold, double scale, const at::Tensor& dst,
+                           const at::Tensor& src, const std::optional<at::Tensor>& grad) {
+  constexpr const char* op = "attention_dropout_";
+  check_threshold(threshold, op);
+  TORCH_CHECK(src.dim() == 4, op, ": src must be (B, H, Lq, Lk), got ", src.sizes());
+  TORCH_CHECK(src.scalar_type() == at::kFloat || src.scalar_type() == at::kDouble, op,
+              ": src must be float32 or float64, got ", src.scalar_type());
+  for (const at::Tensor* t : {&dst, &src, grad ? &*grad : nullptr}) {
+    if (t == nullptr) continue;
+    TORCH_CHECK(t->sizes() == src.sizes() && t->scalar_type() == src.scalar_type() &&
+                    t->is_contiguous() && t->device().is_cpu(),
+                op, ": dst, src and grad must be contiguous CPU tensors of src's shape and dtype");
+  }
+  const int64_t seq_q = src.size(2), seq_k = src.size(3);
+  const int64_t rows = seq_k == 0 ? 0 : src.numel() / seq_k;
+  const int64_t calls = dropout_calls(seq_k);
+  const auto t = static_cast<uint32_t>(threshold);
+  AT_DISPATCH_FLOATING_TYPES(src.scalar_type(), op, [&] {
+    const scalar_t* in = src.const_data_ptr<scalar_t>();
+    scalar_t* out = dst.data_ptr<scalar_t>();
+    scalar_t* g = grad ? grad->data_ptr<scalar_t>() : nullptr;
+    const auto c = static_cast<scalar_t>(scale);
+    for_each_keep_row<scalar_t>(
+        static_cast<uint64_t>(seed), rows, seq_k,
+        [&](int64_t r) {
+          const auto head = static_cast<uint64_t>(r / seq_q);
+          return (head << 32) + static_cast<uint64_t>(r % seq_q) * calls;
+        },
+        [&](int64_t r, const uint32_t* words, scalar_t* m) {
+          keep_row(words, seq_k, t, c, scalar_t(0), m);
+          const int64_t at = r * seq_k;
+          drop_row(m, seq_k, in + at, out + at, g == nullptr ? nullptr : g + at);
+        });
+  });
 }
 
 // dst[i] = element_uniform (element) or philox_uniform of offsets[i], i < n: one independent
@@ -203,6 +281,7 @@ TORCH_LIBRARY_IMPL(fastformer, CPU, m) {
   m.impl("philox_uniform", &uniform_cpu<false>);
   m.impl("element_uniform", &uniform_cpu<true>);
   m.impl("attention_keep_mask", &attention_keep_mask_cpu);
+  m.impl("attention_dropout_", &attention_dropout_cpu);
 }
 
 #ifdef FASTFORMER_WITH_CUDA
