@@ -363,27 +363,35 @@ def test_lse_matches_reference_and_is_float32():
     assert max_abs_diff(lse, lse64) < 1e-4
 
 
-def test_batch_zero_with_key_padding():
-    q, k, v = (_randn((0, 2, 4, 16), seed=s, grad=True) for s in range(3))
+@pytest.mark.parametrize("backend", ["default", "torch"])
+@pytest.mark.parametrize("hkv", [2, 1], ids=["", "gqa"])
+def test_batch_zero_with_key_padding(monkeypatch, backend, hkv):
+    # (GQA's head sum once asked reshape for a -1 dim of 0 elements, and raised)
+    _use_backend(monkeypatch, backend)
+    q = _randn((0, 2, 4, 16), grad=True)
+    k, v = (_randn((0, hkv, 4, 16), seed=s, grad=True) for s in (1, 2))
     kpm = torch.zeros(0, 4, dtype=torch.bool, device=DEVICE)
-    out = attn.scaled_dot_product_attention(q, k, v, key_padding_mask=kpm)
+    out = attn.scaled_dot_product_attention(q, k, v, key_padding_mask=kpm, enable_gqa=hkv == 1)
     out.sum().backward()
-    assert out.shape == (0, 2, 4, 16) and q.grad.shape == q.shape
+    assert out.shape == (0, 2, 4, 16)
+    assert all(t.grad.shape == t.shape for t in (q, k, v))
 
 
 @pytest.mark.parametrize("backend", ["default", "torch"])
 @pytest.mark.parametrize("lq, lk", [(0, 5), (5, 0)])
 @pytest.mark.parametrize("padding", [False, True], ids=["", "kpm"])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.1])
-def test_empty_sequences(monkeypatch, backend, lq, lk, padding, dropout_p):
+@pytest.mark.parametrize("hkv", [2, 1], ids=["", "gqa"])
+def test_empty_sequences(monkeypatch, backend, lq, lk, padding, dropout_p, hkv):
     # No keys at all is every key masked: out 0, lse -inf, zero gradients (torch's SDPA gives
-    # 0 too); the reference's softmax once raised on the empty key dim.
+    # 0 too); the reference's softmax once raised on the empty key dim, GQA's head sum on its
+    # reshape.
     _use_backend(monkeypatch, backend)
     q = _randn((2, 2, lq, 16), grad=True)
-    k, v = _randn((2, 2, lk, 16), seed=1, grad=True), _randn((2, 2, lk, 8), seed=2, grad=True)
+    k, v = _randn((2, hkv, lk, 16), seed=1, grad=True), _randn((2, hkv, lk, 8), seed=2, grad=True)
     kpm = torch.zeros(2, lk, dtype=torch.bool, device=DEVICE) if padding else None
     out, lse = attn.scaled_dot_product_attention_with_lse(
-        q, k, v, dropout_p=dropout_p, key_padding_mask=kpm, is_causal=True
+        q, k, v, dropout_p=dropout_p, key_padding_mask=kpm, is_causal=True, enable_gqa=hkv == 1
     )
     assert out.shape == (2, 2, lq, 8) and torch.all(out == 0) and torch.all(torch.isneginf(lse))
     out.sum().backward()

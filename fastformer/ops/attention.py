@@ -873,8 +873,10 @@ def _sum_kv_groups(grad: Tensor, hkv: int) -> Tensor:
     served (GQA); unchanged when H == hkv."""
     if grad.shape[1] == hkv:
         return grad
-    # (reshape, not unflatten: autograd's legacy vmap, is_grads_batched, has no rule for it)
-    return grad.reshape(grad.shape[0], hkv, -1, *grad.shape[2:]).sum(2)
+    # (reshape, not unflatten: autograd's legacy vmap, is_grads_batched, has no rule for it;
+    # the group size spelled out: reshape cannot infer a -1 of an empty batch or key length)
+    b, h, *rest = grad.shape
+    return grad.reshape(b, hkv, h // hkv, *rest).sum(2)
 
 
 def _cpu_flash_forward(q, k, v, attn_mask, kpm, is_causal, scale):
