@@ -280,6 +280,27 @@ def test_norms_of_rows_whose_squares_overflow(norm, scale):
         assert _relative_error(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize(("hidden", "scale"), [(2**18, 1e-3), (2**20, 1.0)])
+def test_norms_of_very_long_float32_rows(norm, hidden, scale):
+    # A row past 2048 columns is summed in blocks added pairwise: with one pass of accumulators
+    # (each summing hidden / 32 terms) a float32 RMSNorm of 2**18 columns at 1000 + N(0, 1e-3)
+    # had 219x the error of torch's, and both norms ~12x at 2**20 columns of N(0, 1).
+    x = _make((2, hidden), scale=scale, shift=1000.0 if scale < 1 else 0.0)
+    w, b = _params(hidden, "both")
+    _assert_runs_cpp(x)
+    fast = ln.layer_norm if norm == "layer_norm" else ln.rms_norm
+    reference = ref.layer_norm if norm == "layer_norm" else ref.rms_norm
+    params = [w, b] if norm == "layer_norm" else [w]
+    results = compare_with_reference(
+        lambda x, *p: fast(x, hidden, *p, 1e-5),
+        lambda x, *p: reference(x, hidden, *p, 1e-5).to(x.dtype),
+        [x, *params],
+        names=["x", "weight", "bias"][: 1 + len(params)],
+    )
+    assert_parity(results)
+
+
 # --------------------------------------------------------------------------- rms_norm
 
 
