@@ -141,8 +141,8 @@ PyMethodDef methods[] = {
      METH_FASTCALL,
      "attention_cpu_eager(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, "
      "key_padding_mask) -> Tensor | None: the plain eager CPU call of "
-     "fastformer.ops.attention.scaled_dot_product_attention without a gradient, None when it is "
-     "not one"},
+     "fastformer.ops.attention.scaled_dot_product_attention (its backward a C++ autograd node), "
+     "None when it is not one"},
     {"ffn_eager",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(&fastformer::ffn_eager)),
      METH_FASTCALL,

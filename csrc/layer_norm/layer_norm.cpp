@@ -296,8 +296,7 @@ FF_INLINE A sum_loaded(int64_t n, const L& load, const L1& load_one, const F& f)
     for (; last && j + k <= n; j += k) acc.v[0] = acc.v[0] + f(load(j));
     blocks.add(acc, last);
   }
-  const Accs<A, 4>& a = acc;
-  A s = lane_sum<A>((a.v[0] + a.v[1]) + (a.v[2] + a.v[3]));
+  A s = lane_sum<A>((acc.v[0] + acc.v[1]) + (acc.v[2] + acc.v[3]));
   A tail[kLanes<A>];
   for (; j < n; ++j) {
     vstore(tail, f(vsplat<A>(load_one(j))));
@@ -365,9 +364,8 @@ FF_INLINE Moments<A> moments_loaded(int64_t n, const L& load, const L1& load_one
     }
     blocks.add(acc, last);
   }
-  const Accs<A, 8>& a = acc;
-  Moments<A> m{shift, lane_sum<A>((a.v[0] + a.v[1]) + (a.v[2] + a.v[3])),
-               lane_sum<A>((a.v[4] + a.v[5]) + (a.v[6] + a.v[7]))};
+  Moments<A> m{shift, lane_sum<A>((acc.v[0] + acc.v[1]) + (acc.v[2] + acc.v[3])),
+               lane_sum<A>((acc.v[4] + acc.v[5]) + (acc.v[6] + acc.v[7]))};
   for (; j < n; ++j) {
     const A v = load_one(j) - shift;
     m.sum += v;
@@ -460,9 +458,8 @@ FF_INLINE GradSums<A> bwd_sums_loop(const T* x, const T* dy, const A* w, A mean,
     last = j + 2 * k > n;
     blocks.add(acc, last);
   }
-  const Accs<A, 6>& a = acc;
-  GradSums<A> s{lane_sum<A>(a.v[0] + a.v[1]), lane_sum<A>(a.v[2] + a.v[3]),
-                lane_sum<A>(a.v[4] + a.v[5])};
+  GradSums<A> s{lane_sum<A>(acc.v[0] + acc.v[1]), lane_sum<A>(acc.v[2] + acc.v[3]),
+                lane_sum<A>(acc.v[4] + acc.v[5])};
   for (; j < n; ++j) {
     const A xj = static_cast<A>(x[j]), dyj = static_cast<A>(dy[j]);
     const A xh = (xj - mean) * rstd, g = dyj * w[j];
