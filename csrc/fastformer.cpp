@@ -166,6 +166,9 @@ TORCH_LIBRARY(fastformer, m) {
   m.def("element_uniform(int seed, Tensor offsets) -> Tensor");
   m.def("attention_keep_mask(int seed, Tensor row_offsets, int seq_k, int threshold) -> Tensor");
   m.def(
-      "attention_dropout_(int seed, int threshold, float scale, Tensor(a!) dst, Tensor src, "
-      "Tensor(b!)? grad) -> ()");
+      "attention_softmax_(Tensor(a!) scores, Tensor(b!) lse, int seed, int threshold, "
+      "float scale) -> ()");
+  m.def(
+      "attention_softmax_backward_(Tensor(a!) scores, Tensor(b!) grad, Tensor? grad_lse, "
+      "int seed, int threshold, float scale) -> ()");
 }

@@ -30,7 +30,7 @@ from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 from fastformer import reference as ref
 from fastformer.ops import _dispatch, rng
 from fastformer.ops import attention as attn
-from fastformer.testing import assert_parity, compare_with_reference, max_abs_diff
+from fastformer.testing import assert_parity, compare_with_reference, max_abs_diff, parity
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -1156,6 +1156,103 @@ def test_torch_backend_matches_triton_for_the_same_seed(monkeypatch):
     eager = run()
     for a, b in zip(fused, eager):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+
+
+def _softmax_by_torch(scores, grad, dlse, seed, dropout_p):
+    # The torch backend's softmax spelled in torch ops: P * K * c and lse, then P * K * c and dS.
+    probs, lse = attn._softmax(scores.clone(), with_lse=True)
+    if dropout_p > 0:
+        probs = probs * attn._kept_scale(seed, probs, dropout_p)
+    return probs, lse, *attn._softmax_backward(seed, scores.clone(), grad.clone(), dlse, dropout_p)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    ("shape", "dropout_p"),
+    [((2, 3, 17, 45), 0.1), ((1, 2, 5, 64), 0.9), ((1, 1, 3, 97), 2**-16), ((2, 1, 4, 1), 0.5)]
+    + [((1, 2, 6, 300), 0.0), ((1, 2, 0, 5), 0.5)],
+)
+def test_attention_softmax_cpp_parity(shape, dropout_p, dtype):
+    # The torch backend's fused softmax (csrc/attention/attention_softmax.cpp) against its
+    # spelling in torch ops, by the parity rule: masked keys, a row without a key, a row with a
+    # NaN (NaN throughout, dropped or not, as torch's softmax), lse and its gradient.
+    gen = torch.Generator().manual_seed(8)
+    scores = torch.randn(shape, generator=gen, dtype=torch.float64) * 4
+    scores[:, 0, :, ::3] = float("-inf")
+    if shape[2] > 1:
+        scores[0, -1, 0] = float("-inf")
+        scores[-1, 0, 1, 1 % shape[3]] = float("nan")
+    grad = torch.randn(shape, generator=gen, dtype=torch.float64)
+    dlse = torch.randn(shape[:3], generator=gen, dtype=torch.float64)
+    seed = 2**62 + 99
+    fused = _fused_softmax_call(scores.to(dtype), grad.to(dtype), dlse.to(dtype), seed, dropout_p)
+    ref64 = _softmax_by_torch(scores, grad, dlse, seed, dropout_p)
+    ref_lp = _softmax_by_torch(scores.to(dtype), grad.to(dtype), dlse.to(dtype), seed, dropout_p)
+    names = ("forward probs", "lse", "backward probs", "dS")
+    for name, got, want in zip(names, fused, ref_lp):  # (parity counts a NaN as a mismatch)
+        assert torch.equal(got.isnan(), want.isnan()), name
+    finite = [[t.nan_to_num(0.0, 0.0, 0.0) for t in ts] for ts in (fused, ref64, ref_lp)]
+    assert_parity([parity(*case) for case in zip(names, *finite)])
+
+
+def _fused_softmax_call(scores, grad, dlse, seed, dropout_p):
+    fused = attn._fused_softmax(seed, dropout_p, scores, grad, dlse)
+    assert fused is not None  # contiguous CPU float32 / float64: the C++ ops serve them
+    probs, lse = scores.clone(), scores.new_empty(scores.shape[:-1])
+    torch.ops.fastformer.attention_softmax_(probs, lse, *fused)
+    dropped, dS = scores.clone(), grad.clone()
+    torch.ops.fastformer.attention_softmax_backward_(dropped, dS, dlse, *fused)
+    return probs, lse, dropped, dS
+
+
+def test_attention_softmax_cpp_takes_the_dropout_mask_of_the_seed():
+    # Where the keep-mask drops, the fused probabilities are exactly 0; elsewhere P / (1 - p).
+    scores = torch.randn(2, 3, 9, 70, generator=torch.Generator().manual_seed(2))
+    probs, _, dropped, _ = _fused_softmax_call(scores, scores, None, 31, 0.4)
+    keep = attn.dropout_keep_mask(31, 2, 3, 9, 70, 0.4)
+    assert torch.equal(probs != 0, keep) and torch.equal(dropped != 0, keep)
+    plain = _fused_softmax_call(scores, scores, None, 31, 0.0)[0]
+    torch.testing.assert_close(probs, torch.where(keep, plain / 0.6, 0.0), rtol=1e-6, atol=0)
+
+
+def test_attention_softmax_cpp_falls_back_where_it_does_not_apply():
+    # Not contiguous, float16, no key: the torch ops' spelling, not the C++ ops.
+    scores = torch.randn(1, 2, 8, 5).transpose(-2, -1)
+    assert attn._fused_softmax(3, 0.5, scores) is None
+    assert attn._fused_softmax(3, 0.5, scores.contiguous().half()) is None
+    assert attn._fused_softmax(3, 0.5, torch.randn(1, 2, 3, 0)) is None
+    assert attn._fused_softmax(3, 0.5, scores.contiguous(), None, scores) is None
+    assert attn._fused_softmax(3, 0.0, scores.contiguous()) == (0, 0, 1.0)
+    probs, lse = attn._softmax_dropped(3, scores.clone(), 0.5)
+    fused, fused_lse = attn._softmax_dropped(3, scores.contiguous(), 0.5)
+    torch.testing.assert_close(probs, fused, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(lse, fused_lse, rtol=1e-6, atol=1e-6)
+
+
+def test_attention_softmax_cpp_errors():
+    scores, lse = torch.rand(1, 2, 3, 4), torch.rand(1, 2, 3)
+    fwd, bwd = (
+        torch.ops.fastformer.attention_softmax_,
+        torch.ops.fastformer.attention_softmax_backward_,
+    )
+    with pytest.raises(RuntimeError, match="threshold must be in"):
+        fwd(scores, lse, 1, 65537, 1.0)
+    with pytest.raises(RuntimeError, match="scale must be 1 without dropout"):
+        fwd(scores, lse, 1, 0, 2.0)
+    with pytest.raises(RuntimeError, match=r"scores must be \(B, H, Lq, Lk\)"):
+        fwd(scores[0], lse[0], 1, 10, 1.0)
+    with pytest.raises(RuntimeError, match="scores must be float32 or float64"):
+        fwd(scores.half(), lse.half(), 1, 10, 1.0)
+    with pytest.raises(RuntimeError, match="scores must be a contiguous CPU tensor"):
+        fwd(scores.transpose(-2, -1), lse, 1, 10, 1.0)
+    for bad_lse in (lse[..., :2], lse.double(), torch.rand(1, 3, 2).transpose(1, 2)):
+        with pytest.raises(RuntimeError, match=r"of shape \(B, H, Lq\)"):
+            fwd(scores, bad_lse, 1, 10, 1.0)
+    for bad in (scores.double(), scores[..., :2]):
+        with pytest.raises(RuntimeError, match="of shape scores's"):
+            bwd(scores, bad, None, 1, 10, 1.0)
+    with pytest.raises(RuntimeError, match=r"of shape \(B, H, Lq\)"):
+        bwd(scores, scores.clone(), lse[:, :1], 1, 10, 1.0)
 
 
 # --------------------------------------------------------------------------- memory, registration

@@ -90,67 +90,6 @@ def test_attention_keep_mask_cpp_errors():
         torch.ops.fastformer.attention_keep_mask(1, rows, -1, 10)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize(
-    ("shape", "dropout_p"),
-    [((2, 3, 17, 45), 0.1), ((1, 2, 5, 64), 0.9), ((1, 1, 3, 97), 2**-16), ((2, 1, 4, 1), 0.5)]
-    + [((1, 2, 0, 5), 0.5), ((1, 2, 3, 0), 0.5)],
-)
-def test_attention_dropout_cpp_is_the_keep_mask_times_scale(shape, dropout_p, dtype):
-    # The torch backend's dropout in one pass (attention's `_dropped`) gives the bits of its
-    # spelling by the keep-mask: out = P * (K * c) and grad * (K * c); NaN stays NaN where
-    # dropped, as in torch's dropout; out may be P itself.
-    from fastformer.ops import attention as attn
-
-    gen = torch.Generator().manual_seed(5)
-    probs = torch.rand(shape, generator=gen, dtype=dtype)
-    probs.view(-1)[::7] = float("nan")
-    grad = torch.randn(shape, generator=gen, dtype=dtype)
-    seed = 2**62 + 99
-    kept = attn.dropout_keep_mask(seed, *shape, dropout_p).to(dtype) * (1.0 / (1.0 - dropout_p))
-    threshold, scale = attn.dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
-    out, got_grad = torch.full_like(probs, 3.0), grad.clone()
-    torch.ops.fastformer.attention_dropout_(seed, threshold, scale, out, probs, got_grad)
-    assert torch.equal(out.nan_to_num(), (probs * kept).nan_to_num())
-    assert torch.equal(out.isnan(), (probs * kept).isnan())
-    assert torch.equal(got_grad, grad * kept)
-    in_place = probs.clone()
-    torch.ops.fastformer.attention_dropout_(seed, threshold, scale, in_place, in_place, None)
-    assert torch.equal(in_place.nan_to_num(), out.nan_to_num())
-
-
-def test_attention_dropout_fallback_gives_the_compiled_bits():
-    # `_dropped` runs the compiled op on contiguous CPU tensors, else the keep-mask's spelling.
-    from fastformer.ops import attention as attn
-
-    gen = torch.Generator().manual_seed(6)
-    probs = torch.rand(2, 3, 33, 40, generator=gen).transpose(-2, -1)  # not contiguous
-    grad = torch.randn(probs.shape, generator=gen)
-    out, got = torch.empty_like(probs), grad.clone()
-    attn._dropped(7, probs, 0.3, out=out, buffer=torch.empty_like(probs), grad=got)
-    dense, dense_grad = probs.contiguous(), grad.contiguous()
-    fused = attn._dropped(7, dense, 0.3, out=dense, buffer=torch.empty_like(dense), grad=dense_grad)
-    assert fused.data_ptr() == dense.data_ptr()
-    assert torch.equal(out, fused) and torch.equal(got, dense_grad)
-
-
-def test_attention_dropout_cpp_errors():
-    probs = torch.rand(1, 2, 3, 4)
-    op = torch.ops.fastformer.attention_dropout_
-    with pytest.raises(RuntimeError, match="threshold must be in"):
-        op(1, -1, 1.0, probs, probs, None)
-    with pytest.raises(RuntimeError, match=r"src must be \(B, H, Lq, Lk\)"):
-        op(1, 10, 1.0, probs[0], probs[0], None)
-    with pytest.raises(RuntimeError, match="src must be float32 or float64"):
-        op(1, 10, 1.0, probs.half(), probs.half(), None)
-    bad = [probs.transpose(-2, -1).contiguous().transpose(-2, -1), probs.double(), probs[..., :2]]
-    for other in bad:
-        with pytest.raises(RuntimeError, match="contiguous CPU tensors of src's shape and dtype"):
-            op(1, 10, 1.0, other, probs, None)
-        with pytest.raises(RuntimeError, match="contiguous CPU tensors of src's shape and dtype"):
-            op(1, 10, 1.0, probs.clone(), probs, other)
-
-
 def test_element_scheme_is_four_words_of_one_call():
     offsets = torch.arange(4000, dtype=torch.int64)
     words = torch.stack(rng.philox4x32(77, offsets // 4), -1)  # (n, 4)

@@ -1,7 +1,7 @@
 // torch.ops.fastformer.philox_uniform / element_uniform: CPU and CUDA kernels of the shared
 // dropout RNG (csrc/common/philox.h), so Python can regenerate any kernel's mask quickly;
-// attention_keep_mask (CPU): attention's dropout keep-mask, for its torch backend and tests;
-// attention_dropout_ (CPU): that mask applied in place, the torch backend's dropout.
+// attention_keep_mask (CPU): attention's dropout keep-mask, for its torch backend and tests
+// (rng/keep_mask.h; the torch backend applies it in its fused softmax).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -14,6 +14,7 @@
 #include "common/checks.h"
 #include "common/philox.h"
 #include "common/philox_cpu.h"
+#include "rng/keep_mask.h"
 
 #ifdef FASTFORMER_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -33,10 +34,8 @@ namespace fastformer {
 #define FF_FORCE_INLINE inline
 #endif
 
-namespace {
-
 // Loops over independent Philox calls, which the compiler vectorizes across calls
-// (common/philox_cpu.h): words[4 * i + k] = word k of the call at counter first + i.
+// (common/philox_cpu.h).
 FF_PHILOX_CLONES void philox_words_cpu(uint64_t seed, uint64_t first, int64_t calls,
                                        uint32_t* words) {
   for (int64_t i = 0; i < calls; ++i) {
@@ -45,6 +44,8 @@ FF_PHILOX_CLONES void philox_words_cpu(uint64_t seed, uint64_t first, int64_t ca
     for (int k = 0; k < 4; ++k) words[4 * i + k] = w[k];
   }
 }
+
+namespace {
 
 // keep[4 * i + k] = dropout_keep(seed, 4 * (first_call + i) + k, p), for i < calls.
 FF_PHILOX_CLONES void element_keep_cpu(uint64_t seed, uint64_t first_call, int64_t calls,
@@ -97,56 +98,6 @@ void check_offsets(const at::Tensor& offsets, const char* op = "philox_uniform")
               offsets.scalar_type());
 }
 
-// One row of attention's keep-mask from its Philox words, as `on` where kept, else `off`:
-// column j = 32 g + 8 w + 2 c + l takes half l of word w of call 4 g + c. Whole groups of 32
-// columns in fixed loops (no index arithmetic an element: that took 2.3x the Philox time), the
-// ragged tail by the formula.
-template <typename T>
-void keep_row(const uint32_t* words, int64_t seq_k, uint32_t t, T on, T off, T* row) {
-  const int64_t groups = seq_k / 32;
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint32_t* group = words + 16 * g;
-    T* out = row + 32 * g;
-    for (int w = 0; w < 4; ++w) {
-      for (int c = 0; c < 4; ++c) {
-        const uint32_t word = group[4 * c + w];
-        out[8 * w + 2 * c] = (word & 0xFFFFu) >= t ? on : off;
-        out[8 * w + 2 * c + 1] = (word >> 16) >= t ? on : off;
-      }
-    }
-  }
-  for (int64_t j = 32 * groups; j < seq_k; ++j) {
-    const int64_t call = 4 * (j / 32) + (j / 2) % 4, w = (j / 8) % 4, l = j % 2;
-    row[j] = ((words[4 * call + w] >> (16 * l)) & 0xFFFFu) >= t ? on : off;
-  }
-}
-
-// Philox calls a row of attention's dropout scheme draws: 4 per 32 key columns, at consecutive
-// counters (fastformer.ops.attention.dropout_calls).
-int64_t dropout_calls(int64_t seq_k) { return 4 * ((seq_k + 31) / 32); }
-
-// Calls row_fn(r, words, scratch) for each row r < rows, in parallel: words, the Philox words of
-// attention's dropout scheme for row r (the calls at counters offset(r), offset(r) + 1, ...);
-// scratch, seq_k values of type S the call may use.
-template <typename S, typename Offset, typename RowFn>
-void for_each_keep_row(uint64_t seed, int64_t rows, int64_t seq_k, Offset offset, RowFn row_fn) {
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(seq_k, 1));
-  const int64_t calls = dropout_calls(seq_k);
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> words(4 * calls);
-    const auto scratch = std::make_unique<S[]>(std::max<int64_t>(seq_k, 1));
-    for (int64_t r = begin; r < end; ++r) {
-      philox_words_cpu(seed, offset(r), calls, words.data());
-      row_fn(r, words.data(), scratch.get());
-    }
-  });
-}
-
-void check_threshold(int64_t threshold, const char* op) {
-  TORCH_CHECK(threshold >= 0 && threshold <= 65536, op, ": threshold must be in [0, 65536], got ",
-              threshold);
-}
-
 // Attention's dropout keep-mask (fastformer.ops.attention.dropout_keep_mask), shape
 // row_offsets.shape + (seq_k,): in row r, key column j = 32 g + 8 w + 2 c + l is kept when
 // 16-bit half l of word w of the Philox call at counter row_offsets[r] + 4 g + c is >= threshold.
@@ -165,62 +116,10 @@ at::Tensor attention_keep_mask_cpu(int64_t seed, const at::Tensor& row_offsets, 
   for_each_keep_row<bool>(
       static_cast<uint64_t>(seed), rows.numel(), seq_k,
       [&](int64_t r) { return static_cast<uint64_t>(base[r]); },
-      [&](int64_t r, const uint32_t* words, bool*) {
-        keep_row(words, seq_k, t, true, false, dst + r * seq_k);
+      [&](int64_t r, const uint16_t* halves, bool*) {
+        keep_row(halves, seq_k, t, true, false, dst + r * seq_k);
       });
   return out;
-}
-
-// One row of attention_dropout_: dst = src * m and grad *= m (grad may be null), m the row's
-// multipliers (scale or 0): products, as torch's dropout (a dropped NaN stays NaN), that
-// vectorize (a select of scale or 0 an element did not, and mispredicted a random mask).
-template <typename T>
-void drop_row(const T* m, int64_t n, const T* src, T* dst, T* grad) {
-  for (int64_t j = 0; j < n; ++j) dst[j] = src[j] * m[j];
-  if (grad != nullptr) {
-    for (int64_t j = 0; j < n; ++j) grad[j] *= m[j];
-  }
-}
-
-// The attention dropout of fastformer.ops.attention's torch backend in one pass over its
-// (B, H, Lq, Lk) probabilities, instead of a keep-mask then three elementwise passes:
-// dst = src * K * scale and, if given, grad *= K * scale, with K = dropout_keep_mask(seed, B,
-// H, Lq, Lk, p) (threshold = round(p * 65536)): row i of head bh draws at counter
-// (bh << 32) + i * dropout_calls(Lk), as there. dst may be src.
-void attention_dropout_cpu(int64_t seed, int64_t threshold, double scale, const at::Tensor& dst,
-                           const at::Tensor& src, const std::optional<at::Tensor>& grad) {
-  constexpr const char* op = "attention_dropout_";
-  check_threshold(threshold, op);
-  TORCH_CHECK(src.dim() == 4, op, ": src must be (B, H, Lq, Lk), got ", src.sizes());
-  TORCH_CHECK(src.scalar_type() == at::kFloat || src.scalar_type() == at::kDouble, op,
-              ": src must be float32 or float64, got ", src.scalar_type());
-  for (const at::Tensor* t : {&dst, &src, grad ? &*grad : nullptr}) {
-    if (t == nullptr) continue;
-    TORCH_CHECK(t->sizes() == src.sizes() && t->scalar_type() == src.scalar_type() &&
-                    t->is_contiguous() && t->device().is_cpu(),
-                op, ": dst, src and grad must be contiguous CPU tensors of src's shape and dtype");
-  }
-  const int64_t seq_q = src.size(2), seq_k = src.size(3);
-  const int64_t rows = seq_k == 0 ? 0 : src.numel() / seq_k;
-  const int64_t calls = dropout_calls(seq_k);
-  const auto t = static_cast<uint32_t>(threshold);
-  AT_DISPATCH_FLOATING_TYPES(src.scalar_type(), op, [&] {
-    const scalar_t* in = src.const_data_ptr<scalar_t>();
-    scalar_t* out = dst.data_ptr<scalar_t>();
-    scalar_t* g = grad ? grad->data_ptr<scalar_t>() : nullptr;
-    const auto c = static_cast<scalar_t>(scale);
-    for_each_keep_row<scalar_t>(
-        static_cast<uint64_t>(seed), rows, seq_k,
-        [&](int64_t r) {
-          const auto head = static_cast<uint64_t>(r / seq_q);
-          return (head << 32) + static_cast<uint64_t>(r % seq_q) * calls;
-        },
-        [&](int64_t r, const uint32_t* words, scalar_t* m) {
-          keep_row(words, seq_k, t, c, scalar_t(0), m);
-          const int64_t at = r * seq_k;
-          drop_row(m, seq_k, in + at, out + at, g == nullptr ? nullptr : g + at);
-        });
-  });
 }
 
 // dst[i] = element_uniform (element) or philox_uniform of offsets[i], i < n: one independent
@@ -281,7 +180,6 @@ TORCH_LIBRARY_IMPL(fastformer, CPU, m) {
   m.impl("philox_uniform", &uniform_cpu<false>);
   m.impl("element_uniform", &uniform_cpu<true>);
   m.impl("attention_keep_mask", &attention_keep_mask_cpu);
-  m.impl("attention_dropout_", &attention_dropout_cpu);
 }
 
 #ifdef FASTFORMER_WITH_CUDA

@@ -949,10 +949,44 @@ def _reference_forward(q, k, v, attn_mask, kpm, seed, dropout_p, is_causal, scal
     wq, wk, wv, wmask = _wide(q, k, v, attn_mask)
     kh, vh = reference._repeat_kv_heads(wq, wk, wv, k.shape[1] != h)
     scores = reference._attention_scores(wq, kh, wmask, is_causal, scale, kpm)
+    probs, lse = _softmax_dropped(seed, scores, dropout_p)
+    return (probs @ vh).to(q.dtype), lse  # lse: float32 for 16-bit q, lse_dtype(q.dtype)
+
+
+def _fused_softmax(seed, dropout_p: float, scores: Tensor, *others: Tensor | None):
+    """(seed, threshold, scale) of torch.ops.fastformer.attention_softmax_ and its backward where
+    they serve these tensors (contiguous CPU float32 / float64, none batched by vmap, a key, the
+    extension loaded, a seed below 2**63), else None. Threshold 0 and scale 1: no dropout."""
+    seed = seed if dropout_p > 0 else 0
+    tensors = (scores, *others)
+    if not (
+        rng.compiled_cpu_kernels(scores.device, seed)
+        and scores.dtype in (torch.float32, torch.float64)
+        and scores.shape[-1] > 0
+        and all(t is None or (t.is_contiguous() and t.dtype == scores.dtype) for t in tensors)
+        and not _batched(*tensors)
+    ):
+        return None
+    if dropout_p == 0:
+        return 0, 0, 1.0
+    return seed, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
+
+
+def _softmax_dropped(seed, scores: Tensor, dropout_p: float) -> tuple[Tensor, Tensor]:
+    """(P * K * c, lse): the softmax of `scores` (B, H, Lq, Lk) over Lk, where dropout_p > 0 times
+    the keep-mask K of `seed` and c = 1 / (1 - p), and the log-sum-exp of each row before dropout;
+    scores's buffer is used up. On CPU in one pass of torch.ops.fastformer.attention_softmax_
+    (a max, torch's softmax, a second max and the dropout pass took ~1.5x its time), else by
+    `_softmax` and `_kept_scale`."""
+    fused = _fused_softmax(seed, dropout_p, scores)
+    if fused is not None:
+        lse = scores.new_empty(scores.shape[:-1])
+        torch.ops.fastformer.attention_softmax_(scores, lse, *fused)
+        return scores, lse
     probs, lse = _softmax(scores, with_lse=True)
     if dropout_p > 0:
-        _dropped(seed, probs, dropout_p, out=probs, buffer=scores)
-    return (probs @ vh).to(q.dtype), lse  # lse: float32 for 16-bit q, lse_dtype(q.dtype)
+        probs.mul_(_kept_scale(seed, probs, dropout_p, out=scores))
+    return probs, lse
 
 
 def _softmax(scores: Tensor, with_lse: bool = False):
@@ -983,30 +1017,6 @@ def _kept_scale(seed, probs: Tensor, dropout_p: float, out: Tensor | None = None
     if out is None:
         return keep.to(probs.dtype) * (1.0 / (1.0 - dropout_p))
     return out.copy_(keep).mul_(1.0 / (1.0 - dropout_p))
-
-
-def _dropped(
-    seed, probs: Tensor, dropout_p: float, out: Tensor, buffer: Tensor, grad: Tensor | None = None
-) -> Tensor:
-    """`out` (probs itself or a buffer) set to probs * K * c, the probabilities after dropout,
-    and `grad` (if given) multiplied by K * c in place, K the keep-mask of `seed` and
-    c = 1 / (1 - p); `buffer`: one of probs's shape the caller is done with. On CPU in one pass
-    of torch.ops.fastformer.attention_dropout_ (the keep-mask, then three elementwise passes
-    took 1.4-2.3x its time on one thread), else through `_kept_scale`, with the same bits."""
-    tensors = (probs, out, buffer, grad)
-    if (
-        rng.compiled_cpu_kernels(probs.device, seed)
-        and probs.dtype in (torch.float32, torch.float64)
-        and all(t is None or t.is_contiguous() for t in tensors)
-        and not _batched(*tensors)
-    ):
-        threshold, scale = dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
-        torch.ops.fastformer.attention_dropout_(seed, threshold, scale, out, probs, grad)
-        return out
-    kept = _kept_scale(seed, probs, dropout_p, out=buffer)
-    if grad is not None:
-        grad.mul_(kept)
-    return torch.mul(probs, kept, out=out)
 
 
 @autocast_off
@@ -1081,25 +1091,15 @@ def _reference_backward(
     hkv = k.shape[1]
     kh, vh = reference._repeat_kv_heads(q, k, v, hkv != q.shape[1])
     scores = reference._attention_scores(q, kh, attn_mask, is_causal, scale, kpm)
-    probs = _softmax(scores)
-    grad_probs = grad_out.to(probs.dtype) @ vh.transpose(-2, -1)
-    # In place into the (B, H, Lq, Lk) buffers, except where vmap batches the gradients
-    # (is_grads_batched, jacobians): it has no rule for out= and in-place ops on them.
-    functional = _batched(grad_out, grad_lse)
-    dropped = probs
-    if dropout_p > 0 and functional:
-        kept = _kept_scale(seed, probs, dropout_p)
-        dropped, grad_probs = probs * kept, grad_probs * kept
-    elif dropout_p > 0:  # scores's buffer is free: it takes P * K * c
-        dropped = _dropped(seed, probs, dropout_p, out=scores, buffer=scores, grad=grad_probs)
-    grad_v = dropped.transpose(-2, -1) @ grad_out.to(probs.dtype)
-    if functional:
-        row = (probs * grad_probs).sum(-1, keepdim=True)
+    grad_probs = grad_out.to(scores.dtype) @ vh.transpose(-2, -1)
+    dlse = None if grad_lse is None else grad_lse.to(scores.dtype).contiguous()
+    fused = _fused_softmax(seed, dropout_p, scores, grad_probs, dlse)
+    if fused is not None:  # scores becomes P * K * c, grad_probs dS
+        torch.ops.fastformer.attention_softmax_backward_(scores, grad_probs, dlse, *fused)
+        dropped, grad_scores = scores, grad_probs
     else:
-        row = torch.mul(probs, grad_probs, out=scores).sum(-1, keepdim=True)  # scores free again
-    if grad_lse is not None:
-        row = row - grad_lse.to(probs.dtype)[..., None]
-    grad_scores = (grad_probs - row) * probs if functional else grad_probs.sub_(row).mul_(probs)
+        dropped, grad_scores = _softmax_backward(seed, scores, grad_probs, dlse, dropout_p)
+    grad_v = dropped.transpose(-2, -1) @ grad_out.to(scores.dtype)
     grad_q = (grad_scores @ kh) * scale
     grad_k = (grad_scores.transpose(-2, -1) @ q) * scale
     grad_k, grad_v = _sum_kv_groups(grad_k, hkv), _sum_kv_groups(grad_v, hkv)
@@ -1108,6 +1108,28 @@ def _reference_backward(
         grad_mask = grad_scores.sum_to_size(attn_mask.shape).to(mask_dtype)
     grads = (grad_q, grad_k, grad_v)
     return (*(g.to(dtype) for g, dtype in zip(grads, dtypes)), grad_mask)
+
+
+def _softmax_backward(seed, scores: Tensor, grad_probs: Tensor, dlse, dropout_p: float):
+    """(P * K * c, dS) as torch.ops.fastformer.attention_softmax_backward_ gives them, by torch
+    ops: for other devices, and where vmap batches the gradients (is_grads_batched, jacobians),
+    which has no rule for out= and in-place ops on them; elsewhere in place into the (B, H, Lq,
+    Lk) buffers."""
+    probs = _softmax(scores)
+    functional = _batched(grad_probs, dlse)
+    dropped = probs
+    if dropout_p > 0 and functional:
+        kept = _kept_scale(seed, probs, dropout_p)
+        dropped, grad_probs = probs * kept, grad_probs * kept
+    elif dropout_p > 0:  # scores's buffer is free: it takes K * c, then P * K * c
+        kept = _kept_scale(seed, probs, dropout_p, out=scores)
+        grad_probs.mul_(kept)
+        dropped = kept.mul_(probs)
+    row = (probs * grad_probs).sum(-1, keepdim=True)
+    if dlse is not None:
+        row = row - dlse[..., None]
+    grad_scores = (grad_probs - row) * probs if functional else grad_probs.sub_(row).mul_(probs)
+    return dropped, grad_scores
 
 
 @autocast_off
