@@ -5,15 +5,16 @@
 // elementwise passes for dS = P * (dP - rowsum(P * dP) + dlse). Here a row is read from memory
 // once and each pass after the first runs in L1.
 #include <ATen/ATen.h>
+#include <c10/util/bit_cast.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <optional>
 
+#include "common/expf.h"
 #include "rng/keep_mask.h"
 
 namespace fastformer {
@@ -33,29 +34,14 @@ namespace {
 // vector code in each clone; a sum is then added up in a fixed order (deterministic).
 constexpr int64_t kLanes = 16;
 
-// exp(x) for x <= 0 or NaN (a score minus its row's maximum), 0 below -87 (a probability below
-// 1.6e-38 of the row's largest, which is >= 1 / Lk). float: Cody-Waite reduction and the
-// degree-6 polynomial of Cephes' expf, within 2 ulp, branch-free so that a lane loop
-// vectorizes (std::exp does not). double: std::exp.
+// exp(x) for x <= 0 or NaN (a score minus its row's max), 0 below -87 (a probability below
+// 1.6e-38 of the row's largest, which is >= 1 / Lk; a masked key's -inf gives exactly 0).
+// float: Cephes' polynomial (common/expf.h), within 2 ulp; double: std::exp.
 FF_SOFTMAX_INLINE float exp_nonpositive(float x) {
   const bool under = x < -87.0f;
-  x = under ? -87.0f : x;
-  const float t = x * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: t rounds to n
-  const float n = t - 12582912.0f;
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // x - n ln 2 in two parts
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + (r + 1.0f);
-  int32_t bits;
-  std::memcpy(&bits, &t, sizeof(bits));  // n in the low mantissa bits of t
-  bits = static_cast<int32_t>(static_cast<uint32_t>(bits) << 23) + (127 << 23);
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return under ? 0.0f : p * two_n;
+  float n;
+  const float p = expf_reduced(under ? -87.0f : x, n);  // n in [-126, 0]: 2^n is normal
+  return under ? 0.0f : p * c10::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
 }
 
 FF_SOFTMAX_INLINE double exp_nonpositive(double x) { return std::exp(x); }

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "common/expf.h"
 #include "common/philox.h"
 #include "common/philox_cpu.h"
 #include "common/prefault.h"
@@ -178,15 +179,8 @@ FF_ALWAYS_INLINE float clamp_magnitude(float x, float limit) {
 // where expf does.
 FF_ALWAYS_INLINE float exp_f32(float x) {
   x = clamp_magnitude(x, 104.f);
-  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round(x / ln 2)
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
+  float n;
+  const float p = expf_reduced(x, n);
   int32_t i = static_cast<int32_t>(n);  // NaN gives INT_MIN: clamped, and p is NaN anyway
   i = i < 150 ? i : 150;
   i = i > -150 ? i : -150;
