@@ -104,7 +104,8 @@ FF_SOFTMAX_INLINE T exp_row(const T* s, T* e, int64_t n, T mx) {
   return lane_sum(acc);
 }
 
-// A row's dropout multipliers: at(j) = scale where column j is kept (its 16-bit draw >= t), else 0.
+// A row's dropout multipliers: at(j) = scale where column j is kept (its 16-bit draw >= t),
+// else 0.
 template <typename T>
 struct Drop {
   const uint16_t* halves;
@@ -129,7 +130,8 @@ FF_SOFTMAX_INLINE T softmax_row(T* s, int64_t n, Drop<T> m) {
 }
 
 // Element j of softmax_backward_row's first pass: P = e * inv, dP = g * m; s = P * m, g = dP;
-// returns P * dP. (A function, not a lambda: a lambda was not inlined into the clones.)
+// returns P * dP. (A function, not a lambda: a lambda cannot be made always_inline, and code
+// not inlined into a clone is not built for its instruction set.)
 template <typename T, bool kDrop>
 FF_SOFTMAX_INLINE T drop_step(int64_t j, T* s, T* g, Drop<T> m, const T* e, T inv) {
   const T p = e[j] * inv;
@@ -161,38 +163,29 @@ FF_SOFTMAX_INLINE void softmax_backward_row(T* s, T* g, int64_t n, Drop<T> m, T 
   for (j = 0; j < n; ++j) g[j] = (g[j] - c) * (e[j] * inv);
 }
 
-// The row kernels per dtype, each cloned per instruction set (templates cannot be); m.halves
-// null: no dropout.
-FF_SOFTMAX_CLONES float softmax_row_f(float* s, int64_t n, Drop<float> m) {
+// The row kernels per dtype (overloads: a template cannot be cloned), the float ones cloned
+// per instruction set; m.halves null: no dropout.
+FF_SOFTMAX_CLONES float softmax_row_of(float* s, int64_t n, Drop<float> m) {
   return m.halves ? softmax_row<float, true>(s, n, m) : softmax_row<float, false>(s, n, m);
 }
-double softmax_row_d(double* s, int64_t n, Drop<double> m) {
+double softmax_row_of(double* s, int64_t n, Drop<double> m) {
   return m.halves ? softmax_row<double, true>(s, n, m) : softmax_row<double, false>(s, n, m);
 }
-FF_SOFTMAX_CLONES void softmax_backward_row_f(float* s, float* g, int64_t n, Drop<float> m,
-                                              float dlse, float* e) {
+FF_SOFTMAX_CLONES void softmax_backward_row_of(float* s, float* g, int64_t n, Drop<float> m,
+                                               float dlse, float* e) {
   if (m.halves) {
     softmax_backward_row<float, true>(s, g, n, m, dlse, e);
   } else {
     softmax_backward_row<float, false>(s, g, n, m, dlse, e);
   }
 }
-void softmax_backward_row_d(double* s, double* g, int64_t n, Drop<double> m, double dlse,
-                            double* e) {
+void softmax_backward_row_of(double* s, double* g, int64_t n, Drop<double> m, double dlse,
+                             double* e) {
   if (m.halves) {
     softmax_backward_row<double, true>(s, g, n, m, dlse, e);
   } else {
     softmax_backward_row<double, false>(s, g, n, m, dlse, e);
   }
-}
-float softmax_row_of(float* s, int64_t n, Drop<float> m) { return softmax_row_f(s, n, m); }
-double softmax_row_of(double* s, int64_t n, Drop<double> m) { return softmax_row_d(s, n, m); }
-void softmax_backward_row_of(float* s, float* g, int64_t n, Drop<float> m, float dlse, float* e) {
-  softmax_backward_row_f(s, g, n, m, dlse, e);
-}
-void softmax_backward_row_of(double* s, double* g, int64_t n, Drop<double> m, double dlse,
-                             double* e) {
-  softmax_backward_row_d(s, g, n, m, dlse, e);
 }
 
 // Checks an op's (B, H, Lq, Lk) scores and its other tensors: contiguous CPU tensors of the
