@@ -1125,7 +1125,10 @@ def _softmax_backward(seed, scores: Tensor, grad_probs: Tensor, dlse, dropout_p:
         kept = _kept_scale(seed, probs, dropout_p, out=scores)
         grad_probs.mul_(kept)
         dropped = kept.mul_(probs)
-    row = torch.einsum("...j,...j->...", probs, grad_probs)[..., None]  # no Lq x Lk product
+    if functional:  # (vmap has no rule for einsum here)
+        row = (probs * grad_probs).sum(-1, keepdim=True)
+    else:  # no Lq x Lk product: scores holds the dropped probabilities, which dV still needs
+        row = torch.einsum("...j,...j->...", probs, grad_probs)[..., None]
     if dlse is not None:
         row = row - dlse[..., None]
     grad_scores = (grad_probs - row) * probs if functional else grad_probs.sub_(row).mul_(probs)
