@@ -50,17 +50,11 @@ inline void column_halves(const uint32_t* words, int64_t groups, uint16_t* halve
   }
 }
 
-// One row of attention's keep-mask from its column halves: `on` where kept, else `off`.
-template <typename T>
-void keep_row(const uint16_t* halves, int64_t seq_k, uint32_t t, T on, T off, T* row) {
-  for (int64_t j = 0; j < seq_k; ++j) row[j] = halves[j] >= t ? on : off;
-}
-
 // Calls row_fn(r, halves, scratch) for each row r < rows, in parallel: halves, the 16-bit draws of
 // row r's key columns (column_halves) from the Philox calls at counters offset(r),
 // offset(r) + 1, ... (none when `draw` is false); scratch, kScratch rows of seq_k values of type
 // S the call may use.
-template <typename S, int kScratch = 1, typename Offset, typename RowFn>
+template <typename S, int kScratch, typename Offset, typename RowFn>
 void for_each_keep_row(uint64_t seed, int64_t rows, int64_t seq_k, Offset offset, RowFn row_fn,
                        bool draw = true) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(seq_k, 1));

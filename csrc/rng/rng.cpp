@@ -113,11 +113,12 @@ at::Tensor attention_keep_mask_cpu(int64_t seed, const at::Tensor& row_offsets, 
   const int64_t* base = rows.data_ptr<int64_t>();
   bool* dst = out.data_ptr<bool>();
   const auto t = static_cast<uint32_t>(threshold);
-  for_each_keep_row<bool>(
+  for_each_keep_row<bool, 0>(
       static_cast<uint64_t>(seed), rows.numel(), seq_k,
       [&](int64_t r) { return static_cast<uint64_t>(base[r]); },
       [&](int64_t r, const uint16_t* halves, bool*) {
-        keep_row(halves, seq_k, t, true, false, dst + r * seq_k);
+        bool* row = dst + r * seq_k;
+        for (int64_t j = 0; j < seq_k; ++j) row[j] = halves[j] >= t;
       });
   return out;
 }
