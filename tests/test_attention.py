@@ -1205,6 +1205,25 @@ def _fused_softmax_call(scores, grad, dlse, seed, dropout_p):
     return probs, lse, dropped, dS
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["cpp", "torch_ops"])
+def test_lse_gradient_is_exact_where_a_row_has_one_key(monkeypatch, fused):
+    # With one key P = 1, so dS = P * (dP - rowsum(P * dP) + dlse) = dlse whatever dP is: the
+    # mask's gradient is the lse cotangent. dlse folded into the row sum first came back
+    # rounded to the ulp of dP (10x the scores' gradient with p 0.9): a 4.5x parity miss. (The
+    # torch backend: the kernels' delta = rowsum(dO * O) is itself within an ulp of dP only.)
+    _use_backend(monkeypatch, "torch")
+    if not fused:
+        monkeypatch.setattr(attn, "_fused_softmax", lambda *args: None)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 9, 16, generator=gen) * 8 for _ in range(3))
+    k, v = k[:, :, :1], v[:, :, :1]
+    mask = torch.zeros(2, 3, 9, 1, requires_grad=True)
+    out, lse = attn.scaled_dot_product_attention_with_lse(q, k, v, mask, dropout_p=0.9)
+    grad_lse = torch.randn(lse.shape, generator=gen) * 1e-3
+    torch.autograd.backward((out, lse), (torch.randn(out.shape, generator=gen) * 8, grad_lse))
+    torch.testing.assert_close(mask.grad[..., 0], grad_lse, rtol=1e-6, atol=0)
+
+
 def test_attention_softmax_cpp_takes_the_dropout_mask_of_the_seed():
     # Where the keep-mask drops, the fused probabilities are exactly 0; elsewhere P / (1 - p).
     scores = torch.randn(2, 3, 9, 70, generator=torch.Generator().manual_seed(2))

@@ -1125,14 +1125,16 @@ def _softmax_backward(seed, scores: Tensor, grad_probs: Tensor, dlse, dropout_p:
         kept = _kept_scale(seed, probs, dropout_p, out=scores)
         grad_probs.mul_(kept)
         dropped = kept.mul_(probs)
+    # dlse is added after the row sum, not folded into it (attention_softmax.cpp says why)
     if functional:  # (vmap has no rule for einsum here)
-        row = (probs * grad_probs).sum(-1, keepdim=True)
-    else:  # no Lq x Lk product: scores holds the dropped probabilities, which dV still needs
-        row = torch.einsum("...j,...j->...", probs, grad_probs)[..., None]
+        grad_scores = grad_probs - (probs * grad_probs).sum(-1, keepdim=True)
+        grad_scores = grad_scores if dlse is None else grad_scores + dlse[..., None]
+        return dropped, grad_scores * probs
+    # no Lq x Lk product: scores holds the dropped probabilities, which dV still needs
+    grad_probs.sub_(torch.einsum("...j,...j->...", probs, grad_probs)[..., None])
     if dlse is not None:
-        row = row - dlse[..., None]
-    grad_scores = (grad_probs - row) * probs if functional else grad_probs.sub_(row).mul_(probs)
-    return dropped, grad_scores
+        grad_probs.add_(dlse[..., None])
+    return dropped, grad_probs.mul_(probs)
 
 
 @autocast_off
