@@ -1880,6 +1880,25 @@ def test_public_op_in_float64_runs_the_torch_backend_and_passes_gradcheck(dropou
     torch.library.opcheck(op, (q, k, v, mask, kpm, 0.0, True, 0.4))
 
 
+@pytest.mark.parametrize("mask_grad", [False, True])
+def test_float32_mask_of_a_float64_query(monkeypatch, mask_grad):
+    # torch's CPU flash kernels took a float32 mask of float64 q wrong from 16 keys on (out off
+    # by up to 1.9): the torch backend hands them the mask in float64.
+    _use_backend(monkeypatch, "torch")
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 17, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    mask = torch.randn(2, 1, 17, 17, generator=gen)  # float32
+    inputs = [t.requires_grad_() for t in (q, k, v)] + [mask.requires_grad_(mask_grad)]
+    assert_parity(
+        compare_with_reference(
+            attn.scaled_dot_product_attention,
+            lambda q, k, v, m: ref.scaled_dot_product_attention(q, k, v, m.to(q.dtype)),
+            inputs,
+            names=["q", "k", "v", "mask"][: 3 + mask_grad],
+        )
+    )
+
+
 def _seed_of_call(manual_seed: int) -> int:
     """The dropout seed a CPU op call draws right after torch.manual_seed(manual_seed)."""
     torch.manual_seed(manual_seed)

@@ -836,7 +836,9 @@ def _cpu_flash_ok(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, scale) -> b
 
 def _cpu_flash_mask(q: Tensor, attn_mask, kpm) -> Tensor | None:
     """The one additive 4-D mask the CPU flash kernels take: a bool mask and key padding
-    become -inf, as in the reference; a float mask keeps its dtype (q's, or float32)."""
+    become -inf, as in the reference; a float mask keeps its dtype (q's, or float32 for 16-bit
+    q), but a float32 one of float64 q becomes float64: from 16 keys on, the kernels of torch
+    2.11 to 2.15 took it wrong (outputs off by 0.3-1.9; found by a fuzz)."""
     if attn_mask is None and kpm is None:
         return None
     keep = None if attn_mask is None or attn_mask.is_floating_point() else attn_mask
@@ -844,7 +846,7 @@ def _cpu_flash_mask(q: Tensor, attn_mask, kpm) -> Tensor | None:
         keep = ~kpm[:, None, None, :] if keep is None else keep & ~kpm[:, None, None, :]
     add = torch.zeros((), dtype=q.dtype, device=q.device)
     if attn_mask is not None and attn_mask.is_floating_point():
-        add = attn_mask
+        add = attn_mask if q.dtype in _HALF else attn_mask.to(q.dtype)
     mask = add if keep is None else torch.where(keep, add, float("-inf"))
     return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
 
